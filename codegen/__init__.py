@@ -1,0 +1,1 @@
+"""Per-rank program emission, collectives, schedules, executor and launcher (later issues)."""

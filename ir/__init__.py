@@ -1,0 +1,1 @@
+"""Data only: meta keys, placements, mesh, device and cluster specs, plans."""

@@ -1,0 +1,102 @@
+"""Every key a pass may read or write, declared once with the type of its value.
+
+node.meta (and gm.meta for graph-level facts) is the only channel between passes. A key is a small
+typed handle: passes call ``SHAPE.get(node)`` / ``SHAPE.set(node, value)`` rather than indexing the
+dict with strings, so a typo is an AttributeError at import time and a wrong type is caught by the
+pass manager's lint after every pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import sympy
+
+from .facts import BlockInfo, ByteCount, FlopCount, SourceLocation, TensorInfo
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MetaKey(Generic[T]):
+    """A declared entry of ``node.meta`` (scope "node") or ``gm.meta`` (scope "graph")."""
+
+    name: str
+    value_type: type | tuple[type, ...]
+    doc: str
+    scope: str = "node"
+    owner: str = "xirang"  # "torch" for keys torch.export writes itself
+
+    def _table(self, holder) -> dict:
+        return holder.meta
+
+    def has(self, holder) -> bool:
+        return self.name in self._table(holder)
+
+    def get(self, holder, default: Any = ...) -> T:
+        table = self._table(holder)
+        if default is ...:
+            return table[self.name]
+        return table.get(self.name, default)
+
+    def set(self, holder, value: T) -> None:
+        self._table(holder)[self.name] = value
+
+    def check(self, value: Any) -> bool:
+        return isinstance(value, self.value_type)
+
+
+# --- written by torch.export itself (declared so passes can require them) -----------------------
+VAL = MetaKey("val", object, "fake tensor (or SymInt / tuple of them) the node produces", owner="torch")
+NN_MODULE_STACK = MetaKey("nn_module_stack", dict, "module path -> (fqn, class) of enclosing modules",
+                          owner="torch")
+
+# --- node facts written by Xirang passes ------------------------------------------------------
+ROLE = MetaKey("xr_role", str,
+               "what a node is: 'parameter', 'buffer', 'constant', 'input', 'activation', 'output'")
+PARAM_NAME = MetaKey("xr_param_name", str,
+                     "fully qualified name of the parameter/buffer a placeholder binds (first alias)")
+PARAM_ALIASES = MetaKey("xr_param_aliases", tuple, "every FQN bound to this tensor (tied weights)")
+MODULE_PATH = MetaKey("xr_module_path", str, "fully qualified name of the innermost module ('' = root)")
+MODULE_TYPE = MetaKey("xr_module_type", str, "class name of the innermost module")
+SOURCE = MetaKey("xr_source", SourceLocation, "user source line that produced the node")
+TENSOR = MetaKey("xr_tensor", (TensorInfo, tuple),
+                 "shape (sympy, in batch/seq symbols), dtype and size of the output; tuple for multi-output")
+REQUIRES_GRAD = MetaKey("xr_requires_grad", bool, "output depends differentiably on a trainable parameter")
+PARAM_COUNT = MetaKey("xr_param_count", int, "elements of trainable parameters this placeholder holds")
+FLOPS = MetaKey("xr_flops", FlopCount, "forward and backward floating-point operations")
+BYTES = MetaKey("xr_bytes", ByteCount, "bytes read, written, and saved for backward")
+BLOCK = MetaKey("xr_block", BlockInfo, "repeated block the node belongs to (None outside blocks)")
+
+# --- graph facts (gm.meta) --------------------------------------------------------------------
+SYMBOLS = MetaKey("xr_symbols", dict, "symbol name -> value at the example inputs (e.g. batch, seq)",
+                  scope="graph")
+TORCH_SYMBOLS = MetaKey("xr_torch_symbols", dict, "torch shape symbol (e.g. 's72') -> Xirang symbol name",
+                        scope="graph")
+SYMBOL_DIMS = MetaKey("xr_symbol_dims", dict, "input name -> {tensor dim: symbol name}", scope="graph")
+TRACE_INFO = MetaKey("xr_trace", dict, "how the graph was traced: method, fallbacks, folded repeats",
+                     scope="graph")
+MODULE_PARAMS = MetaKey("xr_module_params", dict, "module FQN -> trainable parameter elements beneath it",
+                        scope="graph")
+DEPENDENCIES = MetaKey("xr_dependencies", object, "networkx.DiGraph of node names (data dependencies)",
+                       scope="graph")
+BLOCK_GRAPH = MetaKey("xr_block_graph", object,
+                      "networkx.DiGraph condensed to blocks and the segments between them", scope="graph")
+BLOCK_KINDS = MetaKey("xr_block_kinds", dict, "structural hash -> list of block paths of that kind",
+                      scope="graph")
+
+NODE_KEYS = tuple(k for k in globals().values() if isinstance(k, MetaKey) and k.scope == "node")
+GRAPH_KEYS = tuple(k for k in globals().values() if isinstance(k, MetaKey) and k.scope == "graph")
+KEYS_BY_NAME = {k.name: k for k in NODE_KEYS + GRAPH_KEYS}
+
+
+def declared(name: str) -> MetaKey:
+    try:
+        return KEYS_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"meta key {name!r} is not declared in xirang.ir.meta_keys") from None
+
+
+def symbol(name: str) -> sympy.Symbol:
+    """The sympy symbol Xirang uses for a dynamic dimension ('batch', 'seq')."""
+    return sympy.Symbol(name, integer=True, positive=True)

@@ -1,0 +1,1 @@
+"""Analysis, decision and rewrite passes, one file each."""
