@@ -19,7 +19,7 @@ from xirang.ir.meta_keys import (MODULE_PATH, MODULE_TYPE, NN_MODULE_STACK, PARA
 from xirang.ir.facts import SourceLocation
 from xirang.ir.pass_spec import compiler_pass
 
-from .fold_repeats import folded_repeats
+from .fold_repeats import CannotFold, folded_repeats
 from .trace_errors import ModuleCallTracker, explain_trace_failure, quiet_torch_logs, user_frames
 from .trace_inputs import (check_symbolic_dims, default_symbolic_dims, export_dynamic_shapes,
                            name_inputs, symbol_values, widen_unit_dims)
@@ -43,12 +43,8 @@ def trace_model(gm, ctx):
     info = {"method": None, "fallbacks": [], "seconds": 0.0, "folded": None}
 
     start = time.perf_counter()
-    with folded_repeats(model, enabled=ctx.fold_repeats) as folding:
-        exported = _export_with_fallbacks(model, named, symbolic_dims, info)
-        gm = folding.expand(exported.graph_module, exported.graph_signature, info)
+    gm = _trace_folded(model, named, symbolic_dims, info, fold=ctx.fold_repeats)
     info["seconds"] = time.perf_counter() - start
-
-    _annotate_placeholders(gm, exported.graph_signature, model)
     _annotate_locations(gm)
     torch_symbols, specialised = _map_symbols(gm, symbolic_dims)
     for name in specialised:
@@ -60,6 +56,34 @@ def trace_model(gm, ctx):
     TRACE_INFO.set(gm, info)
     gm.recompile()
     return gm
+
+
+def _trace_folded(model, named, symbolic_dims, info, fold: bool):
+    """Export with runs of identical layers folded to three, then stamp the rest out; if the traced
+    layers do not repeat cleanly, export the whole model instead."""
+    aliases_of = _aliases_by_name(model)
+    with folded_repeats(model, enabled=fold) as folding:
+        exported = _export_with_fallbacks(model, named, symbolic_dims, info)
+    gm = exported.graph_module
+    _annotate_placeholders(gm, exported.graph_signature, aliases_of)
+    if not folding.runs:
+        return gm
+    try:
+        info["folded"] = folding.expand(gm, aliases_of.get)
+        return gm
+    except CannotFold as reason:
+        info["fallbacks"].append(f"layers not folded: {reason}")
+        info["folded"] = None
+        return _trace_folded(model, named, symbolic_dims, info, fold=False)
+
+
+def _aliases_by_name(model) -> dict[str, tuple[str, ...]]:
+    """FQN -> every FQN bound to the same tensor (tied weights share one tensor)."""
+    by_tensor: dict[int, list[str]] = {}
+    for fqn, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        by_tensor.setdefault(id(tensor), []).append(fqn)
+    return {fqn: tuple(fqns) for fqns in by_tensor.values() for fqn in fqns}
 
 
 def _export_with_fallbacks(model, named, symbolic_dims, info):
@@ -102,17 +126,12 @@ def _first_line(exc) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
-def _annotate_placeholders(gm, signature, model):
+def _annotate_placeholders(gm, signature, aliases_of: dict[str, tuple[str, ...]]):
     """Role and FQN of every placeholder; tied parameters (one tensor, several FQNs) are merged into
     one placeholder so the graph shows the tie that pipeline and gradient sync must respect."""
-    aliases_by_tensor: dict[int, list[str]] = {}
-    for fqn, tensor in list(model.named_parameters(remove_duplicate=False)) + \
-            list(model.named_buffers(remove_duplicate=False)):
-        aliases_by_tensor.setdefault(id(tensor), []).append(fqn)
-    tensor_of_fqn = {fqn: tid for tid, fqns in aliases_by_tensor.items() for fqn in fqns}
 
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    kept_for_tensor: dict[int, torch.fx.Node] = {}
+    kept_for_tensor: dict[tuple, torch.fx.Node] = {}
     for spec in signature.input_specs:
         node = placeholders.get(spec.arg.name) if hasattr(spec.arg, "name") else None
         if node is None:
@@ -121,8 +140,8 @@ def _annotate_placeholders(gm, signature, model):
         if spec.target is None:
             continue
         PARAM_NAME.set(node, spec.target)
-        tensor_id = tensor_of_fqn.get(spec.target)
-        PARAM_ALIASES.set(node, tuple(aliases_by_tensor.get(tensor_id, [spec.target])))
+        tensor_id = aliases_of.get(spec.target)
+        PARAM_ALIASES.set(node, tensor_id or (spec.target,))
         if tensor_id is not None and tensor_id in kept_for_tensor:
             node.replace_all_uses_with(kept_for_tensor[tensor_id])
             gm.graph.erase_node(node)

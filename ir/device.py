@@ -1,0 +1,163 @@
+"""What one accelerator can do: peak FLOP/s per dtype, memory size, memory bandwidth.
+
+The cost model prices a node as FLOPs / (peak x efficiency), or bytes / memory bandwidth where that
+is larger (a roofline). The figures below are datasheet peaks; the efficiency terms, and the real
+figures of the machine at hand, come from the calibration step, which measures short trial runs.
+
+Peak FLOP/s are dense (no 2:4 structured sparsity): training matmuls are dense.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Union
+
+GiB = 1024**3
+
+# Spellings seen in the wild -> the short names the presets use. TensorInfo.dtype holds torch's
+# names ("float32", "bfloat16"), so those must resolve too.
+DTYPE_ALIASES = {
+    "float32": "fp32", "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16", "half": "fp16",
+    "float64": "fp64", "double": "fp64",
+    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2fnuz": "fp8",
+}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """Short dtype name: 'torch.bfloat16', 'bfloat16' and 'bf16' all give 'bf16'."""
+    name = str(dtype).lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(name, name)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator: ``peak_flops`` maps dtype -> FLOP/s; memory in bytes and bytes/s.
+
+    ``peak_flops`` is stored read-only (keys in canonical form) so a spec can be hashed and shared.
+    "tf32" is the rate of fp32 matmuls when TF32 tensor cores are allowed; "fp32" is the plain
+    (CUDA-core) rate. Which one applies is the cost model's decision, not the device's.
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth: float
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"DeviceSpec name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops must be a non-empty "
+                             f"dict dtype -> FLOP/s, got {self.peak_flops!r}")
+        table = {}
+        for dtype, flops in self.peak_flops.items():
+            if not _positive_number(flops):
+                raise ValueError(f"DeviceSpec {self.name!r}: peak_flops[{dtype!r}] must be a "
+                                 f"positive number of FLOP/s, got {flops!r}")
+            table[canonical_dtype(dtype)] = float(flops)
+        object.__setattr__(self, "peak_flops", MappingProxyType(table))
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) \
+                or self.memory_bytes < 1:
+            raise ValueError(f"DeviceSpec {self.name!r}: memory_bytes must be a positive int, "
+                             f"got {self.memory_bytes!r}")
+        if not _positive_number(self.memory_bandwidth):
+            raise ValueError(f"DeviceSpec {self.name!r}: memory_bandwidth must be a positive "
+                             f"number of bytes/s, got {self.memory_bandwidth!r}")
+        object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
+
+    # A read-only mapping is neither hashable nor picklable; these two restore both.
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
+                     self.memory_bandwidth))
+
+    def __reduce__(self):
+        return (DeviceSpec, (self.name, dict(self.peak_flops), self.memory_bytes,
+                             self.memory_bandwidth))
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (any spelling ``canonical_dtype`` accepts)."""
+        key = canonical_dtype(dtype)
+        if key not in self.peak_flops:
+            raise ValueError(f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; "
+                             f"known dtypes: {', '.join(sorted(self.peak_flops))}")
+        return self.peak_flops[key]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "peak_flops": dict(self.peak_flops),
+                "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DeviceSpec":
+        fields = ("name", "peak_flops", "memory_bytes", "memory_bandwidth")
+        if not isinstance(data, dict) or set(data) != set(fields):
+            raise ValueError(f"bad device spec {data!r}: expected an object with exactly the keys "
+                             f"{', '.join(fields)}")
+        return cls(**data)
+
+
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    # NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB column: BF16/FP16 tensor 312 TFLOPS,
+    # TF32 156 TFLOPS, FP32 19.5 TFLOPS, FP64 tensor 19.5 TFLOPS, HBM2e 2,039 GB/s.
+    # Memory as 80 GiB: nvidia-smi reports 81920 MiB for this part.
+    "a100-80g": DeviceSpec(
+        name="a100-80g",
+        peak_flops={"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12,
+                    "fp64": 19.5e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=2.039e12,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column, dense figures (the datasheet's
+    # headline numbers are with sparsity, twice these): BF16/FP16 989 TFLOPS, FP8 1,979 TFLOPS,
+    # TF32 494 TFLOPS, FP32 67 TFLOPS, FP64 tensor 67 TFLOPS, HBM3 3.35 TB/s.
+    # Memory as 80 GiB, the same convention as the A100 (nvidia-smi shows slightly less, 81559 MiB).
+    "h100-80g": DeviceSpec(
+        name="h100-80g",
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494e12, "fp32": 67e12,
+                    "fp64": 67e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=3.35e12,
+    ),
+    # NVIDIA H200 datasheet, H200 SXM column: the H100 SXM's compute (same GH100 die and clocks),
+    # 141 GB HBM3e at 4.8 TB/s. Memory as 140 GiB, what nvidia-smi reports (143771 MiB, about
+    # 140.4 GiB), rather than 141 GiB, which would overstate it.
+    "h200": DeviceSpec(
+        name="h200",
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494e12, "fp32": 67e12,
+                    "fp64": 67e12},
+        memory_bytes=140 * GiB,
+        memory_bandwidth=4.8e12,
+    ),
+    # A modest generic CPU, deliberately conservative: 0.5 TFLOP/s is roughly a 16-core AVX-512
+    # server at sustained clocks; bf16 is given the same rate because most CPUs without AMX gain
+    # nothing from it. 64 GiB of RAM, 100 GB/s (a few DDR4/DDR5 channels). Used for development
+    # runs with gloo; the calibration step measures the real machine.
+    "cpu": DeviceSpec(
+        name="cpu",
+        peak_flops={"fp32": 0.5e12, "bf16": 0.5e12, "fp16": 0.5e12, "fp64": 0.25e12},
+        memory_bytes=64 * GiB,
+        memory_bandwidth=100e9,
+    ),
+}
+
+DEVICE_ALIASES = {"a100": "a100-80g", "h100": "h100-80g"}
+
+
+def device_spec(name_or_spec: Union[str, DeviceSpec]) -> DeviceSpec:
+    """A DeviceSpec as is, or the preset of that name (case-insensitive; 'a100', 'h100' accepted)."""
+    if isinstance(name_or_spec, DeviceSpec):
+        return name_or_spec
+    if isinstance(name_or_spec, str):
+        key = name_or_spec.strip().lower()
+        key = DEVICE_ALIASES.get(key, key)
+        if key in DEVICE_PRESETS:
+            return DEVICE_PRESETS[key]
+    raise ValueError(f"unknown device {name_or_spec!r}; presets are "
+                     f"{', '.join(DEVICE_PRESETS)} (aliases: "
+                     f"{', '.join(f'{a} -> {p}' for a, p in DEVICE_ALIASES.items())}), "
+                     f"or pass a DeviceSpec")

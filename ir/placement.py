@@ -1,0 +1,112 @@
+"""How one tensor is laid out along one mesh axis: sharded on a tensor dim, replicated, or partial.
+
+A tensor's full layout on the mesh is one placement per mesh axis (dp, pp, tp); this file only
+knows about a single axis. "dim" is always a tensor dimension, "axis" always a mesh axis.
+
+Placements are small frozen values so they can be dict keys in the sharding-rule table and compared
+by the ILP layer; their JSON form is plain (``{"shard": 0}``, ``"replicate"``, ``{"partial": "sum"}``)
+so a person can edit a plan file by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Each rank of the axis holds one contiguous slice of tensor dim ``dim``.
+
+    ``dim`` is non-negative: rules normalise ``-1`` against the tensor's rank before building a
+    placement, so two spellings of the same layout never compare unequal.
+    """
+
+    dim: int
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"Shard(dim={self.dim!r}): dim must be a non-negative int "
+                             f"(normalise negative dims with dim % ndim first)")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def to_json(self) -> dict:
+        return {"shard": self.dim}
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank of the axis holds the full tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+    def to_json(self) -> str:
+        return "replicate"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a full-shape tensor; the true value is the reduction ``op`` over the axis.
+
+    This is what a row-parallel matmul produces before its all-reduce, and what gradients are on
+    the dp axis before the gradient all-reduce ("avg" there).
+    """
+
+    op: str = "sum"
+
+    def __post_init__(self):
+        if self.op not in PARTIAL_OPS:
+            raise ValueError(f"Partial(op={self.op!r}): op must be one of {', '.join(PARTIAL_OPS)}")
+
+    def __str__(self) -> str:
+        return f"P({self.op})"
+
+    def to_json(self) -> dict:
+        return {"partial": self.op}
+
+
+Placement = Union[Shard, Replicate, Partial]
+
+
+def placement_from_json(data: Any) -> Placement:
+    """Inverse of ``placement.to_json()``; a malformed value raises ValueError naming it."""
+    if data == "replicate":
+        return Replicate()
+    if isinstance(data, dict) and len(data) == 1:
+        (kind, value), = data.items()
+        if kind == "shard":
+            return Shard(value)
+        if kind == "partial":
+            return Partial(value)
+    raise ValueError(f"bad placement {data!r}: expected {{\"shard\": <dim>}}, \"replicate\" "
+                     f"or {{\"partial\": <{'|'.join(PARTIAL_OPS)}>}}")
+
+
+def local_shape(shape: tuple, placement: Placement, axis_size: int) -> tuple:
+    """Shape one rank of a mesh axis of ``axis_size`` ranks holds under ``placement``.
+
+    A sharded dim is split with ceiling division, ``ceil(n / axis_size)`` per rank: an uneven
+    dim is padded at its end up to ``axis_size * ceil(n / axis_size)`` so every rank holds the
+    same local shape (static shapes for send/recv and collectives). The padding therefore sits on
+    the last rank, or the last few when n is small (n=5 on 4 ranks: 2, 2, 1+1 pad, 0+2 pad).
+    Sizes may be ints or sympy expressions in the batch/seq symbols.
+    Replicate and Partial keep the full shape.
+    """
+    if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
+        raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+    shape = tuple(shape)
+    if isinstance(placement, (Replicate, Partial)):
+        return shape
+    if not isinstance(placement, Shard):
+        raise TypeError(f"not a placement: {placement!r} (expected Shard, Replicate or Partial)")
+    if placement.dim >= len(shape):
+        raise ValueError(f"{placement} is out of range for a tensor of shape {shape} "
+                         f"(valid dims 0..{len(shape) - 1})" if shape else
+                         f"{placement} cannot shard a 0-dim tensor")
+    n = shape[placement.dim]
+    local = -(-n // axis_size)  # ceiling division; for sympy n this is ceiling(n / axis_size)
+    return shape[:placement.dim] + (local,) + shape[placement.dim + 1:]

@@ -1,0 +1,242 @@
+"""The cluster a plan runs on: nodes of devices, and the two levels of links between them.
+
+Global ranks are numbered node by node: node 0 holds ranks 0..d0-1, node 1 the next d1, and so on
+(torchrun's numbering with one process per device). Nodes may differ in device kind and count.
+
+Collectives are priced with the alpha-beta model per link level: sending n bytes over a link
+takes ``latency + n / bandwidth`` (Hockney 1994; Thakur et al. 2005 for the collective formulas).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Union
+
+from .device import DeviceSpec, device_spec
+
+DEFAULT_DEVICE = "a100-80g"
+DEVICES_PER_NODE = 8  # how an int device count is packed into nodes (see parse_world)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One link level: ``bandwidth`` in bytes/s, ``latency`` in seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if isinstance(self.bandwidth, bool) or not isinstance(self.bandwidth, (int, float)) \
+                or self.bandwidth <= 0:
+            raise ValueError(f"LinkSpec bandwidth must be a positive number of bytes/s, "
+                             f"got {self.bandwidth!r}")
+        if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
+                or self.latency < 0:
+            raise ValueError(f"LinkSpec latency must be a non-negative number of seconds, "
+                             f"got {self.latency!r}")
+        object.__setattr__(self, "bandwidth", float(self.bandwidth))
+        object.__setattr__(self, "latency", float(self.latency))
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` point to point: alpha + n * beta."""
+        return self.latency + nbytes / self.bandwidth
+
+    def to_json(self) -> dict:
+        return {"bandwidth": self.bandwidth, "latency": self.latency}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LinkSpec":
+        if not isinstance(data, dict) or set(data) != {"bandwidth", "latency"}:
+            raise ValueError(f"bad link spec {data!r}: expected an object with exactly the keys "
+                             f"bandwidth (bytes/s), latency (s)")
+        return cls(**data)
+
+
+# NVLink within a node: all-reduce bus bandwidth that nccl-tests measures on A100 NVSwitch nodes
+# (DGX A100, 8 GPUs) is about 230 GB/s of the 300 GB/s per-direction NVLink3 peak; latency a few
+# microseconds per NCCL call. Calibration replaces both with measured values.
+INTRA_NODE_NVLINK = LinkSpec(bandwidth=230e9, latency=5e-6)
+
+# InfiniBand between nodes: 8 HDR NICs per node (one per GPU, rail-optimised as in DGX A100),
+# 8 x 200 Gb/s = 8 x 25 GB/s = 200 GB/s per node in each direction; each GPU's own share is
+# 25 GB/s. About 10 microseconds per message across a switch, including NCCL overheads.
+INTER_NODE_IB = LinkSpec(bandwidth=200e9, latency=1e-5)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node: ``devices`` identical accelerators (a preset name is accepted for ``device``)."""
+
+    devices: int
+    device: DeviceSpec
+
+    def __post_init__(self):
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"NodeSpec devices must be a positive int, got {self.devices!r}")
+        object.__setattr__(self, "device", device_spec(self.device))
+
+    def to_json(self) -> dict:
+        return {"devices": self.devices, "device": self.device.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "NodeSpec":
+        if not isinstance(data, dict) or set(data) != {"devices", "device"}:
+            raise ValueError(f"bad node spec {data!r}: expected an object with exactly the keys "
+                             f"devices (int), device (preset name or device spec object)")
+        device = data["device"]
+        return cls(data["devices"], DeviceSpec.from_json(device) if isinstance(device, dict)
+                   else device_spec(device))
+
+
+@dataclass(frozen=True)
+class World:
+    """All nodes of the job (in rank order) and the intra-/inter-node links."""
+
+    nodes: tuple[NodeSpec, ...]
+    intra_node: LinkSpec = INTRA_NODE_NVLINK
+    inter_node: LinkSpec = INTER_NODE_IB
+
+    def __post_init__(self):
+        nodes = tuple(self.nodes)
+        if not nodes or not all(isinstance(node, NodeSpec) for node in nodes):
+            raise ValueError(f"World nodes must be a non-empty sequence of NodeSpec, got {self.nodes!r}")
+        object.__setattr__(self, "nodes", nodes)
+        for name in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, name), LinkSpec):
+                raise ValueError(f"World {name} must be a LinkSpec, got {getattr(self, name)!r}")
+        # first rank of each node, plus the total: node_of is a search in this table
+        starts = [0]
+        for node in nodes:
+            starts.append(starts[-1] + node.devices)
+        object.__setattr__(self, "_starts", tuple(starts))
+
+    @classmethod
+    def uniform(cls, nodes: int, devices_per_node: int, device: Union[str, DeviceSpec] = DEFAULT_DEVICE,
+                *, intra_node: LinkSpec = INTRA_NODE_NVLINK,
+                inter_node: LinkSpec = INTER_NODE_IB) -> "World":
+        """``nodes`` identical nodes of ``devices_per_node`` devices each."""
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"World.uniform nodes must be a positive int, got {nodes!r}")
+        node = NodeSpec(devices_per_node, device_spec(device))
+        return cls((node,) * nodes, intra_node, inter_node)
+
+    @property
+    def size(self) -> int:
+        """Total devices, which is also the number of ranks."""
+        return self._starts[-1]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def uniform_nodes(self) -> bool:
+        """Whether every node has the same device kind and count."""
+        return all(node == self.nodes[0] for node in self.nodes)
+
+    @property
+    def devices_per_node(self) -> int:
+        counts = sorted({node.devices for node in self.nodes})
+        if len(counts) > 1:
+            raise ValueError(f"nodes of this world have different device counts {counts}; "
+                             f"use world.nodes[i].devices for one node")
+        return counts[0]
+
+    def _check_rank(self, rank) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank!r} is out of range for a world of {self.size} devices "
+                             f"(valid ranks 0..{self.size - 1})")
+
+    def node_of(self, rank: int) -> int:
+        """Index of the node holding global ``rank``."""
+        self._check_rank(rank)
+        for index in range(self.num_nodes):
+            if rank < self._starts[index + 1]:
+                return index
+        raise AssertionError("unreachable: rank was range-checked")
+
+    def local_rank(self, rank: int) -> int:
+        """Position of ``rank`` among the devices of its node (torchrun's LOCAL_RANK)."""
+        return rank - self._starts[self.node_of(rank)]
+
+    def device_of(self, rank: int) -> DeviceSpec:
+        return self.nodes[self.node_of(rank)].device
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.node_of(a) == self.node_of(b)
+
+    def link(self, a: int, b: int) -> LinkSpec:
+        """The link level traffic between ranks ``a`` and ``b`` crosses."""
+        return self.intra_node if self.same_node(a, b) else self.inter_node
+
+    def describe(self) -> str:
+        """One line, e.g. '16 nodes x 8 a100-80g (128 devices), intra 230 GB/s, inter 200 GB/s'."""
+        links = (f"intra {self.intra_node.bandwidth / 1e9:g} GB/s, "
+                 f"inter {self.inter_node.bandwidth / 1e9:g} GB/s")
+        if self.uniform_nodes:
+            node = self.nodes[0]
+            noun = "node" if self.num_nodes == 1 else "nodes"
+            return (f"{self.num_nodes} {noun} x {node.devices} {node.device.name} "
+                    f"({self.size} devices), {links}")
+        runs: list[list] = []  # [count, node] for each run of identical consecutive nodes
+        for node in self.nodes:
+            if runs and runs[-1][1] == node:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, node])
+        parts = " + ".join(f"{count} x {node.devices} {node.device.name}" for count, node in runs)
+        return f"{self.num_nodes} nodes: {parts} ({self.size} devices), {links}"
+
+    def to_json(self) -> dict:
+        return {"nodes": [node.to_json() for node in self.nodes],
+                "intra_node": self.intra_node.to_json(), "inter_node": self.inter_node.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "World":
+        keys = {"nodes", "intra_node", "inter_node"}
+        if not isinstance(data, dict) or set(data) != keys or not isinstance(data["nodes"], list):
+            raise ValueError(f"bad world {data!r}: expected an object with exactly the keys "
+                             f"nodes (list of node specs), intra_node, inter_node (link specs)")
+        return cls(tuple(NodeSpec.from_json(node) for node in data["nodes"]),
+                   LinkSpec.from_json(data["intra_node"]), LinkSpec.from_json(data["inter_node"]))
+
+
+_NODES_X_DEVICES = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_COUNT = re.compile(r"^\s*(\d+)\s*$")
+
+
+def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, None] = None) -> World:
+    """A World from a short user spelling (command line, ``xirang.compile(world=...)``).
+
+    Accepted forms:
+      * a World, returned as is (``device`` must then be None);
+      * an int N, or the string "N": N devices, packed ``DEVICES_PER_NODE`` (8) per node when N > 8
+        and divisible by 8, else one node of N (so 4 is one node of 4, 16 is 2 x 8, 12 is one
+        node of 12; write "3x4" for anything else);
+      * a string "NxM": N nodes of M devices each.
+    ``device`` is a preset name or DeviceSpec for every node (default "a100-80g").
+    """
+    if isinstance(spec, World):
+        if device is not None:
+            raise ValueError("parse_world: device= applies only when building a world from a count "
+                             "or an 'NxM' string; this World already names its devices")
+        return spec
+    device = device_spec(DEFAULT_DEVICE if device is None else device)
+    forms = ("accepted forms: an int N > 0, a string 'N' (N devices), "
+             "a string 'NxM' (N nodes of M devices, both > 0), or a World")
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        count = spec
+    elif isinstance(spec, str) and _COUNT.match(spec):
+        count = int(spec)
+    elif isinstance(spec, str) and _NODES_X_DEVICES.match(spec):
+        nodes, per_node = (int(g) for g in _NODES_X_DEVICES.match(spec).groups())
+        if nodes < 1 or per_node < 1:
+            raise ValueError(f"bad world {spec!r}: node and device counts must be > 0; {forms}")
+        return World.uniform(nodes, per_node, device)
+    else:
+        raise ValueError(f"bad world {spec!r}; {forms}")
+    if count < 1:
+        raise ValueError(f"bad world {spec!r}: the device count must be > 0; {forms}")
+    if count > DEVICES_PER_NODE and count % DEVICES_PER_NODE == 0:
+        return World.uniform(count // DEVICES_PER_NODE, DEVICES_PER_NODE, device)
+    return World.uniform(1, count, device)
