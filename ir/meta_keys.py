@@ -63,7 +63,7 @@ SOURCE = MetaKey("xr_source", SourceLocation, "user source line that produced th
 TENSOR = MetaKey("xr_tensor", (TensorInfo, tuple),
                  "shape (sympy, in batch/seq symbols), dtype and size of the output; tuple for multi-output")
 REQUIRES_GRAD = MetaKey("xr_requires_grad", bool, "output depends differentiably on a trainable parameter")
-PARAM_COUNT = MetaKey("xr_param_count", int, "elements of trainable parameters this placeholder holds")
+PARAM_COUNT = MetaKey("xr_param_count", int, "elements of the parameter this placeholder binds")
 FLOPS = MetaKey("xr_flops", FlopCount, "forward and backward floating-point operations")
 BYTES = MetaKey("xr_bytes", ByteCount, "bytes read, written, and saved for backward")
 BLOCK = MetaKey("xr_block", BlockInfo, "repeated block the node belongs to (None outside blocks)")
@@ -76,7 +76,7 @@ TORCH_SYMBOLS = MetaKey("xr_torch_symbols", dict, "torch shape symbol (e.g. 's72
 SYMBOL_DIMS = MetaKey("xr_symbol_dims", dict, "input name -> {tensor dim: symbol name}", scope="graph")
 TRACE_INFO = MetaKey("xr_trace", dict, "how the graph was traced: method, fallbacks, folded repeats",
                      scope="graph")
-MODULE_PARAMS = MetaKey("xr_module_params", dict, "module FQN -> trainable parameter elements beneath it",
+MODULE_PARAMS = MetaKey("xr_module_params", dict, "module FQN -> parameter elements beneath it ('' = model)",
                         scope="graph")
 DEPENDENCIES = MetaKey("xr_dependencies", object, "networkx.DiGraph of node names (data dependencies)",
                        scope="graph")

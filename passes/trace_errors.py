@@ -11,12 +11,13 @@ from xirang.errors import TraceError
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s+(?P<code>[^\n]*)')
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
+_XIRANG_DIR = __file__.rsplit("/", 2)[0]  # the repository's folders: not user code
 
 
 def user_frames(text: str) -> list[tuple[str, int, str]]:
     """(file, line, code) of every stack frame quoted in ``text`` that is not inside torch."""
     return [(m["file"], int(m["line"]), m["code"].strip()) for m in _FRAME.finditer(text)
-            if not m["file"].startswith(_TORCH_DIR)]
+            if not m["file"].startswith((_TORCH_DIR, _XIRANG_DIR + "/passes", _XIRANG_DIR + "/xirang_compile"))]
 
 
 class ModuleCallTracker:

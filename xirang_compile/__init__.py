@@ -1,4 +1,20 @@
-"""Xirang: compile a single-device PyTorch model into a 3D-parallel training program."""
+"""Xirang: compile a single-device PyTorch model into a 3D-parallel training program.
+
+Public API (so far): ``analyze`` (trace + analysis passes, per-block report), the cluster and
+device descriptions (``World``, ``parse_world``, ``DeviceSpec``, ``device_spec``), the process-grid
+``Mesh`` and the placements ``Shard``, ``Replicate``, ``Partial``.
+"""
+from xirang.ir.device import DEVICE_PRESETS, DeviceSpec, device_spec
+from xirang.ir.mesh import Mesh
+from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.world import LinkSpec, NodeSpec, World, parse_world
+
+from .analyze import AnalysisReport, analyze
 from .errors import PassFailure, PassOrderError, TraceError, XirangError
 
-__all__ = ["XirangError", "TraceError", "PassOrderError", "PassFailure"]
+__all__ = [
+    "analyze", "AnalysisReport",
+    "World", "NodeSpec", "LinkSpec", "parse_world", "DeviceSpec", "device_spec", "DEVICE_PRESETS",
+    "Mesh", "Shard", "Replicate", "Partial",
+    "XirangError", "TraceError", "PassOrderError", "PassFailure",
+]

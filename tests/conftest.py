@@ -1,0 +1,47 @@
+"""Small models shared by the tests: Hugging Face GPT-2, Llama (grouped-query attention), BERT and the
+in-repo GPT, built from configs (nothing is downloaded), on the meta device unless a test needs values."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def hf_gpt2(layers=2, device="meta", **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=1000, n_positions=128, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, **overrides)
+    with torch.device(device):
+        return GPT2LMHeadModel(config)
+
+
+def hf_llama(layers=2, device="meta", **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=1000, use_cache=False, **overrides)
+    with torch.device(device):
+        return LlamaForCausalLM(config)
+
+
+def hf_bert(layers=2, device="meta"):
+    from transformers import BertConfig, BertForMaskedLM
+    config = BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=1000, max_position_embeddings=128)
+    with torch.device(device):
+        return BertForMaskedLM(config)
+
+
+def token_batch(batch=2, seq=16, device="meta"):
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama, "bert": hf_bert}
+
+
+@pytest.fixture(params=sorted(HF_MODELS))
+def hf_model_name(request):
+    return request.param

@@ -1,0 +1,159 @@
+"""Tracing: roles and names of placeholders, tied weights, module paths and source lines, symbols,
+layer folding (folded == full trace, node by node), and errors that name module, line and remedy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HF_MODELS, hf_gpt2, hf_llama, token_batch
+from xirang.errors import TraceError
+from xirang.ir.meta_keys import (MODULE_PATH, PARAM_ALIASES, PARAM_NAME, ROLE, SOURCE, SYMBOLS, TENSOR,
+                                 TRACE_INFO, symbol)
+from xirang.ir.pass_spec import CompileContext
+from xirang.pass_manager import PassManager
+from xirang.passes.tensors import annotate_tensors
+from xirang.passes.trace import trace_model
+
+
+def traced(model, fold=True, **inputs):
+    ctx = CompileContext(model=model, example_kwargs=inputs or token_batch(), fold_repeats=fold)
+    return PassManager([trace_model, annotate_tensors]).run(None, ctx).gm
+
+
+def calls(gm, target_name):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and target_name in str(n.target)]
+
+
+def test_hf_models_trace_with_batch_and_seq_symbols(hf_model_name):
+    gm = traced(HF_MODELS[hf_model_name]())
+    assert TRACE_INFO.get(gm)["method"] == "export-symbolic"
+    assert SYMBOLS.get(gm) == {"batch": 2, "seq": 16}
+    ids = next(n for n in gm.graph.nodes if n.name == "input_ids")
+    assert ROLE.get(ids) == "input"
+    assert TENSOR.get(ids).shape == (symbol("batch"), symbol("seq"))
+
+
+def test_parameters_are_named_placeholders_and_tied_weights_are_one():
+    gm = traced(hf_gpt2())
+    params = [n for n in gm.graph.nodes if ROLE.get(n) == "parameter"]
+    names = [PARAM_NAME.get(n) for n in params]
+    assert "lm_head.weight" not in names  # tied to the token embedding: one placeholder
+    wte = next(n for n in params if PARAM_NAME.get(n) == "transformer.wte.weight")
+    assert PARAM_ALIASES.get(wte) == ("transformer.wte.weight", "lm_head.weight")
+    lm_head = next(n for n in calls(gm, "linear") if MODULE_PATH.get(n) == "lm_head")
+    assert lm_head.args[1] is wte
+
+
+def test_ops_keep_module_path_and_user_source_line():
+    gm = traced(hf_llama())
+    q_proj = next(n for n in calls(gm, "linear") if MODULE_PATH.get(n) == "model.layers.0.self_attn.q_proj")
+    source = SOURCE.get(q_proj)
+    assert source.file.endswith("modeling_llama.py")
+    assert "q_proj" in source.code  # the line in LlamaAttention.forward, not torch's Linear.forward
+
+
+def test_unit_batch_is_traced_symbolically():
+    gm = traced(hf_llama(), **token_batch(batch=1, seq=8))
+    assert SYMBOLS.get(gm) == {"batch": 1, "seq": 8}
+    logits = next(n for n in calls(gm, "linear") if MODULE_PATH.get(n) == "lm_head")
+    assert TENSOR.get(logits).shape == (symbol("batch"), symbol("seq"), 1000)
+
+
+def _structure(gm):
+    """Everything about a graph except the generated node names."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg_text(arg):
+        return torch.fx.map_arg(arg, lambda a: f"%{index[a]}")
+
+    return [(n.op, PARAM_NAME.get(n, None) if n.op == "placeholder" else str(n.target),
+             repr(arg_text(n.args)), repr(arg_text(n.kwargs)), TENSOR.get(n, None), MODULE_PATH.get(n),
+             str(SOURCE.get(n, None))) for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("build", [hf_llama, hf_gpt2], ids=["llama", "gpt2"])
+def test_folded_trace_equals_full_trace(build):
+    model = build(layers=6)
+    folded, full = traced(model, fold=True), traced(model, fold=False)
+    assert TRACE_INFO.get(folded)["folded"] is not None and TRACE_INFO.get(full)["folded"] is None
+    assert _structure(folded) == _structure(full)
+
+
+class ScaledLayer(torch.nn.Module):
+    """Each layer scales by its position: the traced layers differ, so folding must give up."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x) * (self.index + 1)
+
+
+class ScaledStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ScaledLayer(i) for i in range(5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_folding_falls_back_to_full_trace_when_layers_differ():
+    model = ScaledStack()
+    ctx = CompileContext(model=model, example_args=(torch.randn(4, 8),))
+    gm = PassManager([trace_model, annotate_tensors]).run(None, ctx).gm
+    info = TRACE_INFO.get(gm)
+    assert info["folded"] is None
+    assert any("not folded" in note for note in info["fallbacks"])
+    constants = [n.args[1] for n in calls(gm, "aten.mul")]
+    assert constants == [1, 2, 3, 4, 5]  # every layer's own scale, as a full trace has them
+
+
+class Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if y.sum() > 0:  # depends on tensor values: untraceable on fake tensors
+            return y * 2
+        return y
+
+
+class Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(8, 8)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.encoder(x))
+
+
+def test_data_dependent_control_flow_names_module_line_and_remedy():
+    with torch.device("meta"):
+        model = Gated()
+    with pytest.raises(TraceError) as caught:
+        trace_model(None, CompileContext(model=model, example_args=(torch.zeros(4, 8, device="meta"),)))
+    message = str(caught.value)
+    assert "module 'gate' (Gate)" in message
+    assert f"test_trace.py:{Gate.forward.__code__.co_firstlineno + 2}" in message
+    assert "if y.sum() > 0" in message
+    assert "torch.where" in message  # what to do
+
+
+def test_cache_output_says_use_cache_false():
+    model = hf_gpt2()
+    model.config.use_cache = True
+    with pytest.raises(TraceError, match="use_cache=False"):
+        trace_model(None, CompileContext(model=model, example_kwargs=token_batch()))
+
+
+def test_inputs_that_do_not_match_forward_are_reported():
+    with pytest.raises(TraceError, match="do not match Gated.forward"):
+        trace_model(None, CompileContext(model=Gated(), example_kwargs={"not_an_input": torch.zeros(2)}))
