@@ -67,6 +67,8 @@ PARAM_COUNT = MetaKey("xr_param_count", int, "elements of the parameter this pla
 FLOPS = MetaKey("xr_flops", FlopCount, "forward and backward floating-point operations")
 BYTES = MetaKey("xr_bytes", ByteCount, "bytes read, written, and saved for backward")
 BLOCK = MetaKey("xr_block", BlockInfo, "repeated block the node belongs to (None outside blocks)")
+UNIT = MetaKey("xr_unit", str, "node of the condensed block graph holding this node: 'block:<path>' or "
+               "'segment:<k>' (ops between blocks); a placeholder belongs to its first reader's unit")
 
 # --- graph facts (gm.meta) --------------------------------------------------------------------
 SYMBOLS = MetaKey("xr_symbols", dict, "symbol name -> value at the example inputs (e.g. batch, seq)",

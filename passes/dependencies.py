@@ -11,36 +11,33 @@ import networkx as nx
 import sympy
 
 from xirang.ir.facts import TensorInfo
-from xirang.ir.meta_keys import BLOCK, BLOCK_GRAPH, DEPENDENCIES, PARAM_COUNT, ROLE, TENSOR
+from xirang.ir.meta_keys import BLOCK, BLOCK_GRAPH, DEPENDENCIES, PARAM_COUNT, ROLE, TENSOR, UNIT
 from xirang.ir.pass_spec import compiler_pass
 
 
-@compiler_pass(requires=(BLOCK, TENSOR, ROLE, PARAM_COUNT), provides=(DEPENDENCIES, BLOCK_GRAPH))
+@compiler_pass(requires=(BLOCK, TENSOR, ROLE, PARAM_COUNT), provides=(DEPENDENCIES, BLOCK_GRAPH, UNIT))
 def build_dependencies(gm, ctx):
     """Build the op-level dependency DiGraph and its condensation to blocks and segments."""
     deps = nx.DiGraph()
     unit_of: dict = {}
     units: list[str] = []
-    segment = 0
+    unit_order: dict[str, int] = {}
+    blocks_seen = 0
     for node in gm.graph.nodes:
         deps.add_node(node.name, op=str(node.target) if node.op == "call_function" else node.op)
         for arg in node.all_input_nodes:
             deps.add_edge(arg.name, node.name)
-        unit_of[node] = _unit(node, units, segment)
-        if unit_of[node].startswith("block:"):
-            segment = len([u for u in units if u.startswith("block:")])
+        block = BLOCK.get(node, None)
+        unit = f"block:{block.path}" if block is not None else f"segment:{blocks_seen}"
+        unit_of[node] = unit
+        if node.op != "placeholder" and unit not in unit_order:
+            # Parameters and inputs are placed later, in their first reader's unit.
+            unit_order[unit] = len(units)
+            units.append(unit)
+            blocks_seen += unit.startswith("block:")
     DEPENDENCIES.set(gm, deps)
     BLOCK_GRAPH.set(gm, _condense(gm, unit_of, units))
     return gm
-
-
-def _unit(node, units: list[str], segment: int) -> str:
-    """Parameters and inputs live where they are first used; they are placed later, in _condense."""
-    block = BLOCK.get(node, None)
-    name = f"block:{block.path}" if block is not None else f"segment:{segment}"
-    if node.op != "placeholder" and name not in units:
-        units.append(name)
-    return name
 
 
 def _condense(gm, unit_of: dict, units: list[str]) -> nx.DiGraph:
@@ -52,10 +49,12 @@ def _condense(gm, unit_of: dict, units: list[str]) -> nx.DiGraph:
         if node.op == "placeholder":
             # A placeholder belongs to the first unit that reads it (a tied weight to the first).
             readers = [unit_of[user] for user in node.users if unit_of[user] in condensed]
-            if ROLE.get(node) == "parameter" and readers:
-                first = min(readers, key=lambda u: condensed.nodes[u]["order"])
+            first = min(readers, key=lambda u: condensed.nodes[u]["order"]) if readers else units[0]
+            UNIT.set(node, first)
+            if ROLE.get(node) == "parameter":
                 condensed.nodes[first]["params"] += PARAM_COUNT.get(node)
             continue
+        UNIT.set(node, unit_of[node])
         source = unit_of[node]
         for user in node.users:
             target = unit_of[user]

@@ -158,9 +158,9 @@ def _annotate_locations(gm):
     """Innermost module path and class, and the user source line, of every op."""
     source_cache: dict[str, SourceLocation | None] = {}
     for node in gm.graph.nodes:
-        stack = NN_MODULE_STACK.get(node, None) or {}
-        if not NN_MODULE_STACK.has(node):
-            NN_MODULE_STACK.set(node, {})
+        stack = {key: entry for key, entry in (NN_MODULE_STACK.get(node, None) or {}).items()
+                 if not str(entry[0]).startswith("_empty_nn_module_stack")}  # export's placeholder entry
+        NN_MODULE_STACK.set(node, stack)
         path, cls = ("", "")
         if stack:
             path, cls = list(stack.values())[-1]

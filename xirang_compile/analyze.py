@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import sympy
 
 from xirang.ir.facts import evaluate
-from xirang.ir.meta_keys import (BLOCK, BLOCK_KINDS, BYTES, FLOPS, MODULE_PARAMS, MODULE_TYPE, PARAM_COUNT,
-                                 SYMBOLS, TRACE_INFO)
+from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, BYTES, FLOPS, MODULE_PARAMS, MODULE_PATH,
+                                 MODULE_TYPE, PARAM_COUNT, SYMBOLS, TRACE_INFO, UNIT)
 from xirang.ir.pass_spec import CompileContext
 
 from .pass_manager import PassManager, PassTiming
@@ -74,32 +74,45 @@ def analyze(model, example_inputs=(), example_kwargs=None, *, symbolic_dims=None
 
 
 def build_report(gm, timings=()) -> AnalysisReport:
+    """Rows in execution order: the stretches of ops between blocks, and every block."""
     groups: dict[str, list] = {}
-    kind_of: dict[str, str] = {}
     for node in gm.graph.nodes:
-        block = BLOCK.get(node, None)
-        name = block.path if block is not None else "(outside blocks)"
-        groups.setdefault(name, []).append(node)
-        kind_of[name] = block.kind if block is not None else "-"
+        if UNIT.has(node):
+            groups.setdefault(UNIT.get(node), []).append(node)
+    units = sorted(groups, key=lambda u: BLOCK_GRAPH.get(gm).nodes[u]["order"])
     # Blocks of one kind have identical per-node facts, so sum one representative per kind.
     totals_of_kind: dict[str, tuple] = {}
     rows = []
-    for name, nodes in groups.items():
-        kind = kind_of[name]
+    for unit in units:
+        nodes = groups[unit]
+        block = BLOCK.get(next(n for n in nodes if n.op != "placeholder"), None)
+        kind = block.kind if block is not None else "-"
         if kind == "-" or kind not in totals_of_kind:
             totals = _sum_facts(nodes)
             if kind != "-":
                 totals_of_kind[kind] = totals
         else:
             totals = totals_of_kind[kind]
-        rows.append(BlockRow(name=name, kind=kind, module_type=_block_type(nodes, name), params=totals[0],
-                             flops=totals[1], activation_bytes=totals[2]))
+        name = block.path if block is not None else _segment_name(nodes)
+        rows.append(BlockRow(name=name, kind=kind, module_type=_block_type(nodes, name) if block else "",
+                             params=totals[0], flops=totals[1], activation_bytes=totals[2]))
     kinds = [BlockKind(kind=k, module_type=next(r.module_type for r in rows if r.name == paths[0]),
                        count=len(paths), example=paths[0]) for k, paths in BLOCK_KINDS.get(gm).items()]
     total_flops = sympy.expand(sympy.Add(*[r.flops for r in rows]))
     return AnalysisReport(total_params=MODULE_PARAMS.get(gm)[""], rows=rows, kinds=kinds,
                           symbols=dict(SYMBOLS.get(gm)), total_flops=total_flops, trace=dict(TRACE_INFO.get(gm)),
                           timings=list(timings), graph_module=gm)
+
+
+def _segment_name(nodes) -> str:
+    """Ops outside blocks, named by the modules they run in: '(wte, wpe, drop)'."""
+    paths = []
+    for node in nodes:
+        path = MODULE_PATH.get(node, "")
+        short = path.rsplit(".", 1)[-1] if path else ""
+        if short and short not in paths:
+            paths.append(short)
+    return "(" + ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "") + ")" if paths else "(top level)"
 
 
 def _sum_facts(nodes) -> tuple[int, sympy.Expr, sympy.Expr]:
@@ -115,7 +128,7 @@ def _block_type(nodes, name: str) -> str:
         for fqn, cls in stack.values():
             if fqn == name:
                 return str(cls).rsplit(".", 1)[-1].rstrip("'>")
-    return MODULE_TYPE.get(nodes[-1], "") if name != "(outside blocks)" else ""
+    return MODULE_TYPE.get(nodes[-1], "")
 
 
 def format_report(report: AnalysisReport) -> str:
