@@ -26,6 +26,9 @@ class MetaKey(Generic[T]):
     doc: str
     scope: str = "node"
     owner: str = "xirang"  # "torch" for keys torch.export writes itself
+    # True for node facts only some nodes can have (a parameter's name, a source line): the pass manager
+    # then does not insist that a pass providing the key set it on at least one node.
+    sparse: bool = False
 
     def _table(self, holder) -> dict:
         return holder.meta
@@ -55,15 +58,15 @@ NN_MODULE_STACK = MetaKey("nn_module_stack", dict, "module path -> (fqn, class) 
 ROLE = MetaKey("xr_role", str,
                "what a node is: 'parameter', 'buffer', 'constant', 'input', 'activation', 'output'")
 PARAM_NAME = MetaKey("xr_param_name", str,
-                     "fully qualified name of the parameter/buffer a placeholder binds (first alias)")
-PARAM_ALIASES = MetaKey("xr_param_aliases", tuple, "every FQN bound to this tensor (tied weights)")
+                     "fully qualified name of the parameter/buffer a placeholder binds (first alias)", sparse=True)
+PARAM_ALIASES = MetaKey("xr_param_aliases", tuple, "every FQN bound to this tensor (tied weights)", sparse=True)
 MODULE_PATH = MetaKey("xr_module_path", str, "fully qualified name of the innermost module ('' = root)")
 MODULE_TYPE = MetaKey("xr_module_type", str, "class name of the innermost module")
-SOURCE = MetaKey("xr_source", SourceLocation, "user source line that produced the node")
+SOURCE = MetaKey("xr_source", SourceLocation, "user source line that produced the node", sparse=True)
 TENSOR = MetaKey("xr_tensor", (TensorInfo, tuple),
                  "shape (sympy, in batch/seq symbols), dtype and size of the output; tuple for multi-output")
 REQUIRES_GRAD = MetaKey("xr_requires_grad", bool, "output depends differentiably on a trainable parameter")
-PARAM_COUNT = MetaKey("xr_param_count", int, "elements of the parameter this placeholder binds")
+PARAM_COUNT = MetaKey("xr_param_count", int, "elements of the parameter this placeholder binds", sparse=True)
 FLOPS = MetaKey("xr_flops", FlopCount, "forward and backward floating-point operations")
 BYTES = MetaKey("xr_bytes", ByteCount, "bytes read, written, and saved for backward")
 BLOCK = MetaKey("xr_block", BlockInfo, "repeated block the node belongs to (None outside blocks)")
@@ -84,6 +87,7 @@ DEPENDENCIES = MetaKey("xr_dependencies", object, "networkx.DiGraph of node name
                        scope="graph")
 BLOCK_GRAPH = MetaKey("xr_block_graph", object,
                       "networkx.DiGraph condensed to blocks and the segments between them", scope="graph")
+UNPRICED_OPS = MetaKey("xr_unpriced_ops", tuple, "ops with no FLOP rule (counted as 0 FLOPs)", scope="graph")
 BLOCK_KINDS = MetaKey("xr_block_kinds", dict, "structural hash -> list of block paths of that kind",
                       scope="graph")
 

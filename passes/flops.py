@@ -32,7 +32,7 @@ import torch
 from torch.fx import Node
 
 from xirang.ir.facts import FlopCount
-from xirang.ir.meta_keys import FLOPS, REQUIRES_GRAD, TENSOR
+from xirang.ir.meta_keys import FLOPS, REQUIRES_GRAD, TENSOR, UNPRICED_OPS
 from xirang.ir.pass_spec import compiler_pass
 
 from .memory_traffic import ALIAS_OPS, arg, needs_grad, tensors
@@ -204,12 +204,13 @@ FLOP_RULES: dict[object, Callable[[Node], FlopCount]] = {
 }
 
 
-@compiler_pass(requires=(TENSOR, REQUIRES_GRAD), provides=(FLOPS,))
+@compiler_pass(requires=(TENSOR, REQUIRES_GRAD), provides=(FLOPS, UNPRICED_OPS))
 def count_flops(gm, ctx):
     """Record each node's forward and backward FLOPs as sympy expressions in batch/seq."""
     for node in gm.graph.nodes:
         FLOPS.set(node, node_flops(node))
     unknown = ops_without_flop_rule(gm)
+    UNPRICED_OPS.set(gm, tuple(sorted(unknown)))
     if unknown:
         log.warning("count_flops: no rule for %s; counted as 0 FLOPs",
                     ", ".join(f"{op} (x{len(names)})" for op, names in unknown.items()))

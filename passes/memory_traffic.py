@@ -250,6 +250,7 @@ TRAFFIC_RULES: dict[object, TrafficRule] = {
     aten.linear: _PRODUCT, aten.mm: _PRODUCT, aten.bmm: _PRODUCT, aten.matmul: _PRODUCT,
     aten.addmm: _BIASED_PRODUCT, aten.baddbmm: _BIASED_PRODUCT,
     aten.conv1d: _PRODUCT, aten.conv2d: _PRODUCT, aten.conv3d: _PRODUCT, aten.convolution: _PRODUCT,
+    aten.conv_transpose1d: _PRODUCT, aten.conv_transpose2d: _PRODUCT, aten.conv_transpose3d: _PRODUCT,
     aten.mul: _PRODUCT,
     aten.div: TrafficRule(saved=_saves_divisor),
     # attention (fused kernels)

@@ -35,8 +35,9 @@ def hf_bert(layers=2, device="meta"):
 
 
 def token_batch(batch=2, seq=16, device="meta"):
-    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    return {"input_ids": ids, "labels": ids}
+    # Two tensors: export treats one tensor passed twice as one input.
+    return {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device=device),
+            "labels": torch.zeros(batch, seq, dtype=torch.long, device=device)}
 
 
 HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama, "bert": hf_bert}

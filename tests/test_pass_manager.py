@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xirang.errors import PassFailure, PassOrderError
-from xirang.ir.meta_keys import FLOPS, PARAM_COUNT, ROLE, TENSOR
+from xirang.ir.meta_keys import FLOPS, ROLE, TENSOR
 from xirang.ir.pass_spec import CompileContext, compiler_pass
 from xirang.pass_manager import PassManager
 from xirang.passes.parameters import count_parameters
@@ -41,14 +41,14 @@ def test_requirement_no_pass_provides_is_reported():
 
 
 def test_a_pass_that_does_not_provide_what_it_declares_fails_naming_passes_run():
-    @compiler_pass(requires=(TENSOR,), provides=(PARAM_COUNT,))
+    @compiler_pass(requires=(TENSOR,), provides=(FLOPS,))
     def forgetful(gm, ctx):
-        """Declares PARAM_COUNT but never sets it."""
+        """Declares FLOPS but never sets it."""
         return gm
 
     with pytest.raises(PassFailure) as caught:
         PassManager([trace_model, annotate_tensors, forgetful]).run(None, context())
-    assert "'forgetful' declares it provides 'xr_param_count'" in str(caught.value)
+    assert "'forgetful' declares it provides 'xr_flops'" in str(caught.value)
     assert "passes already run: trace_model, annotate_tensors, forgetful" in str(caught.value)
 
 

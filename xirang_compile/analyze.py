@@ -7,7 +7,7 @@ import sympy
 
 from xirang.ir.facts import evaluate
 from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, BYTES, FLOPS, MODULE_PARAMS, MODULE_PATH,
-                                 MODULE_TYPE, PARAM_COUNT, SYMBOLS, TRACE_INFO, UNIT)
+                                 MODULE_TYPE, PARAM_COUNT, SYMBOLS, TRACE_INFO, UNIT, UNPRICED_OPS)
 from xirang.ir.pass_spec import CompileContext
 
 from .pass_manager import PassManager, PassTiming
@@ -42,6 +42,7 @@ class AnalysisReport:
     symbols: dict[str, int]  # value of each symbol in the example inputs
     total_flops: sympy.Expr
     trace: dict
+    unpriced_ops: tuple[str, ...] = ()  # ops with no FLOP rule, counted as 0
     timings: list[PassTiming] = field(default_factory=list)
     graph_module: object = None
 
@@ -101,7 +102,7 @@ def build_report(gm, timings=()) -> AnalysisReport:
     total_flops = sympy.expand(sympy.Add(*[r.flops for r in rows]))
     return AnalysisReport(total_params=MODULE_PARAMS.get(gm)[""], rows=rows, kinds=kinds,
                           symbols=dict(SYMBOLS.get(gm)), total_flops=total_flops, trace=dict(TRACE_INFO.get(gm)),
-                          timings=list(timings), graph_module=gm)
+                          unpriced_ops=UNPRICED_OPS.get(gm, ()), timings=list(timings), graph_module=gm)
 
 
 def _segment_name(nodes) -> str:
@@ -158,4 +159,6 @@ def format_report(report: AnalysisReport) -> str:
     lines.append(f"traced by {report.trace.get('method')} in {report.trace.get('seconds', 0):.2f} s"
                  + (f"; folded {report.trace['folded']}" if report.trace.get("folded") else "")
                  + "".join(f"\n  note: {f}" for f in report.trace.get("fallbacks", [])))
+    if report.unpriced_ops:
+        lines.append("ops with no FLOP rule (counted as 0): " + ", ".join(report.unpriced_ops))
     return "\n".join(lines)

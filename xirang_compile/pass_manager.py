@@ -99,6 +99,8 @@ def check_pass_order(passes: list[Pass], available: tuple[MetaKey, ...] = ()) ->
 def check_provided(gm, compiler_pass: Pass, done: list[str]) -> None:
     """Every graph key a pass provides is set; every node key is set on at least one node."""
     for key in compiler_pass.provides:
+        if key.sparse:
+            continue
         present = key.has(gm) if key.scope == "graph" else any(key.has(n) for n in gm.graph.nodes)
         if not present:
             raise PassFailure(f"pass '{compiler_pass.name}' declares it provides '{key.name}' but set it "

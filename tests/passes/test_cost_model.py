@@ -1,0 +1,176 @@
+"""cost_model: roofline compute, pipeline bubbles and step times, dp overlap, memory per device and
+the Megatron closed forms, each against arithmetic written out here; and a units check against the
+published Megatron runs in shared/reference/published_configs.json."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xirang.ir.device import DEVICE_PRESETS
+from xirang.ir.world import World
+from xirang.passes.cost_collectives import collective_cost
+from xirang.passes.cost_model import (
+    Efficiency, activation_bytes_in_flight, activation_bytes_per_layer, bubble_fraction,
+    bubble_share, compute_time, exposed_comm_time, exposed_gradient_sync, megatron_flops,
+    megatron_params, memory_per_device, model_state_bytes, pipeline_step_time, tp_traffic_per_layer)
+
+A100 = DEVICE_PRESETS["a100-80g"]
+PUBLISHED = Path("/work/shared/reference/published_configs.json")
+
+
+# --- compute -------------------------------------------------------------------------------------
+
+def test_compute_time_roofline():
+    # compute-bound: 1 TFLOP at 312 TFLOP/s x 0.5 = 6.41 ms; 1 MB at 2.039 TB/s x 0.8 is ~0.6 us
+    assert compute_time(1e12, 1e6, A100, "bf16") == pytest.approx(1e12 / 156e12)
+    # memory-bound: 1 GB at 2.039 TB/s x 0.8 = 0.613 ms; 1 MFLOP is nothing
+    assert compute_time(1e6, 1e9, A100, "bfloat16", is_matmul=False) == pytest.approx(
+        1e9 / (2.039e12 * 0.8))
+    exact = Efficiency(matmul=1.0, memory=1.0)
+    assert compute_time(312e12, 0, A100, "bf16", efficiency=exact) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="fraction"):
+        Efficiency(matmul=1.5)
+
+
+# --- pipeline ------------------------------------------------------------------------------------
+
+def test_bubble_fractions_p4_m8():
+    # relative to the ideal step: (p-1)/m = 3/8; as a share of the real step: (p-1)/(m+p-1) = 3/11
+    for schedule in ("gpipe", "1f1b"):
+        assert bubble_fraction(schedule, 4, 8) == pytest.approx(3 / 8)
+        assert bubble_share(schedule, 4, 8) == pytest.approx(3 / 11)
+    # interleaved, v = 2: (p-1)/(v m) = 3/16; share 3/(16+3) = 3/19
+    assert bubble_fraction("interleaved", 4, 8, v=2) == pytest.approx(3 / 16)
+    assert bubble_share("interleaved", 4, 8, v=2) == pytest.approx(3 / 19)
+    assert bubble_fraction("1f1b", 1, 8) == 0.0
+
+
+def test_pipeline_step_time():
+    # 1F1B: (m + p - 1) t = 11 t; interleaved v = 2: (m + (p-1)/v) t = 9.5 t
+    assert pipeline_step_time("1f1b", 4, 8, 2.0) == pytest.approx(22.0)
+    assert pipeline_step_time("gpipe", 4, 8, 2.0) == pytest.approx(22.0)
+    assert pipeline_step_time("interleaved", 4, 8, 2.0, v=2) == pytest.approx(19.0)
+
+
+def test_schedule_checks():
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        bubble_fraction("zb-h1", 4, 8)
+    with pytest.raises(ValueError, match="needs the 'interleaved'"):
+        bubble_fraction("1f1b", 4, 8, v=2)
+    with pytest.raises(ValueError, match="multiple of p=4"):
+        bubble_fraction("interleaved", 4, 6, v=2)
+    with pytest.raises(ValueError, match="positive int"):
+        bubble_fraction("1f1b", 0, 8)
+
+
+# --- data parallel overlap -----------------------------------------------------------------------
+
+def test_exposed_comm_time():
+    # comm 1 per bucket, backward 2 per bucket: bucket 0 ready at 2, done 3; bucket 1 ready 4,
+    # done 5; bucket 2 ready 6 (end of backward), done 7: only the last bucket shows, 1
+    assert exposed_comm_time([1, 1, 1], [2, 2, 2]) == pytest.approx(1.0)
+    # comm 3, backward 1: done at 4, 7, 10; backward ends at 3: 7 exposed
+    assert exposed_comm_time([3, 3, 3], [1, 1, 1]) == pytest.approx(7.0)
+    assert exposed_comm_time([], []) == 0.0
+    with pytest.raises(ValueError, match="one backward time per bucket"):
+        exposed_comm_time([1, 1], [1])
+
+
+def test_exposed_gradient_sync_prices_buckets():
+    world, group = World.uniform(1, 8), tuple(range(8))
+    buckets = [25e6, 25e6]
+    ring = collective_cost("all_reduce", 25e6, group, world).seconds  # ~0.19 ms each
+    # backward 1 ms per bucket hides the first all-reduce; the last one is all exposed
+    assert exposed_gradient_sync(buckets, [1e-3, 1e-3], group, world) == pytest.approx(ring)
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def test_model_states_mixed_precision_adam():
+    P = 1.7e9
+    states = model_state_bytes(P)
+    assert (states.params, states.grads, states.optimizer) == (2 * P, 2 * P, 12 * P)
+    assert states.total == pytest.approx(16 * P)  # 27.2 GB
+    # ZeRO over dp = 8: stage 1 2 + 2 + 12/8 = 5.5 bytes/param, stage 2 2 + 14/8, stage 3 16/8
+    assert model_state_bytes(P, dp=8, zero_stage=1).total == pytest.approx(5.5 * P)
+    assert model_state_bytes(P, dp=8, zero_stage=2).total == pytest.approx(3.75 * P)
+    assert model_state_bytes(P, dp=8, zero_stage=3).total == pytest.approx(2 * P)
+
+
+# s = 2048, b = 1, h = 4096, a = 32: s b h = 8,388,608 and 5 a s / h = 5 * 32 * 2048 / 4096 = 80
+S, B, H, A = 2048, 1, 4096, 32
+SBH = 8_388_608
+
+
+@pytest.mark.parametrize("t, sp, recompute, per_sbh", [
+    (1, False, "none", 34 + 80),                 # 114
+    (8, False, "none", 10 + 24 / 8 + 80 / 8),    # 23
+    (8, True, "none", 34 / 8 + 80 / 8),          # 14.25
+    (8, False, "selective", 10 + 24 / 8),        # 13
+    (8, True, "selective", 34 / 8),              # 4.25
+    (1, False, "selective", 34),
+    (8, False, "full", 2),
+    (8, True, "full", 2 / 8),                    # the checkpointed input is the sequence shard
+    (1, True, "none", 114),                      # sequence parallel is a no-op at t = 1
+])
+def test_korthikanti_activation_bytes(t, sp, recompute, per_sbh):
+    got = activation_bytes_per_layer(S, B, H, A, t, sequence_parallel=sp, recompute=recompute)
+    assert got == pytest.approx(SBH * per_sbh)
+
+
+def test_activations_in_flight_and_device_memory():
+    layer = activation_bytes_per_layer(S, B, H, A, 8, sequence_parallel=True, recompute="selective")
+    # 6 layers on the device, p = 4, m = 8: GPipe keeps 8 micro-batches, 1F1B 4,
+    # interleaved v = 2 keeps p + (p-1)/v = 5.5
+    assert activation_bytes_in_flight(layer, 6, "gpipe", 4, 8) == pytest.approx(layer * 6 * 8)
+    assert activation_bytes_in_flight(layer, 6, "1f1b", 4, 8) == pytest.approx(layer * 6 * 4)
+    assert activation_bytes_in_flight(layer, 6, "interleaved", 4, 8, 2) == pytest.approx(
+        layer * 6 * 5.5)
+    assert activation_bytes_in_flight(layer, 6, "1f1b", 4, 2) == pytest.approx(layer * 6 * 2)
+    memory = memory_per_device(1e9, layer, 6, "1f1b", 4, 8)
+    assert memory.total == pytest.approx(16e9 + layer * 6 * 4)
+    with pytest.raises(ValueError, match="unknown recompute mode"):
+        activation_bytes_per_layer(S, B, H, A, recompute="partial")
+
+
+# --- Megatron closed forms -----------------------------------------------------------------------
+
+def test_megatron_formulas_by_hand():
+    # P = 12 l h^2 + 13 l h + (V + s) h
+    assert megatron_params(2, 8, 100, 16) == pytest.approx(12 * 2 * 64 + 13 * 2 * 8 + 116 * 8)
+    # with recompute 96 B s l h^2 (1 + s/6h + V/16lh), B=1, s=12, l=2, h=8, V=64: 1 + 1/4 + 1/4
+    assert megatron_flops(1, 12, 2, 8, 64) == pytest.approx(96 * 12 * 2 * 64 * 1.5)
+    # without: 72 B s l h^2 (1 + s/6h + V/12lh) = 72 * 1536 * (1 + 1/4 + 1/3)
+    assert megatron_flops(1, 12, 2, 8, 64, recompute=False) == pytest.approx(
+        72 * 1536 * (1 + 1 / 4 + 1 / 3))
+    # 8 b s h (t-1)/t elements of 2 bytes: t = 8, b s h = SBH -> 7 * SBH * 2 bytes
+    assert tp_traffic_per_layer(B, S, H, 8) == pytest.approx(14 * SBH)
+    assert tp_traffic_per_layer(B, S, H, 1) == 0
+
+
+def published_rows() -> list[dict]:
+    data = json.loads(PUBLISHED.read_text())
+    return [dict(zip(data["columns"], row)) for row in data["rows"]]
+
+
+@pytest.mark.skipif(not PUBLISHED.exists(), reason="shared reference figures not present")
+def test_published_parameter_counts():
+    for row in published_rows():
+        P = megatron_params(row["layers"], row["hidden"], 51200, 2048)
+        assert P / 1e9 == pytest.approx(row["params_billion"], rel=0.05)
+
+
+@pytest.mark.skipif(not PUBLISHED.exists(), reason="shared reference figures not present")
+def test_published_row_1_iteration_time_units():
+    row = published_rows()[0]  # 1.7B, 32 GPUs, dp = 32, B = 512
+    assert (row["params_billion"], row["gpus"], row["tp"], row["pp"]) == (1.7, 32, 1, 1)
+    flops = megatron_flops(row["global_batch"], 2048, row["layers"], row["hidden"], 51200)
+    # 96 * 512 * 2048 * 24 * 2304^2 * (1 + 0.148 + 0.058) = 1.55e16 FLOPs per iteration
+    assert flops == pytest.approx(1.5467e16, rel=1e-3)
+    seconds = flops / (row["gpus"] * row["tflops_per_gpu"] * 1e12)  # = 3.53 s
+    assert 1 < seconds < 60
+    # and 137 TFLOP/s is the 44% of the 312 TFLOP/s peak the paper quotes
+    assert row["tflops_per_gpu"] * 1e12 / A100.peak("bf16") == pytest.approx(
+        row["percent_of_peak"] / 100, abs=0.005)
