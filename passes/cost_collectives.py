@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from xirang.ir.world import LinkSpec, World
 
@@ -194,7 +194,7 @@ def _direct_send(nbytes, topo):
 AlgorithmCost = Callable[[float, GroupTopology], Optional[float]]
 
 # kind -> its algorithms, in the order explain tables list them (ties go to the first)
-ALGORITHMS: MappingProxyType = MappingProxyType({
+ALGORITHMS: Mapping[str, tuple[tuple[str, AlgorithmCost], ...]] = MappingProxyType({
     "all_reduce": (("ring", _ring_all_reduce), ("tree", _tree_all_reduce),
                    ("hierarchical", _hierarchical_all_reduce)),
     "reduce_scatter": (("ring", _ring_reduce_scatter), ("hierarchical", _hierarchical_reduce_scatter)),

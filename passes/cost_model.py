@@ -248,7 +248,8 @@ def megatron_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = Tru
 
     Forward is 24·B·s·l·h²·(1 + s/(6h)) plus 2·B·s·h·V for the logits; backward is twice the
     forward; full recompute runs the layers' forward once more (not the logits):
-    with recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), without 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    with recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)),
+    without        72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
     """
     if recompute:
         return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))

@@ -81,9 +81,12 @@ def test_exposed_comm_time():
 def test_exposed_gradient_sync_prices_buckets():
     world, group = World.uniform(1, 8), tuple(range(8))
     buckets = [25e6, 25e6]
-    ring = collective_cost("all_reduce", 25e6, group, world).seconds  # ~0.19 ms each
+    # cheapest on one node at 25 MB: tree, 6 * 5 us + 2 * 25 MB / 230 GB/s = 0.247 ms
+    # (the ring pays 14 * 5 us + 1.75 * 25 MB / 230 GB/s = 0.260 ms)
+    one = collective_cost("all_reduce", 25e6, group, world)
+    assert one.algorithm == "tree" and one.seconds == pytest.approx(30e-6 + 50e6 / 230e9)
     # backward 1 ms per bucket hides the first all-reduce; the last one is all exposed
-    assert exposed_gradient_sync(buckets, [1e-3, 1e-3], group, world) == pytest.approx(ring)
+    assert exposed_gradient_sync(buckets, [1e-3, 1e-3], group, world) == pytest.approx(one.seconds)
 
 
 # --- memory --------------------------------------------------------------------------------------
