@@ -249,7 +249,7 @@ def _solve_ilp(problem: SplitProblem) -> list[int]:
         model += pulp.lpSum(row) == 1, f"one_strategy_{n}"
         x.append(row)
 
-    terms, constant = [], 0.0  # objective as (variable or 1, seconds / scale)
+    terms, constant = {}, 0.0  # objective: seconds / scale per variable, plus a constant
 
     def add(var, coef):
         nonlocal constant
@@ -258,7 +258,7 @@ def _solve_ilp(problem: SplitProblem) -> list[int]:
         if isinstance(var, int):
             constant += coef * var
         else:
-            terms.append((var, coef))
+            terms[var] = terms.get(var, 0.0) + coef  # LpAffineExpression(pairs) would overwrite
 
     for n, node in enumerate(nodes):
         for i, s in enumerate(node.strategies):
@@ -278,7 +278,7 @@ def _solve_ilp(problem: SplitProblem) -> list[int]:
         for i, row in enumerate(y):
             for j, var in enumerate(row):
                 add(var, matrix[i][j] / scale)
-    model += pulp.LpAffineExpression(terms, constant=constant)
+    model += pulp.LpAffineExpression(list(terms.items()), constant=constant)
 
     budget = problem.memory_budget
     if budget is not None:

@@ -187,7 +187,7 @@ def _check_memory(problem: StageCutProblem) -> None:
         f"no cut of {problem.units} units into {problem.stages} pipeline stages fits device memory: "
         f"the split needing the least memory relative to capacity, stages {bounds} (half-open unit "
         f"ranges), still needs a minimum of {need:.6g} bytes on stage {s} ({units}), whose device "
-        f"holds {cap:.6g} bytes ({need / cap if cap else math.inf:.3g}x). Use more pipeline stages, "
+        f"holds {cap:.6g} bytes{f' ({need / cap:.3g}x)' if cap else ''}. Use more pipeline stages, "
         f"recompute activations, or devices with more memory.")
 
 
