@@ -157,3 +157,24 @@ def test_cache_output_says_use_cache_false():
 def test_inputs_that_do_not_match_forward_are_reported():
     with pytest.raises(TraceError, match="do not match Gated.forward"):
         trace_model(None, CompileContext(model=Gated(), example_kwargs={"not_an_input": torch.zeros(2)}))
+
+
+def test_when_export_fails_fx_symbolic_trace_is_tried_and_the_report_says_so(monkeypatch):
+    real_export = torch.export.export
+
+    def export_refusing_the_raw_model(module, *args, **kwargs):
+        if not isinstance(module, torch.fx.GraphModule):
+            raise RuntimeError("simulated export failure")
+        return real_export(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", export_refusing_the_raw_model)
+    model = ScaledStack()
+    gm = traced(model, fold=False, x=torch.randn(4, 8))
+    info = TRACE_INFO.get(gm)
+    assert info["method"] == "fx-symbolic-trace+export-static"
+    assert [note.split(":")[0] for note in info["fallbacks"]] == [
+        "export-symbolic failed", "export-static failed",
+        "batch is a constant in the traced graph"]  # the fx path traces static shapes, and says so
+    linears = calls(gm, "linear")
+    assert [MODULE_PATH.get(n) for n in linears] == [f"layers.{i}.linear" for i in range(5)]
+    assert sum(1 for n in gm.graph.nodes if ROLE.get(n) == "parameter") == 10
