@@ -7,6 +7,7 @@ device descriptions (``World``, ``parse_world``, ``DeviceSpec``, ``device_spec``
 from xirang.ir.device import DEVICE_PRESETS, DeviceSpec, device_spec
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.plan import Plan, PlanError
 from xirang.ir.world import LinkSpec, NodeSpec, World, parse_world
 
 from .analyze import AnalysisReport, analyze
@@ -15,6 +16,6 @@ from .errors import PassFailure, PassOrderError, TraceError, XirangError
 __all__ = [
     "analyze", "AnalysisReport",
     "World", "NodeSpec", "LinkSpec", "parse_world", "DeviceSpec", "device_spec", "DEVICE_PRESETS",
-    "Mesh", "Shard", "Replicate", "Partial",
+    "Mesh", "Shard", "Replicate", "Partial", "Plan", "PlanError",
     "XirangError", "TraceError", "PassOrderError", "PassFailure",
 ]

@@ -9,6 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
+from xirang.ir.plan import PlanError
+
 from .errors import XirangError
 
 
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         return args.run(args)
-    except XirangError as exc:
+    except (XirangError, PlanError) as exc:
         print(f"xirang: error: {exc}", file=sys.stderr)
         return 2
 

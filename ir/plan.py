@@ -1,0 +1,358 @@
+"""The Plan: every decision the compiler made, as frozen data that round-trips JSON exactly.
+
+A plan names the mesh, the batch split, the pipeline schedule and stage cuts, each node's tensor
+layouts, the gradient buckets and the collectives, with what the cost model predicts for it. It is
+validated on construction, so a hand-edited ``plan.json`` that is inconsistent is refused with the
+field at fault, and it carries the fingerprint of the traced graph and the World it was made for,
+so ``check_matches`` refuses it for another model or cluster. ``from_json(to_json(plan)) == plan``.
+
+Layouts: one placement per mesh axis; in JSON only the non-replicated axes are written,
+``{"tp": {"shard": 1}}``, and ``{}`` is replicated everywhere.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from .mesh import AXES, Mesh
+from .placement import Partial, Placement, Replicate, Shard, placement_from_json
+from .plan_checks import (REPLAN, PlanError, _at, _choice, _dumps, _first_difference, _float, _int,  # noqa: F401
+                          _json_list, _keys, _of_type, _parsed, _seq, _str, _unique)  # PlanError is public here
+from .world import World
+
+SCHEMA_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+
+
+# --- the data ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """How one tensor lies on the mesh: a placement per mesh axis (replicated unless said)."""
+
+    dp: Placement = Replicate()
+    pp: Placement = Replicate()
+    tp: Placement = Replicate()
+
+    def __post_init__(self):
+        for axis in AXES:
+            _of_type(getattr(self, axis), (Shard, Replicate, Partial), axis,
+                     "placement: Shard, Replicate or Partial")
+
+    def __str__(self) -> str:
+        parts = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) != Replicate()]
+        return " ".join(parts) or "R"
+
+    def to_json(self) -> dict:
+        return {axis: getattr(self, axis).to_json() for axis in AXES if getattr(self, axis) != Replicate()}
+
+    @classmethod
+    def from_json(cls, data) -> "Layout":
+        _keys(data, AXES, "layout", required=())
+        values = {}
+        for axis, value in data.items():
+            with _at(axis):
+                values[axis] = placement_from_json(value)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class NodeStrategy:
+    """The sharding rule chosen for one node: its name, the layout of each tensor argument (in
+    argument order) and of each output."""
+
+    strategy: str
+    inputs: tuple[Layout, ...] = ()
+    outputs: tuple[Layout, ...] = (Layout(),)
+
+    def __post_init__(self):
+        _str(self.strategy, "strategy")
+        object.__setattr__(self, "inputs", _seq(self.inputs, "inputs", lambda v, w: _of_type(v, Layout, w)))
+        object.__setattr__(self, "outputs", _seq(self.outputs, "outputs", lambda v, w: _of_type(v, Layout, w)))
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "inputs": [x.to_json() for x in self.inputs],
+                "outputs": [x.to_json() for x in self.outputs]}
+
+    @classmethod
+    def from_json(cls, data) -> "NodeStrategy":
+        _keys(data, ("strategy", "inputs", "outputs"), "node strategy")
+        return cls(data["strategy"], _json_list(data["inputs"], "inputs", Layout.from_json),
+                   _json_list(data["outputs"], "outputs", Layout.from_json))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the units of the condensed block graph it runs ("segment:0",
+    "block:model.layers.3", ...) and the device memory it may use. Stage ``index`` runs on pipeline
+    rank ``index % pp`` (interleaved schedules give each rank several stages)."""
+
+    index: int
+    units: tuple[str, ...]
+    memory_limit_bytes: int
+
+    def __post_init__(self):
+        _int(self.index, "index", minimum=0)
+        units = _seq(self.units, "units", _str)
+        if not units:
+            raise PlanError(f"stage {self.index} has no units", where="units",
+                            hint="every stage needs at least one block or segment; use fewer stages")
+        _unique(units, "units")
+        object.__setattr__(self, "units", units)
+        _int(self.memory_limit_bytes, "memory_limit_bytes")
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "units": list(self.units), "memory_limit_bytes": self.memory_limit_bytes}
+
+    @classmethod
+    def from_json(cls, data) -> "StagePlan":
+        _keys(data, ("index", "units", "memory_limit_bytes"), "stage")
+        return cls(data["index"], data["units"], data["memory_limit_bytes"])
+
+
+@dataclass(frozen=True)
+class CollectiveChoice:
+    """A collective the program will run: at which node (or "bucket:<k>"), on which mesh axis,
+    what kind, with which algorithm, and the size of one rank's full buffer in bytes."""
+
+    node: str
+    axis: str
+    kind: str
+    algorithm: str
+    nbytes: int
+
+    def __post_init__(self):
+        _str(self.node, "node")
+        _choice(self.axis, AXES, "axis")
+        _choice(self.kind, COLLECTIVE_KINDS, "kind")
+        _str(self.algorithm, "algorithm")
+        _int(self.nbytes, "nbytes", minimum=0)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data) -> "CollectiveChoice":
+        names = tuple(f.name for f in fields(cls))
+        _keys(data, names, "collective")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model expects of the plan. ``memory_bytes_per_device`` has one entry per
+    pipeline rank (the busiest device of that rank's stages); ``breakdown`` is seconds per step by
+    cause (compute, tp_comm, pp_bubble, pp_p2p, dp_exposed, ...)."""
+
+    step_seconds: float
+    tflops_per_device: float
+    memory_bytes_per_device: tuple[int, ...]
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "step_seconds", _float(self.step_seconds, "step_seconds"))
+        object.__setattr__(self, "tflops_per_device", _float(self.tflops_per_device, "tflops_per_device"))
+        object.__setattr__(self, "memory_bytes_per_device", _seq(
+            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: _int(v, w, minimum=0)))
+        if not isinstance(self.breakdown, Mapping):
+            raise PlanError(f"breakdown must be a mapping cause -> seconds, got {self.breakdown!r}",
+                            where="breakdown", hint=REPLAN)
+        object.__setattr__(self, "breakdown", MappingProxyType(
+            {_str(k, "breakdown key"): _float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
+        object.__setattr__(self, "notes", _seq(self.notes, "notes", _str))
+
+    # A read-only mapping is neither hashable nor picklable; these restore both.
+    def __hash__(self) -> int:
+        return hash((self.step_seconds, self.tflops_per_device, self.memory_bytes_per_device))
+
+    def __reduce__(self):
+        return (Prediction.from_json, (self.to_json(),))
+
+    def to_json(self) -> dict:
+        return {"step_seconds": self.step_seconds, "tflops_per_device": self.tflops_per_device,
+                "memory_bytes_per_device": list(self.memory_bytes_per_device),
+                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+
+    @classmethod
+    def from_json(cls, data) -> "Prediction":
+        _keys(data, ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes"),
+              "prediction")
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Every decision for one model on one World; see the module docstring."""
+
+    schema_version: int = SCHEMA_VERSION
+    fingerprint: str  # passes/fingerprint.py graph_fingerprint of the traced graph
+    world: World
+    mesh: Mesh
+    micro_batch: int  # samples per micro-batch on one dp rank
+    num_micro_batches: int  # per step and dp rank
+    global_batch: int  # dp * micro_batch * num_micro_batches
+    schedule: str
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved only)
+    recompute: str = "none"
+    precision: str = "fp32"
+    grad_reduce_dtype: str = "fp32"
+    placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
+    stages: tuple[StagePlan, ...]
+    buckets: tuple[tuple[str, ...], ...] = ()  # parameter names per gradient bucket, in launch order
+    fallbacks: tuple[str, ...] = ()  # ops with no sharding rule, run replicated
+    collectives: tuple[CollectiveChoice, ...] = ()
+    predicted: Prediction
+
+    def __post_init__(self):
+        with _at("plan"):
+            self._validate()
+
+    def _validate(self):
+        if type(self.schema_version) is not int or self.schema_version != SCHEMA_VERSION:
+            raise PlanError(f"schema_version is {self.schema_version!r}; this Xirang reads version "
+                            f"{SCHEMA_VERSION}", where="schema_version", hint=REPLAN)
+        _str(self.fingerprint, "fingerprint")
+        world, mesh = _of_type(self.world, World, "world"), _of_type(self.mesh, Mesh, "mesh")
+        if mesh.size != world.size:
+            raise PlanError(f"mesh {mesh} has {mesh.size} ranks but the world has {world.size} devices "
+                            f"({world.describe()})", where="mesh",
+                            hint=f"choose dp, pp, tp whose product is {world.size}")
+        for name in ("micro_batch", "num_micro_batches", "global_batch", "virtual_stages"):
+            _int(getattr(self, name), name)
+        if mesh.dp * self.micro_batch * self.num_micro_batches != self.global_batch:
+            raise PlanError(f"global_batch {self.global_batch} != dp {mesh.dp} x micro_batch {self.micro_batch} "
+                            f"x num_micro_batches {self.num_micro_batches} = "
+                            f"{mesh.dp * self.micro_batch * self.num_micro_batches}", where="global_batch",
+                            hint="make global_batch = dp x micro_batch x num_micro_batches")
+        _choice(self.schedule, SCHEDULES, "schedule")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise PlanError(f"virtual_stages is {self.virtual_stages} but schedule {self.schedule!r} runs one "
+                            f"stage per pipeline rank", where="virtual_stages",
+                            hint="set virtual_stages to 1, or use schedule 'interleaved'")
+        if self.schedule == "interleaved" and self.num_micro_batches % mesh.pp:
+            raise PlanError(f"schedule 'interleaved' needs num_micro_batches ({self.num_micro_batches}) to be a "
+                            f"multiple of pp ({mesh.pp})", where="num_micro_batches",
+                            hint=f"use num_micro_batches in {mesh.pp}, {2 * mesh.pp}, ... or schedule '1f1b'")
+        _choice(self.recompute, RECOMPUTE_MODES, "recompute")
+        _choice(self.precision, PRECISIONS, "precision")
+        _choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
+        _of_type(self.placements, Mapping, "placements", "mapping node name -> NodeStrategy")
+        object.__setattr__(self, "placements", MappingProxyType(
+            {_str(name, "placements key"): _of_type(s, NodeStrategy, f"placements[{name!r}]")
+             for name, s in self.placements.items()}))
+        stages = _seq(self.stages, "stages", lambda v, w: _of_type(v, StagePlan, w))
+        if len(stages) != mesh.pp * self.virtual_stages:
+            raise PlanError(f"{len(stages)} stages, but pp {mesh.pp} x virtual_stages {self.virtual_stages} "
+                            f"needs {mesh.pp * self.virtual_stages}", where="stages",
+                            hint="give one stage per pipeline rank and virtual stage")
+        for position, stage in enumerate(stages):
+            if stage.index != position:
+                raise PlanError(f"stage at position {position} has index {stage.index}",
+                                where=f"stages[{position}].index", hint="list stages in index order 0, 1, ...")
+        _unique(tuple(u for stage in stages for u in stage.units), "stages[*].units")
+        object.__setattr__(self, "stages", stages)
+        buckets = _seq(self.buckets, "buckets", lambda v, w: _seq(v, w, _str))
+        for i, bucket in enumerate(buckets):
+            if not bucket:
+                raise PlanError(f"bucket {i} is empty", where=f"buckets[{i}]", hint="drop empty buckets")
+        _unique(tuple(name for bucket in buckets for name in bucket), "buckets")
+        object.__setattr__(self, "buckets", buckets)
+        object.__setattr__(self, "fallbacks", _seq(self.fallbacks, "fallbacks", _str))
+        _unique(self.fallbacks, "fallbacks")
+        object.__setattr__(self, "collectives", _seq(self.collectives, "collectives",
+                                                     lambda v, w: _of_type(v, CollectiveChoice, w)))
+        predicted = _of_type(self.predicted, Prediction, "predicted")
+        if len(predicted.memory_bytes_per_device) != mesh.pp:
+            raise PlanError(f"predicted.memory_bytes_per_device has {len(predicted.memory_bytes_per_device)} "
+                            f"entries, one per pipeline rank needs {mesh.pp}",
+                            where="predicted.memory_bytes_per_device", hint=REPLAN)
+
+    # A read-only mapping is neither hashable nor picklable; these restore both.
+    def __hash__(self) -> int:
+        return hash((self.fingerprint, self.world, self.mesh, self.global_batch, self.schedule, self.stages))
+
+    def __reduce__(self):
+        return (Plan.from_json, (self.to_json(),))
+
+    def stages_of(self, pp_rank: int) -> tuple[StagePlan, ...]:
+        """The stages pipeline rank ``pp_rank`` runs, in order (several when interleaved)."""
+        return self.stages[pp_rank::self.mesh.pp]
+
+    def check_matches(self, fingerprint: str, world: World) -> None:
+        """Refuse this plan for a model whose graph has another fingerprint, or another World."""
+        problems = []
+        if fingerprint != self.fingerprint:
+            problems.append(f"plan was made for a different model (fingerprint {self.fingerprint}, "
+                            f"this model {fingerprint})")
+        if world != self.world:
+            problems.append(f"plan was made for world '{self.world.describe()}' but this world is "
+                            f"'{world.describe()}'" + _first_difference(self.world.to_json(), world.to_json(),
+                                                                        "world"))
+        if problems:
+            where = [name for name, differs in (("plan.fingerprint", fingerprint != self.fingerprint),
+                                                ("plan.world", world != self.world)) if differs]
+            raise PlanError("; ".join(problems), where=", ".join(where),
+                            hint="re-plan with xirang.plan(...) or pass the matching model/world")
+
+    # --- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        data = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "placements":
+                value = {name: strategy.to_json() for name, strategy in value.items()}
+            elif f.name == "buckets":
+                value = [list(bucket) for bucket in value]
+            elif isinstance(value, tuple):
+                value = [v.to_json() if hasattr(v, "to_json") else v for v in value]
+            elif hasattr(value, "to_json"):
+                value = value.to_json()
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_json(cls, data) -> "Plan":
+        with _at("plan"):
+            _keys(data, tuple(f.name for f in fields(cls)), "plan", required=("schema_version",))
+            if type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:
+                raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
+                                f"version {SCHEMA_VERSION}", where="schema_version",
+                                hint="re-plan with xirang.plan(...) and save the new plan")
+            _keys(data, tuple(f.name for f in fields(cls)), "plan")
+            values = dict(data)
+            for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
+                                ("predicted", Prediction.from_json)):
+                with _at(name):
+                    values[name] = parse(data[name])
+            for name, parse in (("stages", StagePlan.from_json), ("collectives", CollectiveChoice.from_json)):
+                values[name] = _json_list(data[name], name, parse)
+            _of_type(data["placements"], dict, "placements", "JSON object node name -> strategy")
+            with _at("placements"):
+                values["placements"] = {name: _parsed(f"[{name!r}]", NodeStrategy.from_json, value)
+                                        for name, value in data["placements"].items()}
+        return cls(**values)
+
+    def save(self, path) -> None:
+        """Write the plan as JSON; small objects stay on one line so the file reads like a table."""
+        Path(path).write_text(_dumps(self.to_json()) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}",
+                            where=str(path), hint=REPLAN) from None
+        try:
+            return cls.from_json(data)
+        except PlanError as error:
+            raise PlanError(error.what, where=f"{error.where} in {path}", hint=error.hint) from None
+

@@ -1,0 +1,142 @@
+"""Field checks and JSON helpers of the Plan: each failure is a PlanError naming the field at fault."""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from contextlib import contextmanager
+
+REPLAN = "re-plan with xirang.plan(...) and save the new plan, or fix this field by hand"
+
+
+class PlanError(ValueError):
+    """A plan is inconsistent, malformed, or made for another model or world.
+
+    Same shape as ``xirang.XirangError``: ``what`` was wrong, ``where`` (the field), ``hint``.
+    """
+
+    def __init__(self, what: str, *, where: str = "", hint: str = ""):
+        self.what, self.where, self.hint = what, where, hint
+        lines = [what] + ([f"  where: {where}"] if where else []) + ([f"  what to do: {hint}"] if hint else [])
+        super().__init__("\n".join(lines))
+
+
+# --- checks shared by the dataclasses: each names the field and what would be valid --------------
+
+def _int(value, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlanError(f"{where} must be an int >= {minimum}, got {value!r}", where=where, hint=REPLAN)
+    return value
+
+
+def _float(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise PlanError(f"{where} must be a finite number >= 0, got {value!r}", where=where, hint=REPLAN)
+    return float(value)
+
+
+def _str(value, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise PlanError(f"{where} must be a non-empty string, got {value!r}", where=where, hint=REPLAN)
+    return value
+
+
+def _choice(value, choices: tuple, where: str) -> str:
+    if value not in choices:
+        raise PlanError(f"{where} is {value!r}, which is not one of {', '.join(choices)}", where=where,
+                        hint=f"use one of: {', '.join(choices)}")
+    return value
+
+
+def _seq(value, where: str, item) -> tuple:
+    """A list or tuple, each element checked by ``item(element, where_of_element)``."""
+    if not isinstance(value, (list, tuple)):
+        raise PlanError(f"{where} must be a list, got {value!r}", where=where, hint=REPLAN)
+    return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _unique(names: tuple, where: str) -> None:
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise PlanError(f"{where} lists {name!r} twice", where=where, hint="each name may appear once")
+        seen.add(name)
+
+
+def _of_type(value, cls, where: str, noun: str = ""):
+    if not isinstance(value, cls):
+        noun = noun or cls.__name__
+        raise PlanError(f"{where} must be a {noun}, got {value!r}", where=where, hint=REPLAN)
+    return value
+
+
+# --- JSON helpers --------------------------------------------------------------------------------
+
+@contextmanager
+def _at(path: str):
+    """Prefix the ``where`` of errors raised inside with ``path`` (errors from Mesh, World and
+    placements, which raise ValueError, become PlanErrors there)."""
+    try:
+        yield
+    except PlanError as error:
+        inner = error.where
+        where = path if not inner else f"{path}{inner}" if inner.startswith("[") else f"{path}.{inner}"
+        raise PlanError(error.what, where=where, hint=error.hint) from None
+    except (ValueError, TypeError) as error:
+        raise PlanError(str(error), where=path, hint=REPLAN) from None
+
+
+def _parsed(path: str, parse, value):
+    with _at(path):
+        return parse(value)
+
+
+def _json_list(value, where: str, parse) -> tuple:
+    if not isinstance(value, list):
+        raise PlanError(f"{where} must be a JSON list, got {value!r}", where=where, hint=REPLAN)
+    return tuple(_parsed(f"{where}[{i}]", parse, v) for i, v in enumerate(value))
+
+
+def _keys(data, names: tuple, what: str, required: tuple | None = None) -> None:
+    """``data`` is a JSON object with no key outside ``names`` and every key of ``required``
+    (default: all of ``names``); a misspelt key gets a suggestion."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{what} must be a JSON object, got {data!r}", hint=REPLAN)
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            guess = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PlanError(f"{what} has an unknown field {key!r}{guess}", where=str(key),
+                            hint=f"valid fields: {', '.join(names)}")
+    for key in names if required is None else required:
+        if key not in data:
+            raise PlanError(f"{what} is missing the field {key!r}", where=key, hint=REPLAN)
+
+
+def _dumps(value, indent: str = "", width: int = 100) -> str:
+    """json.dumps, indented by two, but a value that fits in ``width`` columns stays on one line."""
+    flat = json.dumps(value, allow_nan=False)
+    if not isinstance(value, (dict, list)) or not value or len(indent) + len(flat) <= width:
+        return flat
+    inner = indent + "  "
+    if isinstance(value, dict):
+        items = [f"{inner}{json.dumps(k)}: {_dumps(v, inner, width)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    return "[\n" + ",\n".join(inner + _dumps(v, inner, width) for v in value) + f"\n{indent}]"
+
+
+def _first_difference(a, b, path: str) -> str:
+    """'; first difference at world.nodes[0].device.memory_bytes: 85899345920 vs 42949672960'."""
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        for key in a:
+            found = _first_difference(a[key], b[key], f"{path}.{key}")
+            if found:
+                return found
+        return ""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{path}[{i}]")
+            if found:
+                return found
+        return ""
+    return "" if a == b else f"; first difference at {path}: {a!r} vs {b!r}"

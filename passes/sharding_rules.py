@@ -1,0 +1,385 @@
+"""Tensor-parallel sharding rules as data: aten op -> candidate strategies over the tp mesh axis.
+
+``RULES`` maps an aten overload packet to a function ``(node, tp) -> strategies``; adding an op is
+adding a row. ``strategies_for`` always puts the all-Replicate strategy first (every rank runs the
+whole op: valid for every op), so an op without a row is simply left replicated, and
+``ops_without_sharding_rule`` lists those ops. Rules read only the op, its arguments' shapes and
+dtypes: no module names. The Megatron layout (Shoeybi et al. 2019) is among the candidates, for the
+solver to find: column-parallel linear (weight S(0) -> output S(last)), row-parallel linear (input
+S(last), weight S(1) -> output Partial(sum)), attention split by heads, vocabulary-parallel
+embedding and cross-entropy.
+
+Choices, so a reader can argue with them:
+- ``Strategy.inputs`` holds one placement per ``node.all_input_nodes`` (None for SymInt inputs).
+  For ``getitem`` of a multi-output op it is the placement of the element picked; a producer whose
+  output is a tuple offers one placement per element.
+- Partial stays a placement: a row-parallel linear outputs Partial(sum) and the all-reduce (or
+  reduce-scatter) is priced on the edge to whichever consumer needs R (or a shard), so the solver can
+  also keep a Partial through linear ops (add of Partials, mul by R, views, casts) and reduce later.
+  ``collectives`` lists only communication inside an op (vocabulary-parallel cross-entropy).
+- The bias of a row-parallel linear is read as Partial(sum): the edge from its Replicate parameter
+  is free (rank 0 keeps the bias, the others zero it), so the bias is added exactly once in the sum.
+- Shards are offered only on dims tp divides for every batch/seq value (see sharding_rules_views).
+- Ops that draw random numbers (dropout, attention dropout) are correct in distribution only: a
+  replicated dropout needs the same seed on every tp rank, a sharded one distinct streams.
+- Backward: ``gradient_placements`` gives the placement each input's gradient has under a strategy
+  (S stays S, a Partial input gets an R gradient, an R input gets a Partial gradient when the output
+  is split). An edge therefore costs its forward reshard plus the backward reshard of that gradient
+  to the dual of the producer's output (Megatron's f and g operators).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import sympy
+import torch
+from torch.fx import Node
+
+from xirang.ir.placement import Partial, Placement, Replicate, Shard
+
+from .memory_traffic import STAT_BYTES, arg
+from .sharding_rules_views import (R, SUM, VIEW_RULES, Follow, broadcast_input, divides, floating, info,
+                                   is_tensor, norm_dim, shape, shardable)
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Communication an op issues itself; ``nbytes`` is one rank's full buffer (nccl-tests convention)."""
+
+    kind: str  # "all_reduce", ...
+    nbytes: sympy.Expr  # in the batch/seq symbols
+    reduce_op: str = "sum"
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node on the tp axis: what it reads, what it writes, its share of the work."""
+
+    name: str
+    inputs: tuple[Placement | None, ...]  # one per node.all_input_nodes; None for non-tensors
+    output: Placement | tuple[Placement, ...]  # a tuple for multi-output ops
+    compute_fraction: float  # local FLOPs / full FLOPs (the share of elements for data movement)
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def collective(self) -> str | None:
+        """Kinds of the op's own collectives, e.g. 'all_reduce', or None."""
+        return "+".join(dict.fromkeys(c.kind for c in self.collectives)) or None
+
+    def __str__(self) -> str:
+        ins = ", ".join("-" if p is None else str(p) for p in self.inputs)
+        out = self.output if not isinstance(self.output, tuple) else "(" + ", ".join(map(str, self.output)) + ")"
+        return f"{self.name}: ({ins}) -> {out} x{self.compute_fraction:g}"
+
+
+def _outputs(placement) -> tuple:
+    return placement if isinstance(placement, tuple) else (placement,)
+
+
+def make(node: Node, name: str, pairs: Iterable[tuple[Node, Placement]], output, fraction: float,
+         collectives: tuple[Collective, ...] = ()) -> Strategy | None:
+    """A strategy from (argument, placement) pairs; None when one tensor is asked for two placements
+    (``mul(x, x)`` as Partial × R) or a tensor input is left without one (the safe side)."""
+    chosen: dict[Node, Placement] = {}
+    for value, placement in pairs:
+        if chosen.setdefault(value, placement) != placement:
+            return None
+    inputs = []
+    for value in node.all_input_nodes:
+        if not is_tensor(value):
+            inputs.append(None)
+        elif value in chosen:
+            inputs.append(chosen[value])
+        else:
+            return None
+    return Strategy(name, tuple(inputs), output, fraction, tuple(collectives))
+
+
+def _tensor_args(node: Node) -> list[Node]:
+    return [value for value in node.all_input_nodes if is_tensor(value)]
+
+
+def replicated(node: Node) -> Strategy:
+    """Every rank runs the whole op on whole tensors."""
+    outputs = info(node)
+    output = tuple(R for _ in outputs) if isinstance(outputs, tuple) else R
+    inputs = tuple(R if is_tensor(value) else None for value in node.all_input_nodes)
+    return Strategy("replicate", inputs, output, 1.0)
+
+
+# --- products (Megatron column / row parallel) -------------------------------------------------
+
+def _linear(node, tp):
+    """linear(x, w[out, in], b): column = w S(0) -> out S(last); row = x S(last), w S(1) -> Partial
+    (Shoeybi et al. 2019, sec. 3); or split x's leading dims with w replicated."""
+    x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
+    bias = b if is_tensor(b) else None
+    last, (out_features, in_features) = len(shape(x)) - 1, shape(w)
+
+    def pairs(px, pw, pb):
+        return [(x, px), (w, pw)] + ([(bias, pb)] if bias is not None else [])
+    rows = []
+    if divides(tp, out_features):
+        rows.append(make(node, "column", pairs(R, Shard(0), Shard(0)), Shard(last), 1 / tp))
+    if divides(tp, in_features):
+        rows.append(make(node, "row", pairs(Shard(last), Shard(1), SUM), SUM, 1 / tp))
+    rows += [make(node, f"rows S({d})", pairs(Shard(d), R, R), Shard(d), 1 / tp)
+             for d in shardable(shape(x)[:-1], tp)]
+    return rows
+
+
+def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
+    """a[..., n, k] @ b[..., k, m] (+ bias) for mm, bmm, matmul, addmm: b's last dim split (column),
+    the contracted dim split (row, Partial), or a's rows / shared batch dims split."""
+    def rule(node, tp):
+        a, b = node.args[a_index], node.args[b_index]
+        bias = node.args[bias_index] if bias_index is not None and is_tensor(node.args[bias_index]) else None
+        sa, sb, out = shape(a), shape(b), shape(node)
+        batched = len(sb) > 2
+        if len(sa) < 2 or len(sb) < 2 or (batched and len(sa) != len(sb)):
+            return []  # vectors and broadcast batch dims: keep it replicated
+
+        def strategy(name, pa, pb, po):
+            pairs = [(a, pa), (b, pb)]
+            if bias is not None:
+                pairs.append((bias, SUM if po == SUM else broadcast_input(bias, out, po)))
+            return make(node, name, pairs, po, 1 / tp)
+        rows = []
+        if divides(tp, sb[-1]):
+            rows.append(strategy("column", R, Shard(len(sb) - 1), Shard(len(out) - 1)))
+        if divides(tp, sa[-1]):
+            rows.append(strategy("row", Shard(len(sa) - 1), Shard(len(sb) - 2), SUM))
+        for d in shardable(sa[:-1], tp):
+            shared = batched and d < len(sa) - 2  # a batch dim both operands have
+            rows.append(strategy(f"rows S({d})", Shard(d), Shard(d) if shared else R, Shard(d)))
+        return rows
+    return rule
+
+
+# --- embedding, attention, loss ----------------------------------------------------------------
+
+def _embedding(node, tp):
+    """Vocabulary-parallel: w S(0), ids R -> Partial(sum), each rank looking up only its rows and
+    writing zeros elsewhere (Shoeybi et al. 2019, sec. 3), so every rank still writes the full
+    output. Hidden-split: w S(1) -> out S(last). Or split the ids."""
+    w, ids = node.args[0], node.args[1]
+    vocab, hidden = shape(w)
+    rows = []
+    if divides(tp, vocab):
+        rows.append(make(node, "vocab_parallel", [(w, Shard(0)), (ids, R)], SUM, 1.0))
+    if divides(tp, hidden):
+        rows.append(make(node, "hidden", [(w, Shard(1)), (ids, R)], Shard(len(shape(node)) - 1), 1 / tp))
+    rows += [make(node, f"ids S({d})", [(w, R), (ids, Shard(d))], Shard(d), 1 / tp)
+             for d in shardable(shape(ids), tp)]
+    return rows
+
+
+def _attention(node, tp):
+    """Scaled dot-product attention split by heads (Shoeybi et al. 2019, sec. 3) or by batch: every
+    head is independent. Grouped-query attention needs tp to divide both head counts; then query
+    heads of rank r use exactly the kv heads of rank r. The mask follows by broadcasting."""
+    q, k, v = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    mask = mask if is_tensor(mask) else None
+    scores = shape(q)[:-1] + (shape(k)[-2],)
+    rows = []
+    for d in range(len(shape(q)) - 2):
+        if all(divides(tp, shape(t)[d]) and shape(t)[d] != 1 for t in (q, k, v)):
+            pairs = [(q, Shard(d)), (k, Shard(d)), (v, Shard(d))]
+            if mask is not None:
+                pairs.append((mask, broadcast_input(mask, scores, Shard(d))))
+            name = "heads" if d == len(shape(q)) - 3 else f"batch S({d})"
+            rows.append(make(node, name, pairs, Shard(d), 1 / tp))
+    return rows
+
+
+def _cross_entropy(node, tp):
+    """Vocabulary-parallel (Shoeybi et al. 2019, sec. 3): logits split on the class dim, labels R;
+    three all-reduces of one float32 per row (row max, target logit, sum of exp) give every rank the
+    full loss. Rows split only for reduction 'none' or 'sum': a mean divides by the count of
+    non-ignored labels, which is global."""
+    logits, target = node.args[0], node.args[1]
+    weight, reduction = arg(node, 2, "weight"), arg(node, 3, "reduction", 1)
+    if is_tensor(weight) or arg(node, 5, "label_smoothing", 0.0) or floating(target):
+        return []  # class weights, smoothing, soft labels: more reductions than written here
+    class_dim = 1 if len(shape(logits)) >= 2 else 0
+    classes = shape(logits)[class_dim]
+    rows = []
+    if divides(tp, classes):
+        row_bytes = info(logits).numel / classes * STAT_BYTES
+        reduces = (Collective("all_reduce", row_bytes, "max", "row max of the logits"),
+                   Collective("all_reduce", row_bytes, "sum", "logit of the target class"),
+                   Collective("all_reduce", row_bytes, "sum", "sum of exp(logit - max)"))
+        rows.append(make(node, "vocab_parallel", [(logits, Shard(class_dim)), (target, R)], R, 1 / tp,
+                         reduces))
+    if class_dim == 1 and reduction in (0, 2) and divides(tp, shape(logits)[0]):
+        rows.append(make(node, "rows S(0)", [(logits, Shard(0)), (target, Shard(0))],
+                         Shard(0) if reduction == 0 else SUM, 1 / tp))
+    return rows
+
+
+# --- norms, softmax, reductions, elementwise ---------------------------------------------------
+
+def _norm(node, tp):
+    """layer_norm / rms_norm: split only dims before the normalised ones; weight and bias R."""
+    x, kept = node.args[0], len(shape(node.args[0])) - len(node.args[1])
+    params = [(p, R) for p in _tensor_args(node) if p is not x]
+    return [make(node, f"S({d})", [(x, Shard(d))] + params, Shard(d), 1 / tp)
+            for d in shardable(shape(x), tp) if d < kept]
+
+
+def _softmax(node, tp):
+    """softmax / log_softmax: any dim but the one normalised over."""
+    x = node.args[0]
+    dim = norm_dim(arg(node, 1, "dim"), len(shape(x)))
+    return [make(node, f"S({d})", [(x, Shard(d))], Shard(d), 1 / tp) for d in shardable(shape(x), tp) if d != dim]
+
+
+def _reduction(partial_when_reduced: bool):
+    """sum / mean: a split dim that survives stays split; summing over a split dim leaves a
+    Partial(sum) (mean is not offered that: it would need Partial(avg)). Partial in, Partial out."""
+    def rule(node, tp):
+        x = node.args[0]
+        ndim = len(shape(x))
+        dims = arg(node, 1, "dim") if node.target._overloadname != "default" else None
+        dims = [dims] if isinstance(dims, int) else dims
+        reduced = set(range(ndim)) if not dims else {norm_dim(d, ndim) for d in dims}
+        keepdim = bool(arg(node, 2, "keepdim", False))
+        rows = []
+        for d in shardable(shape(x), tp):
+            if d not in reduced:
+                out = d if keepdim else d - sum(1 for r in reduced if r < d)
+                rows.append(make(node, f"S({d})", [(x, Shard(d))], Shard(out), 1 / tp))
+            elif partial_when_reduced:
+                rows.append(make(node, f"reduce S({d})", [(x, Shard(d))], SUM, 1 / tp))
+        if floating(x) and floating(node):
+            rows.append(make(node, "partial", [(x, SUM)], SUM, 1.0))
+        return rows
+    return rule
+
+
+def _elementwise(linear: str | None = None):
+    """Pointwise ops with broadcasting: an output shard maps to the matching dim of each operand and
+    to R where the operand is broadcast. ``linear`` names how a Partial(sum) passes, since only
+    linear maps commute with the sum: 'additive' (every operand Partial), 'scaling' (one operand
+    Partial, the others R or scalars), 'dividend' (the numerator Partial), 'negation'."""
+    def rule(node, tp):
+        out, operands = shape(node), _tensor_args(node)
+        rows = [make(node, f"S({d})", [(x, broadcast_input(x, out, Shard(d))) for x in operands],
+                     Shard(d), 1 / tp) for d in shardable(out, tp)]
+        if linear is None or not floating(node):
+            return rows
+        # positional operands, so mul(x, x) asks x for two placements and is dropped by make()
+        first, second = node.args[0], node.args[1] if len(node.args) > 1 else None
+        tensors = [x for x in (first, second) if is_tensor(x)]
+        if linear == "negation" or (linear == "additive" and len(tensors) == 2):
+            rows.append(make(node, "partial", [(x, SUM) for x in tensors], SUM, 1.0))
+        elif linear == "scaling":
+            rows += [make(node, "partial", [(x, SUM if i == chosen else R) for i, x in enumerate(tensors)],
+                          SUM, 1.0) for chosen in range(len(tensors))]
+        elif linear == "dividend" and is_tensor(first) and arg(node, 2, "rounding_mode") is None:
+            rows.append(make(node, "partial", [(x, SUM if i == 0 else R) for i, x in enumerate(tensors)],
+                             SUM, 1.0))
+        return rows
+    return rule
+
+
+_POINTWISE = _elementwise()
+
+COMPUTE_RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
+    # products
+    aten.linear: _linear,
+    aten.mm: _contraction(0, 1), aten.bmm: _contraction(0, 1), aten.matmul: _contraction(0, 1),
+    aten.addmm: _contraction(1, 2, bias_index=0),
+    # embedding, attention, loss
+    aten.embedding: _embedding,
+    aten.scaled_dot_product_attention: _attention,
+    aten.cross_entropy_loss: _cross_entropy,
+    # norms, softmax, reductions
+    aten.layer_norm: _norm, aten.rms_norm: _norm,
+    aten.softmax: _softmax, aten._softmax: _softmax, aten.log_softmax: _softmax, aten._log_softmax: _softmax,
+    aten.sum: _reduction(partial_when_reduced=True), aten.mean: _reduction(partial_when_reduced=False),
+    # pointwise: linear ones let a Partial through, nonlinear ones never do
+    aten.add: _elementwise("additive"), aten.sub: _elementwise("additive"),
+    aten.mul: _elementwise("scaling"), aten.div: _elementwise("dividend"), aten.neg: _elementwise("negation"),
+    **{op: _POINTWISE for op in (
+        aten.gelu, aten.silu, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
+        aten.pow, aten.square, aten.reciprocal, aten.sin, aten.cos, aten.erf, aten.abs, aten.clamp,
+        aten.hardtanh, aten.leaky_relu, aten.rsub, aten.maximum, aten.minimum, aten.where, aten.masked_fill,
+        aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__, aten.bitwise_and,
+        aten.bitwise_or, aten.bitwise_not, aten.logical_and, aten.logical_or, aten.logical_not)},
+}
+
+
+def _from_follow(rule: Callable[[Node, int], list[Follow]]):
+    """A view rule's rows as strategies: no FLOPs, so the share is that of the elements held."""
+    def strategies(node, tp):
+        found = []
+        for follow in rule(node, tp):
+            split = any(isinstance(p, Shard) for p in _outputs(follow.output))
+            name = "follow " + ", ".join(str(p) for _, p in follow.inputs)
+            found.append(make(node, name, follow.inputs, follow.output, 1 / tp if split else 1.0))
+        return found
+    return strategies
+
+
+RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
+    **COMPUTE_RULES, **{op: _from_follow(rule) for op, rule in VIEW_RULES.items()}}
+
+
+def _packet(node: Node):
+    return getattr(node.target, "overloadpacket", node.target)
+
+
+def strategies_for(node: Node, tp: int) -> list[Strategy]:
+    """Candidate strategies of one node on a tp axis of ``tp`` ranks; the first is all-Replicate.
+
+    Placeholders (parameters, inputs) may be held whole or split on any dim tp divides; the output
+    node reads whole tensors; an op without a rule is only replicated.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    if node.op in ("placeholder", "get_attr"):
+        if tp == 1:
+            return [Strategy("replicate", (), R, 1.0)]
+        return [Strategy("replicate", (), R, 1.0)] + \
+            [Strategy(f"S({d})", (), Shard(d), 1 / tp) for d in shardable(shape(node), tp)]
+    found = [replicated(node)]
+    if tp == 1:  # one rank: every placement is the whole tensor
+        return found
+    rule = RULES.get(_packet(node)) if node.op == "call_function" and is_tensor(node) else None
+    for strategy in rule(node, tp) if rule else ():
+        if strategy is not None and all((s.inputs, s.output) != (strategy.inputs, strategy.output) for s in found):
+            found.append(strategy)
+    return found
+
+
+def ops_without_sharding_rule(gm) -> dict[str, list[str]]:
+    """Op name -> names of the nodes (producing a tensor) whose op has no row in ``RULES``."""
+    missing: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_tensor(node) and _packet(node) not in RULES:
+            missing.setdefault(str(_packet(node)), []).append(node.name)
+    return missing
+
+
+def gradient_placements(strategy: Strategy) -> tuple[Placement | None, ...]:
+    """Placement of each input's gradient under ``strategy``, the output gradient arriving as the
+    dual of the output (S as S, R as R, Partial as R): a split input gets a split gradient, a Partial
+    input an R one, and an R input a Partial(sum) one when the output is split or Partial, since each
+    rank then holds one part of it (Megatron's f: identity forward, all-reduce backward)."""
+    split = any(not isinstance(p, Replicate) for p in _outputs(strategy.output))
+
+    def dual(p):
+        if p is None or isinstance(p, Shard):
+            return p
+        if isinstance(p, Partial):
+            return R
+        return Partial("sum") if split else R
+    return tuple(dual(p) for p in strategy.inputs)

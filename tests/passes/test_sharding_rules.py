@@ -1,0 +1,307 @@
+"""Sharding rules: hand-checked strategies for linear, views that split heads, attention, broadcasting,
+softmax, Partial through linear and nonlinear ops; rule coverage on the GPT-2, Llama, BERT and in-repo GPT
+graphs; and the Megatron layout reachable on Llama from the candidates alone."""
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import HF_MODELS, token_batch
+from examples.gpt import build_gpt
+from xirang.ir.meta_keys import symbol
+from xirang.ir.pass_spec import CompileContext
+from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.pass_manager import PassManager
+from xirang.passes.sharding_rules import gradient_placements, ops_without_sharding_rule, strategies_for
+from xirang.passes.sharding_rules_views import info, reshape_groups
+from xirang.passes.tensors import annotate_tensors
+from xirang.passes.trace import trace_model
+
+R, P = Replicate(), Partial("sum")
+B, S = symbol("batch"), symbol("seq")
+
+
+def analysed(model, symbolic_dims=None, **inputs):
+    """Traced graph with shapes; ``symbolic_dims={}`` keeps every dim static."""
+    ctx = CompileContext(model=model, example_kwargs=inputs, symbolic_dims=symbolic_dims)
+    return PassManager([trace_model, annotate_tensors]).run(None, ctx).gm
+
+
+def calls(gm, op_name):
+    return [n for n in gm.graph.nodes if str(getattr(n.target, "overloadpacket", "")) == f"aten.{op_name}"]
+
+
+def only(gm, op_name):
+    (node,) = calls(gm, op_name)
+    return node
+
+
+def by_name(node, tp):
+    return {s.name: s for s in strategies_for(node, tp)}
+
+
+def layouts(node, tp):
+    """Each strategy as (input placements, output placement)."""
+    return {(s.inputs, s.output) for s in strategies_for(node, tp)}
+
+
+# --- linear: Megatron column and row parallel ---------------------------------------------------
+
+def test_linear_offers_column_and_row_parallel():
+    gm = analysed(nn.Linear(8, 16), {"input": {0: "batch", 1: "seq"}}, input=torch.randn(2, 3, 8))
+    strategies = by_name(only(gm, "linear"), tp=2)
+    assert set(strategies) == {"replicate", "column", "row"}  # batch/seq dims are not provably even
+    column, row = strategies["column"], strategies["row"]
+    # inputs in node.all_input_nodes order: x, weight [out, in], bias
+    assert (column.inputs, column.output, column.compute_fraction) == ((R, Shard(0), Shard(0)), Shard(2), 0.5)
+    # row: the bias is read as Partial, so it is added exactly once in the all-reduced sum
+    assert (row.inputs, row.output, row.compute_fraction) == ((Shard(2), Shard(1), P), P, 0.5)
+    assert column.collective is None and row.collective is None  # the all-reduce is priced on the edge
+    # backward: column's input gradient is Partial (Megatron's f), row's bias gradient is whole
+    assert gradient_placements(column) == (P, Shard(0), Shard(0))
+    assert gradient_placements(row) == (Shard(2), Shard(1), R)
+
+
+def test_linear_needs_tp_to_divide_the_split_features():
+    gm = analysed(nn.Linear(6, 4, bias=False), {}, input=torch.randn(5, 6))
+    assert set(by_name(only(gm, "linear"), tp=4)) == {"replicate", "column"}  # 6 in-features: no row
+    assert set(by_name(only(gm, "linear"), tp=3)) == {"replicate", "row"}  # 4 out-features: no column
+    assert strategies_for(only(gm, "linear"), tp=1) == strategies_for(only(gm, "linear"), tp=1)[:1]
+
+
+def test_gpt2_conv1d_addmm_column_and_row():
+    """addmm(bias, x, w[in, out]): column splits w's dim 1 and the bias, row w's dim 0."""
+    class Conv1D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(8, 12)), nn.Parameter(torch.randn(12))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight)
+    strategies = by_name(only(analysed(Conv1D(), {"x": {0: "batch"}}, x=torch.randn(4, 8)), "addmm"), tp=2)
+    assert (strategies["column"].inputs, strategies["column"].output) == ((Shard(0), R, Shard(1)), Shard(1))
+    assert (strategies["row"].inputs, strategies["row"].output) == ((P, Shard(1), Shard(0)), P)
+
+
+# --- views follow the shard through the heads split -----------------------------------------------
+
+class SplitHeads(nn.Module):
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        return x.view(batch, seq, 4, 16).transpose(1, 2)
+
+
+def test_view_that_splits_heads_maps_the_hidden_shard_to_the_heads_dim():
+    gm = analysed(SplitHeads(), {"x": {0: "batch", 1: "seq"}}, x=torch.randn(2, 3, 64))
+    view = only(gm, "view")
+    assert {(s.inputs[0], s.output) for s in strategies_for(view, tp=2)} == {(R, R), (Shard(2), Shard(2)), (P, P)}
+    # 8 ranks cannot split 4 heads: a shard inside a head is not offered
+    assert {s.output for s in strategies_for(view, tp=8)} == {R, P}
+
+
+def test_transpose_swaps_the_sharded_dim():
+    gm = analysed(SplitHeads(), {"x": {0: "batch", 1: "seq"}}, x=torch.randn(2, 3, 64))
+    assert ((Shard(2),), Shard(1)) in layouts(only(gm, "transpose"), tp=2)
+    assert ((Shard(3),), Shard(3)) in layouts(only(gm, "transpose"), tp=2)
+
+
+def test_reshape_groups_pair_the_outermost_dims_of_equal_products():
+    assert reshape_groups((B, S, 64), (B, S, 4, 16)) == [(0, 0), (1, 1), (2, 2)]
+    assert reshape_groups((B, S, 4, 16), (B, S, 64)) == [(0, 0), (1, 1), (2, 2)]
+    assert reshape_groups((B, S, 1000), (B * S, 1000)) == [(0, 0), (2, 1)]
+    assert reshape_groups((B, 2, 2, S, 16), (B, 4, S, 16)) == [(0, 0), (1, 1), (3, 2), (4, 3)]
+    assert reshape_groups((1, S, 16), (S, 16)) == [(1, 0), (2, 1)]
+    assert reshape_groups((6, 4), (4, 6)) == [(0, 0)]
+
+
+# --- attention by heads, grouped-query attention ---------------------------------------------------
+
+class Attend(nn.Module):
+    def __init__(self, gqa=False):
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+
+
+def attention(kv_heads, gqa):
+    dims = {name: {0: "batch", 2: "seq"} for name in "qkv"}
+    gm = analysed(Attend(gqa), dims, q=torch.randn(2, 4, 5, 8), k=torch.randn(2, kv_heads, 5, 8),
+                  v=torch.randn(2, kv_heads, 5, 8))
+    return only(gm, "scaled_dot_product_attention")
+
+
+def test_attention_splits_heads():
+    heads = by_name(attention(4, gqa=False), tp=2)["heads"]
+    assert (heads.inputs, heads.output, heads.compute_fraction) == ((Shard(1),) * 3, Shard(1), 0.5)
+    assert layouts(attention(4, gqa=False), tp=8) == {((R, R, R), R)}  # 4 heads on 8 ranks
+
+
+def test_grouped_query_attention_splits_heads_when_tp_divides_both_head_counts():
+    assert "heads" in by_name(attention(2, gqa=True), tp=2)
+    assert set(by_name(attention(2, gqa=True), tp=4)) == {"replicate"}  # 2 kv heads on 4 ranks
+
+
+# --- broadcasting, softmax, Partial ----------------------------------------------------------------
+
+class AddBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return x + self.bias
+
+
+def test_elementwise_broadcasting_maps_the_output_shard_to_each_operand():
+    gm = analysed(AddBias(), {}, x=torch.randn(2, 4, 8))  # [b, s, h] + [h]
+    found = layouts(only(gm, "add"), tp=2)
+    assert ((Shard(2), Shard(0)), Shard(2)) in found  # the bias is split with the hidden dim
+    assert ((Shard(0), R), Shard(0)) in found and ((Shard(1), R), Shard(1)) in found  # broadcast: R
+    assert ((P, P), P) in found  # add of two Partials is a Partial
+
+
+def test_softmax_never_splits_its_reduction_dim():
+    for dim in (-1, 1):
+        gm = analysed(nn.Softmax(dim=dim), {}, input=torch.randn(4, 6, 8))
+        outputs = {s.output for s in strategies_for(only(gm, "softmax"), tp=2)}
+        assert Shard(dim % 3) not in outputs
+        assert outputs == {R, Shard(0), Shard(1), Shard(2)} - {Shard(dim % 3)}
+
+
+class LinearThenNot(nn.Module):
+    def forward(self, x, y):
+        return F.gelu(x), x * y, x * x, -x
+
+
+def test_partial_passes_linear_ops_but_not_gelu_or_a_square():
+    gm = analysed(LinearThenNot(), {}, x=torch.randn(4, 6), y=torch.randn(4, 6))
+    assert all(P not in s.inputs and s.output != P for s in strategies_for(only(gm, "gelu"), tp=2))
+    products = calls(gm, "mul")
+    x_times_y = next(n for n in products if n.args[0] is not n.args[1])
+    x_times_x = next(n for n in products if n.args[0] is n.args[1])
+    assert {((P, R), P), ((R, P), P)} <= layouts(x_times_y, tp=2)  # scaling by a replicated tensor
+    assert all(s.output != P for s in strategies_for(x_times_x, tp=2))  # (sum x_r)^2 != sum x_r^2
+    assert ((P,), P) in layouts(only(gm, "neg"), tp=2)
+
+
+def test_an_op_without_a_rule_is_only_replicated_and_listed():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return torch.cumprod(x, dim=1)
+    gm = analysed(Odd(), {}, x=torch.randn(4, 6))
+    (strategy,) = strategies_for(only(gm, "cumprod"), tp=2)
+    assert (strategy.name, strategy.inputs, strategy.output, strategy.compute_fraction) == ("replicate", (R,), R, 1.0)
+    assert list(ops_without_sharding_rule(gm)) == ["aten.cumprod"]
+
+
+# --- embedding and cross-entropy, vocabulary-parallel ----------------------------------------------
+
+class LookupAndLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(100, 8)
+
+    def forward(self, ids, labels):
+        logits = self.table(ids) @ self.table.weight.t()
+        return F.cross_entropy(logits.reshape(-1, 100), labels.reshape(-1))
+
+
+def test_vocabulary_parallel_embedding_and_cross_entropy():
+    tokens = {name: torch.zeros(2, 3, dtype=torch.long) for name in ("ids", "labels")}
+    gm = analysed(LookupAndLoss(), **tokens)
+    embedding = by_name(only(gm, "embedding"), tp=4)
+    assert (embedding["vocab_parallel"].inputs, embedding["vocab_parallel"].output) == ((Shard(0), R), P)
+    assert (embedding["hidden"].inputs, embedding["hidden"].output) == ((Shard(1), R), Shard(2))
+    loss = by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"]
+    assert (loss.inputs, loss.output, loss.collective) == ((Shard(1), R), R, "all_reduce")
+    # three all-reduces of one float32 per row: max, target logit, sum of exp (Megatron)
+    assert [(c.reduce_op, sympy.expand(c.nbytes - 4 * B * S)) for c in loss.collectives] == \
+        [("max", 0), ("sum", 0), ("sum", 0)]
+    assert set(by_name(only(gm, "cross_entropy_loss"), tp=3)) == {"replicate"}  # 100 classes on 3 ranks
+
+
+# --- the four graphs -----------------------------------------------------------------------------
+
+GRAPHS = {**HF_MODELS, "gpt": lambda: build_gpt("tiny", device="meta")}
+# The compute ops that carry a transformer: each must have a rule.
+MUST_HAVE_RULES = {"aten.linear", "aten.addmm", "aten.mm", "aten.bmm", "aten.matmul", "aten.embedding",
+                   "aten.scaled_dot_product_attention", "aten.layer_norm", "aten.rms_norm", "aten.softmax",
+                   "aten.cross_entropy_loss", "aten.add", "aten.sub", "aten.mul", "aten.div", "aten.neg",
+                   "aten.gelu", "aten.silu", "aten.tanh", "aten.pow", "aten.rsqrt", "aten.mean", "aten.dropout",
+                   "aten.view", "aten.reshape", "aten.transpose", "aten.split", "aten.cat", "aten.expand",
+                   "aten.unsqueeze", "aten.slice", "aten.contiguous", "aten.to"}
+
+
+@functools.cache
+def graph(name):
+    return analysed(GRAPHS[name](), **token_batch())
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_every_compute_op_of_the_model_graphs_has_a_rule(name):
+    gm = graph(name)
+    missing = ops_without_sharding_rule(gm)
+    print(f"{name}: replicate-only ops {sorted(missing)}")
+    assert not MUST_HAVE_RULES & set(missing)
+    # what is left builds positions and masks from integer tensors: replicated is fine and cheap
+    nodes = {n.name: n for n in gm.graph.nodes}
+    floating = [f"{op} ({node})" for op, names in missing.items() for node in names if info(nodes[node]).is_floating]
+    assert not floating
+
+
+def megatron_walk(gm, tp):
+    """Pick strategies front to back as Megatron does, using only the candidates: linears column when
+    their input is whole and row when it is split on the last dim, embeddings vocabulary-parallel, and
+    elsewhere a strategy that reads what the producers wrote (a split output first). Returns the picks
+    and the producers whose output had to be resharded."""
+    placed, picks, resharded = {}, {}, set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        candidates = strategies_for(node, tp)
+
+        def have(producer):
+            out = placed.get(producer)
+            return out[node.args[1]] if node.target is operator.getitem and isinstance(out, tuple) else out
+
+        def fits(strategy):
+            return all(want is None or (have(p) or R) == want or (p.op == "placeholder" and packet in seeded)
+                       for p, want in zip(node.all_input_nodes, strategy.inputs))
+        packet = str(getattr(node.target, "overloadpacket", node.target))
+        seeded = {"aten.linear": "column" if have(node.args[0]) in (None, R) else "row",
+                  "aten.embedding": "vocab_parallel"}
+        if packet in seeded:
+            pick = next(s for s in candidates if s.name == seeded[packet])
+        else:
+            ranked = sorted((s for s in candidates if fits(s)),
+                            key=lambda s: 0 if isinstance(s.output, Shard) else 1 if s.output == R else 2)
+            pick = ranked[0] if ranked else candidates[0]
+        for p, want in zip(node.all_input_nodes, pick.inputs):
+            if want is not None and p.op != "placeholder" and (have(p) or R) != want:
+                resharded.add((p.name, str(have(p)), str(want)))
+        picks[node.name], placed[node] = pick, pick.output
+    return picks, resharded
+
+
+def test_megatron_layout_is_reachable_on_llama_from_the_candidates_alone():
+    gm = graph("llama")
+    picks, resharded = megatron_walk(gm, tp=2)
+    for node in gm.graph.nodes:
+        if str(getattr(node.target, "overloadpacket", "")) == "aten.scaled_dot_product_attention":
+            assert picks[node.name].name == "heads"
+    linears = [picks[n.name].name for n in calls(gm, "linear")]
+    # per layer: q, k, v column; o row; gate, up column; down row; then the LM head column
+    assert linears == ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"] + \
+        ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"] + ["column"]
+    assert picks[only(gm, "cross_entropy_loss").name].name == "vocab_parallel"
+    # only all-reduces of Partials (embedding, then attention and MLP of each layer), no all-gather
+    assert {(old, new) for _, old, new in resharded} == {("P(sum)", "R")}
+    assert len({name for name, _, _ in resharded}) == 1 + 2 * 2
