@@ -10,7 +10,8 @@ S(last), weight S(1) -> output Partial(sum)), attention split by heads, vocabula
 embedding and cross-entropy.
 
 Choices, so a reader can argue with them:
-- ``Strategy.inputs`` holds one placement per ``node.all_input_nodes`` (None for SymInt inputs).
+- ``Strategy.inputs`` holds one placement per ``node.all_input_nodes``; None asks nothing (a SymInt
+  input, or any input of an op that reads only metadata, such as sym_size).
   For ``getitem`` of a multi-output op it is the placement of the element picked; a producer whose
   output is a tuple offers one placement per element.
 - Partial stays a placement: a row-parallel linear outputs Partial(sum) and the all-reduce (or
@@ -29,7 +30,6 @@ Choices, so a reader can argue with them:
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -40,11 +40,10 @@ from torch.fx import Node
 from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
 from .memory_traffic import STAT_BYTES, arg
-from .sharding_rules_views import (R, SUM, VIEW_RULES, Follow, broadcast_input, divides, floating, info,
-                                   is_tensor, norm_dim, shape, shardable)
+from .sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides, floating, info,
+                                   is_tensor, same, shape, shardable)
 
 aten = torch.ops.aten
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class Strategy:
     """One way to run a node on the tp axis: what it reads, what it writes, its share of the work."""
 
     name: str
-    inputs: tuple[Placement | None, ...]  # one per node.all_input_nodes; None for non-tensors
+    inputs: tuple[Placement | None, ...]  # one per node.all_input_nodes; None: no requirement (non-tensor)
     output: Placement | tuple[Placement, ...]  # a tuple for multi-output ops
     compute_fraction: float  # local FLOPs / full FLOPs (the share of elements for data movement)
     collectives: tuple[Collective, ...] = ()
@@ -101,15 +100,13 @@ def make(node: Node, name: str, pairs: Iterable[tuple[Node, Placement]], output,
     return Strategy(name, tuple(inputs), output, fraction, tuple(collectives))
 
 
-def _tensor_args(node: Node) -> list[Node]:
-    return [value for value in node.all_input_nodes if is_tensor(value)]
-
-
 def replicated(node: Node) -> Strategy:
-    """Every rank runs the whole op on whole tensors."""
+    """Every rank runs the whole op on whole tensors. An op that makes no tensor (sym_size,
+    _assert_tensor_metadata) reads only metadata, so it asks nothing of its inputs (None)."""
     outputs = info(node)
     output = tuple(R for _ in outputs) if isinstance(outputs, tuple) else R
-    inputs = tuple(R if is_tensor(value) else None for value in node.all_input_nodes)
+    reads_data = node.op != "call_function" or outputs is not None
+    inputs = tuple(R if reads_data and is_tensor(value) else None for value in node.all_input_nodes)
     return Strategy("replicate", inputs, output, 1.0)
 
 
@@ -142,7 +139,8 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
         bias = node.args[bias_index] if bias_index is not None and is_tensor(node.args[bias_index]) else None
         sa, sb, out = shape(a), shape(b), shape(node)
         batched = len(sb) > 2
-        if len(sa) < 2 or len(sb) < 2 or (batched and len(sa) != len(sb)):
+        if len(sa) < 2 or len(sb) < 2 or (batched and (len(sa) != len(sb) or
+                                                       not all(map(same, sa[:-2], sb[:-2])))):
             return []  # vectors and broadcast batch dims: keep it replicated
 
         def strategy(name, pa, pb, po):
@@ -224,74 +222,6 @@ def _cross_entropy(node, tp):
     return rows
 
 
-# --- norms, softmax, reductions, elementwise ---------------------------------------------------
-
-def _norm(node, tp):
-    """layer_norm / rms_norm: split only dims before the normalised ones; weight and bias R."""
-    x, kept = node.args[0], len(shape(node.args[0])) - len(node.args[1])
-    params = [(p, R) for p in _tensor_args(node) if p is not x]
-    return [make(node, f"S({d})", [(x, Shard(d))] + params, Shard(d), 1 / tp)
-            for d in shardable(shape(x), tp) if d < kept]
-
-
-def _softmax(node, tp):
-    """softmax / log_softmax: any dim but the one normalised over."""
-    x = node.args[0]
-    dim = norm_dim(arg(node, 1, "dim"), len(shape(x)))
-    return [make(node, f"S({d})", [(x, Shard(d))], Shard(d), 1 / tp) for d in shardable(shape(x), tp) if d != dim]
-
-
-def _reduction(partial_when_reduced: bool):
-    """sum / mean: a split dim that survives stays split; summing over a split dim leaves a
-    Partial(sum) (mean is not offered that: it would need Partial(avg)). Partial in, Partial out."""
-    def rule(node, tp):
-        x = node.args[0]
-        ndim = len(shape(x))
-        dims = arg(node, 1, "dim") if node.target._overloadname != "default" else None
-        dims = [dims] if isinstance(dims, int) else dims
-        reduced = set(range(ndim)) if not dims else {norm_dim(d, ndim) for d in dims}
-        keepdim = bool(arg(node, 2, "keepdim", False))
-        rows = []
-        for d in shardable(shape(x), tp):
-            if d not in reduced:
-                out = d if keepdim else d - sum(1 for r in reduced if r < d)
-                rows.append(make(node, f"S({d})", [(x, Shard(d))], Shard(out), 1 / tp))
-            elif partial_when_reduced:
-                rows.append(make(node, f"reduce S({d})", [(x, Shard(d))], SUM, 1 / tp))
-        if floating(x) and floating(node):
-            rows.append(make(node, "partial", [(x, SUM)], SUM, 1.0))
-        return rows
-    return rule
-
-
-def _elementwise(linear: str | None = None):
-    """Pointwise ops with broadcasting: an output shard maps to the matching dim of each operand and
-    to R where the operand is broadcast. ``linear`` names how a Partial(sum) passes, since only
-    linear maps commute with the sum: 'additive' (every operand Partial), 'scaling' (one operand
-    Partial, the others R or scalars), 'dividend' (the numerator Partial), 'negation'."""
-    def rule(node, tp):
-        out, operands = shape(node), _tensor_args(node)
-        rows = [make(node, f"S({d})", [(x, broadcast_input(x, out, Shard(d))) for x in operands],
-                     Shard(d), 1 / tp) for d in shardable(out, tp)]
-        if linear is None or not floating(node):
-            return rows
-        # positional operands, so mul(x, x) asks x for two placements and is dropped by make()
-        first, second = node.args[0], node.args[1] if len(node.args) > 1 else None
-        tensors = [x for x in (first, second) if is_tensor(x)]
-        if linear == "negation" or (linear == "additive" and len(tensors) == 2):
-            rows.append(make(node, "partial", [(x, SUM) for x in tensors], SUM, 1.0))
-        elif linear == "scaling":
-            rows += [make(node, "partial", [(x, SUM if i == chosen else R) for i, x in enumerate(tensors)],
-                          SUM, 1.0) for chosen in range(len(tensors))]
-        elif linear == "dividend" and is_tensor(first) and arg(node, 2, "rounding_mode") is None:
-            rows.append(make(node, "partial", [(x, SUM if i == 0 else R) for i, x in enumerate(tensors)],
-                             SUM, 1.0))
-        return rows
-    return rule
-
-
-_POINTWISE = _elementwise()
-
 COMPUTE_RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
     # products
     aten.linear: _linear,
@@ -301,36 +231,25 @@ COMPUTE_RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
     aten.embedding: _embedding,
     aten.scaled_dot_product_attention: _attention,
     aten.cross_entropy_loss: _cross_entropy,
-    # norms, softmax, reductions
-    aten.layer_norm: _norm, aten.rms_norm: _norm,
-    aten.softmax: _softmax, aten._softmax: _softmax, aten.log_softmax: _softmax, aten._log_softmax: _softmax,
-    aten.sum: _reduction(partial_when_reduced=True), aten.mean: _reduction(partial_when_reduced=False),
-    # pointwise: linear ones let a Partial through, nonlinear ones never do
-    aten.add: _elementwise("additive"), aten.sub: _elementwise("additive"),
-    aten.mul: _elementwise("scaling"), aten.div: _elementwise("dividend"), aten.neg: _elementwise("negation"),
-    **{op: _POINTWISE for op in (
-        aten.gelu, aten.silu, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
-        aten.pow, aten.square, aten.reciprocal, aten.sin, aten.cos, aten.erf, aten.abs, aten.clamp,
-        aten.hardtanh, aten.leaky_relu, aten.rsub, aten.maximum, aten.minimum, aten.where, aten.masked_fill,
-        aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__, aten.bitwise_and,
-        aten.bitwise_or, aten.bitwise_not, aten.logical_and, aten.logical_or, aten.logical_not)},
 }
 
 
 def _from_follow(rule: Callable[[Node, int], list[Follow]]):
-    """A view rule's rows as strategies: no FLOPs, so the share is that of the elements held."""
+    """A follow rule's rows as strategies: the work splits with the elements, so a rank reading or
+    writing a shard does 1/tp of it, and a Partial passing through costs a whole op per rank."""
     def strategies(node, tp):
         found = []
         for follow in rule(node, tp):
-            split = any(isinstance(p, Shard) for p in _outputs(follow.output))
-            name = "follow " + ", ".join(str(p) for _, p in follow.inputs)
+            placements = [p for _, p in follow.inputs] + list(_outputs(follow.output))
+            split = any(isinstance(p, Shard) for p in placements)
+            name = ", ".join(str(p) for _, p in follow.inputs) + " -> " + str(_outputs(follow.output)[0])
             found.append(make(node, name, follow.inputs, follow.output, 1 / tp if split else 1.0))
         return found
     return strategies
 
 
 RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
-    **COMPUTE_RULES, **{op: _from_follow(rule) for op, rule in VIEW_RULES.items()}}
+    **COMPUTE_RULES, **{op: _from_follow(rule) for op, rule in FOLLOW_RULES.items()}}
 
 
 def _packet(node: Node):

@@ -1,8 +1,9 @@
-"""How a placement follows a tensor through data-movement ops: views, reshapes, transposes, splits, casts.
+"""Ops where a shard simply follows the tensor: views, reshapes, transposes, splits, casts, and the
+pointwise ops, norms, softmax and reductions whose work splits with the elements they touch.
 
 Pure placement algebra on shapes: each rule returns ``Follow`` rows, the placement every tensor
-argument must have and the placement the output then has. ``sharding_rules`` turns them into
-strategies (no FLOPs, so the compute share is just the share of elements each rank holds).
+argument must have and the placement of the output. ``sharding_rules`` turns them into strategies
+(a rank that reads or writes a shard does 1/tp of the work).
 
 Conventions shared with ``sharding_rules``:
 - A ``Shard(dim)`` is offered only on a dim whose size ``tp`` provably divides: an int, or a sympy
@@ -12,8 +13,10 @@ Conventions shared with ``sharding_rules``:
   both sides (``[b, s, 64] -> [b, s, 4, 16]``: S(2) -> S(2) when tp divides 4). Each rank's slice of
   the outermost factor is a contiguous block of the flattened group, which is exactly a shard of the
   other side's outermost dim; a shard of an inner factor would be strided, so it is not offered.
-- ``Partial`` passes through every op here that is linear in its input (views, copies, float
-  casts, getitem, cat of Partials), never through dropout or integer casts.
+- ``Partial(sum)`` passes only through maps that are linear in it, since only those commute with the
+  sum: views, copies, float casts, getitem, cat of Partials, add/sub of two Partials, mul by an R
+  tensor or a scalar, division of a Partial, neg, sum and mean. Never through gelu, pow, dropout, an
+  integer cast, or an add of a scalar (which the sum would count tp times).
 - A split along a sharded dim is not followed: a contiguous shard of a fused ``[q | k | v]``
   projection does not hold a shard of each chunk (Megatron permutes the fused weight for that).
 """
@@ -29,6 +32,8 @@ from torch.fx import Node
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import TENSOR
 from xirang.ir.placement import Partial, Placement, Replicate, Shard
+
+from .memory_traffic import arg
 
 aten = torch.ops.aten
 R, SUM = Replicate(), Partial("sum")
@@ -100,6 +105,10 @@ def floating(value) -> bool:
 
 def first_tensor(node: Node) -> Node:
     return node.args[0] if node.args else next(iter(node.kwargs.values()))
+
+
+def tensor_args(node: Node) -> list[Node]:
+    return [value for value in node.all_input_nodes if is_tensor(value)]
 
 
 # --- rules ------------------------------------------------------------------------------------
@@ -218,7 +227,73 @@ def _cat(node, tp):
     return rows + [Follow(tuple((t, SUM) for t in parts), SUM)] if floating(node) else rows
 
 
-VIEW_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {
+# --- pointwise, norms, softmax, reductions -------------------------------------------------------
+
+def _elementwise(linear: str | None = None) -> Callable[[Node, int], list[Follow]]:
+    """Pointwise ops with broadcasting: an output shard maps to the matching dim of each operand and
+    to R where the operand is broadcast. ``linear`` says how a Partial(sum) passes: 'additive' (both
+    operands Partial), 'scaling' (one Partial, the other R or a scalar), 'dividend' (the numerator),
+    'negation'; None for nonlinear ops, which it never passes."""
+    def rule(node, tp):
+        out, operands = shape(node), tensor_args(node)
+        rows = [Follow(tuple((x, broadcast_input(x, out, Shard(d))) for x in operands), Shard(d))
+                for d in shardable(out, tp)]
+        if linear is None or not floating(node):
+            return rows
+        # positional operands, so mul(x, x) asks x for two placements and the row is dropped
+        first, second = node.args[0], node.args[1] if len(node.args) > 1 else None
+        tensors = [x for x in (first, second) if is_tensor(x)]
+        if linear == "negation" or (linear == "additive" and len(tensors) == 2):
+            rows.append(Follow(tuple((x, SUM) for x in tensors), SUM))
+        elif linear == "scaling":
+            rows += [Follow(tuple((x, SUM if i == chosen else R) for i, x in enumerate(tensors)), SUM)
+                     for chosen in range(len(tensors))]
+        elif linear == "dividend" and is_tensor(first) and arg(node, 2, "rounding_mode") is None:
+            rows.append(Follow(tuple((x, SUM if i == 0 else R) for i, x in enumerate(tensors)), SUM))
+        return rows
+    return rule
+
+
+def _norm(node, tp):
+    """layer_norm / rms_norm: split only dims before the normalised ones; weight and bias R."""
+    x, kept = node.args[0], len(shape(node.args[0])) - len(node.args[1])
+    params = tuple((p, R) for p in tensor_args(node) if p is not x)
+    return [Follow(((x, Shard(d)),) + params, Shard(d)) for d in shardable(shape(x), tp) if d < kept]
+
+
+def _softmax(node, tp):
+    """softmax / log_softmax: any dim but the one normalised over."""
+    x = node.args[0]
+    dim = norm_dim(arg(node, 1, "dim"), len(shape(x)))
+    return [Follow(((x, Shard(d)),), Shard(d)) for d in shardable(shape(x), tp) if d != dim]
+
+
+def _reduction(partial_when_reduced: bool) -> Callable[[Node, int], list[Follow]]:
+    """sum / mean: a split dim that survives stays split; summing over a split dim leaves a
+    Partial(sum) (a mean would need Partial(avg): not offered). Partial in, Partial out."""
+    def rule(node, tp):
+        x = node.args[0]
+        ndim = len(shape(x))
+        dims = arg(node, 1, "dim") if node.target._overloadname != "default" else None
+        dims = [dims] if isinstance(dims, int) else dims
+        reduced = set(range(ndim)) if not dims else {norm_dim(d, ndim) for d in dims}
+        keepdim = bool(arg(node, 2, "keepdim", False))
+        rows = []
+        for d in shardable(shape(x), tp):
+            if d not in reduced:
+                kept = d if keepdim else d - sum(1 for r in reduced if r < d)
+                rows.append(Follow(((x, Shard(d)),), Shard(kept)))
+            elif partial_when_reduced:
+                rows.append(Follow(((x, Shard(d)),), SUM))
+        if floating(x) and floating(node):
+            rows.append(Follow(((x, SUM),), SUM))
+        return rows
+    return rule
+
+
+_POINTWISE = _elementwise()
+
+FOLLOW_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {
     **{op: _reshape for op in (aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.unflatten,
                                aten.unsqueeze, aten.squeeze)},
     aten.transpose: _permute, aten.t: _permute, aten.permute: _permute,
@@ -230,4 +305,15 @@ VIEW_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {
     **{op: _identity(partial_ok=True) for op in (aten.contiguous, aten.clone, aten.alias, aten.detach,
                                                  aten.lift_fresh_copy, aten.to, aten._to_copy)},
     aten.dropout: _identity(partial_ok=False),  # a Partial would need the same mask on every rank
+    aten.layer_norm: _norm, aten.rms_norm: _norm,
+    aten.softmax: _softmax, aten._softmax: _softmax, aten.log_softmax: _softmax, aten._log_softmax: _softmax,
+    aten.sum: _reduction(partial_when_reduced=True), aten.mean: _reduction(partial_when_reduced=False),
+    aten.add: _elementwise("additive"), aten.sub: _elementwise("additive"),
+    aten.mul: _elementwise("scaling"), aten.div: _elementwise("dividend"), aten.neg: _elementwise("negation"),
+    **{op: _POINTWISE for op in (
+        aten.gelu, aten.silu, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
+        aten.pow, aten.square, aten.reciprocal, aten.sin, aten.cos, aten.erf, aten.abs, aten.clamp,
+        aten.hardtanh, aten.leaky_relu, aten.rsub, aten.maximum, aten.minimum, aten.where, aten.masked_fill,
+        aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__, aten.bitwise_and,
+        aten.bitwise_or, aten.bitwise_not, aten.logical_and, aten.logical_or, aten.logical_not)},
 }

@@ -120,6 +120,31 @@ def test_reshape_groups_pair_the_outermost_dims_of_equal_products():
     assert reshape_groups((6, 4), (4, 6)) == [(0, 0)]
 
 
+class FusedQKV(nn.Module):
+    def forward(self, x):
+        q, k, v = x.split(8, dim=-1)
+        return q.sum(-1), k.sum(0), v.mean(0)
+
+
+def test_split_follows_other_dims_but_not_the_split_one():
+    gm = analysed(FusedQKV(), {}, x=torch.randn(4, 6, 24))
+    split = only(gm, "split")
+    # a contiguous quarter of [q | k | v] is not a quarter of each: S(2) is not followed
+    assert {s.output for s in strategies_for(split, tp=2)} == {(R,) * 3, (Shard(0),) * 3, (Shard(1),) * 3, (P,) * 3}
+    getitem = next(n for n in gm.graph.nodes if n.target is operator.getitem)
+    assert ((Shard(1),), Shard(1)) in layouts(getitem, tp=2)  # the element picked, not the tuple
+    # summing over a split dim leaves a Partial; a mean over it is not offered
+    assert ((Shard(2),), P) in layouts(calls(gm, "sum")[0], tp=2)
+    assert ((Shard(0),), P) not in layouts(only(gm, "mean"), tp=2)
+    assert ((Shard(1),), Shard(0)) in layouts(only(gm, "mean"), tp=2)
+
+
+def test_layer_norm_splits_only_the_dims_it_does_not_normalise():
+    gm = analysed(nn.LayerNorm(8), {}, input=torch.randn(4, 6, 8))
+    assert layouts(only(gm, "layer_norm"), tp=2) == {((R, R, R), R), ((Shard(0), R, R), Shard(0)),
+                                                     ((Shard(1), R, R), Shard(1))}
+
+
 # --- attention by heads, grouped-query attention ---------------------------------------------------
 
 class Attend(nn.Module):
@@ -259,12 +284,12 @@ def test_every_compute_op_of_the_model_graphs_has_a_rule(name):
 
 def megatron_walk(gm, tp):
     """Pick strategies front to back as Megatron does, using only the candidates: linears column when
-    their input is whole and row when it is split on the last dim, embeddings vocabulary-parallel, and
-    elsewhere a strategy that reads what the producers wrote (a split output first). Returns the picks
-    and the producers whose output had to be resharded."""
+    their input is whole and row when it is split on the last dim, embeddings vocabulary-parallel, a
+    Partial all-reduced by its first consumer, and elsewhere a strategy that reads what the producers
+    wrote (a split output first). Returns the picks and the producers whose output was resharded."""
     placed, picks, resharded = {}, {}, set()
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node.op in ("placeholder", "get_attr", "output"):  # returned logits: the caller's choice
             continue
         candidates = strategies_for(node, tp)
 
@@ -273,7 +298,7 @@ def megatron_walk(gm, tp):
             return out[node.args[1]] if node.target is operator.getitem and isinstance(out, tuple) else out
 
         def fits(strategy):
-            return all(want is None or (have(p) or R) == want or (p.op == "placeholder" and packet in seeded)
+            return all(want is None or (want != P and (have(p) or R) == want)
                        for p, want in zip(node.all_input_nodes, strategy.inputs))
         packet = str(getattr(node.target, "overloadpacket", node.target))
         seeded = {"aten.linear": "column" if have(node.args[0]) in (None, R) else "row",
@@ -281,8 +306,7 @@ def megatron_walk(gm, tp):
         if packet in seeded:
             pick = next(s for s in candidates if s.name == seeded[packet])
         else:
-            ranked = sorted((s for s in candidates if fits(s)),
-                            key=lambda s: 0 if isinstance(s.output, Shard) else 1 if s.output == R else 2)
+            ranked = sorted((s for s in candidates if fits(s)), key=lambda s: s.output == R)  # split first
             pick = ranked[0] if ranked else candidates[0]
         for p, want in zip(node.all_input_nodes, pick.inputs):
             if want is not None and p.op != "placeholder" and (have(p) or R) != want:
