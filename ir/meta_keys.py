@@ -96,13 +96,6 @@ GRAPH_KEYS = tuple(k for k in globals().values() if isinstance(k, MetaKey) and k
 KEYS_BY_NAME = {k.name: k for k in NODE_KEYS + GRAPH_KEYS}
 
 
-def declared(name: str) -> MetaKey:
-    try:
-        return KEYS_BY_NAME[name]
-    except KeyError:
-        raise KeyError(f"meta key {name!r} is not declared in xirang.ir.meta_keys") from None
-
-
 def symbol(name: str) -> sympy.Symbol:
     """The sympy symbol Xirang uses for a dynamic dimension ('batch', 'seq')."""
     return sympy.Symbol(name, integer=True, positive=True)

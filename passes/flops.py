@@ -36,6 +36,7 @@ from xirang.ir.meta_keys import FLOPS, REQUIRES_GRAD, TENSOR, UNPRICED_OPS
 from xirang.ir.pass_spec import compiler_pass
 
 from .memory_traffic import ALIAS_OPS, arg, needs_grad, tensors
+from .op_tables import in_any, op_packet, ops_missing_from
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ def node_flops(node: Node) -> FlopCount:
     """FLOPs of one node (0 for placeholders, outputs, views and ops without a rule)."""
     if node.op != "call_function":
         return NO_FLOPS
-    rule = FLOP_RULES.get(getattr(node.target, "overloadpacket", node.target))
+    rule = FLOP_RULES.get(op_packet(node))
     if rule is None or not tensors(node):
         return NO_FLOPS
     return rule(node)
@@ -229,14 +230,7 @@ def node_flops(node: Node) -> FlopCount:
 
 def ops_without_flop_rule(gm) -> dict[str, list[str]]:
     """Op name -> names of the nodes calling an op that is neither a view nor in ``FLOP_RULES``."""
-    unknown: dict[str, list[str]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        packet = getattr(node.target, "overloadpacket", node.target)
-        if packet not in ALIAS_OPS and packet not in FLOP_RULES:
-            unknown.setdefault(str(packet), []).append(node.name)
-    return unknown
+    return ops_missing_from(gm, in_any(ALIAS_OPS, FLOP_RULES))
 
 
 def total_flops(gm) -> FlopCount:

@@ -143,7 +143,7 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
         if any(a in position and position[a][0] != 2 for a in node.all_input_nodes):
                 raise CannotFold(f"{run.prefix}: {node.name} reads a layer other than the last")
 
-    previous_ops, previous_params = ops[2], params[2]
+    previous_ops = ops[2]
     anchor_op, anchor_param = ops[2][-1], params[2][-1] if params[2] else None
     for index in range(TRACED_LAYERS, run.length):
         new_params = []

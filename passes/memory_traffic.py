@@ -33,6 +33,8 @@ from xirang.ir.facts import ByteCount, TensorInfo
 from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR
 from xirang.ir.pass_spec import compiler_pass
 
+from .op_tables import in_any, op_packet, ops_missing_from
+
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
 ZERO = sympy.Integer(0)
@@ -85,7 +87,7 @@ def is_persistent(value) -> bool:
             return True
         if value.op == "placeholder":
             return ROLE.get(value, "input") in ("parameter", "buffer", "constant")
-        if _packet(value) not in ALIAS_OPS or not value.args:
+        if op_packet(value) not in ALIAS_OPS or not value.args:
             return False
         value = value.args[0]
     return False
@@ -93,10 +95,6 @@ def is_persistent(value) -> bool:
 
 def activation_bytes(value) -> sympy.Expr:
     return ZERO if is_persistent(value) else nbytes(value)
-
-
-def _packet(node: Node):
-    return getattr(node.target, "overloadpacket", node.target)
 
 
 # --- what each op saves for its backward ------------------------------------------------------
@@ -313,7 +311,7 @@ def node_bytes(node: Node) -> ByteCount:
     """Bytes read, written and saved for backward by one node."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return ByteCount(read=ZERO, written=ZERO, saved_for_backward=ZERO)
-    packet = _packet(node)
+    packet = op_packet(node)
     rule = TRAFFIC_RULES.get(packet)
     if packet in ALIAS_OPS or (rule is not None and rule.is_alias is not None and rule.is_alias(node)):
         return ByteCount(read=ZERO, written=ZERO, saved_for_backward=ZERO)
@@ -332,14 +330,7 @@ def node_bytes(node: Node) -> ByteCount:
 
 def ops_without_traffic_rule(gm) -> dict[str, list[str]]:
     """Op name -> names of the nodes that call an op ``TRAFFIC_RULES`` has no row for."""
-    unknown: dict[str, list[str]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        packet = _packet(node)
-        if packet not in ALIAS_OPS and packet not in TRAFFIC_RULES:
-            unknown.setdefault(str(packet), []).append(node.name)
-    return unknown
+    return ops_missing_from(gm, in_any(ALIAS_OPS, TRAFFIC_RULES))
 
 
 def total_bytes(gm) -> ByteCount:

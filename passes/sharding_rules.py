@@ -40,6 +40,7 @@ from torch.fx import Node
 from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
 from .memory_traffic import STAT_BYTES, arg
+from .op_tables import in_any, op_packet, ops_missing_from
 from .sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides, floating, info,
                                    is_tensor, same, shape, shardable)
 
@@ -252,10 +253,6 @@ RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
     **COMPUTE_RULES, **{op: _from_follow(rule) for op, rule in FOLLOW_RULES.items()}}
 
 
-def _packet(node: Node):
-    return getattr(node.target, "overloadpacket", node.target)
-
-
 def strategies_for(node: Node, tp: int) -> list[Strategy]:
     """Candidate strategies of one node on a tp axis of ``tp`` ranks; the first is all-Replicate.
 
@@ -272,7 +269,7 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
     found = [replicated(node)]
     if tp == 1:  # one rank: every placement is the whole tensor
         return found
-    rule = RULES.get(_packet(node)) if node.op == "call_function" and is_tensor(node) else None
+    rule = RULES.get(op_packet(node)) if node.op == "call_function" and is_tensor(node) else None
     for strategy in rule(node, tp) if rule else ():
         if strategy is not None and all((s.inputs, s.output) != (strategy.inputs, strategy.output) for s in found):
             found.append(strategy)
@@ -281,11 +278,7 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
 
 def ops_without_sharding_rule(gm) -> dict[str, list[str]]:
     """Op name -> names of the nodes (producing a tensor) whose op has no row in ``RULES``."""
-    missing: dict[str, list[str]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and is_tensor(node) and _packet(node) not in RULES:
-            missing.setdefault(str(_packet(node)), []).append(node.name)
-    return missing
+    return ops_missing_from(gm, in_any(RULES), applies=is_tensor)
 
 
 def gradient_placements(strategy: Strategy) -> tuple[Placement | None, ...]:

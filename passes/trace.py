@@ -104,14 +104,14 @@ def _export_with_fallbacks(model, named, symbolic_dims, info):
                 first_failure, failed_in = exc, tracker.failed_in
             info["fallbacks"].append(f"{method} failed: {type(exc).__name__}: {_first_line(exc)}")
     try:
-        exported = _export_through_fx(model, named, info)
+        exported = _export_through_fx(model, named)
         info["method"] = "fx-symbolic-trace+export-static"
         return exported
     except Exception as fx_exc:  # noqa: BLE001
         raise explain_trace_failure(model, first_failure, failed_in, fx_exc) from first_failure
 
 
-def _export_through_fx(model, named, info):
+def _export_through_fx(model, named):
     """torch.fx's tracer can capture some models export cannot (it skips non-tensor Python values);
     the fx GraphModule keeps the module hierarchy, so exporting it gives the usual graph."""
     fx_module = torch.fx.symbolic_trace(model, concrete_args={k: v for k, v in named.items()

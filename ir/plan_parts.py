@@ -1,0 +1,170 @@
+"""The parts of a Plan: per-node tensor layouts, pipeline stages, chosen collectives and the prediction.
+
+Each is frozen, validated on construction and round-trips JSON exactly (see ir/plan.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Mapping
+
+from .mesh import AXES
+from .placement import Partial, Placement, Replicate, Shard, placement_from_json
+from .plan_checks import (REPLAN, PlanError, _at, _choice, _float, _int, _json_list, _keys, _of_type,  # noqa: F401
+                          _seq, _str, _unique)
+
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+
+@dataclass(frozen=True)
+class Layout:
+    """How one tensor lies on the mesh: a placement per mesh axis (replicated unless said)."""
+
+    dp: Placement = Replicate()
+    pp: Placement = Replicate()
+    tp: Placement = Replicate()
+
+    def __post_init__(self):
+        for axis in AXES:
+            _of_type(getattr(self, axis), (Shard, Replicate, Partial), axis,
+                     "placement: Shard, Replicate or Partial")
+
+    def __str__(self) -> str:
+        parts = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) != Replicate()]
+        return " ".join(parts) or "R"
+
+    def to_json(self) -> dict:
+        return {axis: getattr(self, axis).to_json() for axis in AXES if getattr(self, axis) != Replicate()}
+
+    @classmethod
+    def from_json(cls, data) -> "Layout":
+        _keys(data, AXES, "layout", required=())
+        values = {}
+        for axis, value in data.items():
+            with _at(axis):
+                values[axis] = placement_from_json(value)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class NodeStrategy:
+    """The sharding rule chosen for one node: its name, the layout of each tensor argument (in
+    argument order) and of each output."""
+
+    strategy: str
+    inputs: tuple[Layout, ...] = ()
+    outputs: tuple[Layout, ...] = (Layout(),)
+
+    def __post_init__(self):
+        _str(self.strategy, "strategy")
+        object.__setattr__(self, "inputs", _seq(self.inputs, "inputs", lambda v, w: _of_type(v, Layout, w)))
+        object.__setattr__(self, "outputs", _seq(self.outputs, "outputs", lambda v, w: _of_type(v, Layout, w)))
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "inputs": [x.to_json() for x in self.inputs],
+                "outputs": [x.to_json() for x in self.outputs]}
+
+    @classmethod
+    def from_json(cls, data) -> "NodeStrategy":
+        _keys(data, ("strategy", "inputs", "outputs"), "node strategy")
+        return cls(data["strategy"], _json_list(data["inputs"], "inputs", Layout.from_json),
+                   _json_list(data["outputs"], "outputs", Layout.from_json))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the units of the condensed block graph it runs ("segment:0",
+    "block:model.layers.3", ...) and the device memory it may use. Stage ``index`` runs on pipeline
+    rank ``index % pp`` (interleaved schedules give each rank several stages)."""
+
+    index: int
+    units: tuple[str, ...]
+    memory_limit_bytes: int
+
+    def __post_init__(self):
+        _int(self.index, "index", minimum=0)
+        units = _seq(self.units, "units", _str)
+        if not units:
+            raise PlanError(f"stage {self.index} has no units", where="units",
+                            hint="every stage needs at least one block or segment; use fewer stages")
+        _unique(units, "units")
+        object.__setattr__(self, "units", units)
+        _int(self.memory_limit_bytes, "memory_limit_bytes")
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "units": list(self.units), "memory_limit_bytes": self.memory_limit_bytes}
+
+    @classmethod
+    def from_json(cls, data) -> "StagePlan":
+        _keys(data, ("index", "units", "memory_limit_bytes"), "stage")
+        return cls(data["index"], data["units"], data["memory_limit_bytes"])
+
+
+@dataclass(frozen=True)
+class CollectiveChoice:
+    """A collective the program will run: at which node (or "bucket:<k>"), on which mesh axis,
+    what kind, with which algorithm, and the size of one rank's full buffer in bytes."""
+
+    node: str
+    axis: str
+    kind: str
+    algorithm: str
+    nbytes: int
+
+    def __post_init__(self):
+        _str(self.node, "node")
+        _choice(self.axis, AXES, "axis")
+        _choice(self.kind, COLLECTIVE_KINDS, "kind")
+        _str(self.algorithm, "algorithm")
+        _int(self.nbytes, "nbytes", minimum=0)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data) -> "CollectiveChoice":
+        names = tuple(f.name for f in fields(cls))
+        _keys(data, names, "collective")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model expects of the plan. ``memory_bytes_per_device`` has one entry per
+    pipeline rank (the busiest device of that rank's stages); ``breakdown`` is seconds per step by
+    cause (compute, tp_comm, pp_bubble, pp_p2p, dp_exposed, ...)."""
+
+    step_seconds: float
+    tflops_per_device: float
+    memory_bytes_per_device: tuple[int, ...]
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "step_seconds", _float(self.step_seconds, "step_seconds"))
+        object.__setattr__(self, "tflops_per_device", _float(self.tflops_per_device, "tflops_per_device"))
+        object.__setattr__(self, "memory_bytes_per_device", _seq(
+            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: _int(v, w, minimum=0)))
+        if not isinstance(self.breakdown, Mapping):
+            raise PlanError(f"breakdown must be a mapping cause -> seconds, got {self.breakdown!r}",
+                            where="breakdown", hint=REPLAN)
+        object.__setattr__(self, "breakdown", MappingProxyType(
+            {_str(k, "breakdown key"): _float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
+        object.__setattr__(self, "notes", _seq(self.notes, "notes", _str))
+
+    # A read-only mapping is neither hashable nor picklable; these restore both.
+    def __hash__(self) -> int:
+        return hash((self.step_seconds, self.tflops_per_device, self.memory_bytes_per_device))
+
+    def __reduce__(self):
+        return (Prediction.from_json, (self.to_json(),))
+
+    def to_json(self) -> dict:
+        return {"step_seconds": self.step_seconds, "tflops_per_device": self.tflops_per_device,
+                "memory_bytes_per_device": list(self.memory_bytes_per_device),
+                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+
+    @classmethod
+    def from_json(cls, data) -> "Prediction":
+        _keys(data, ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes"),
+              "prediction")
+        return cls(**data)
