@@ -1,0 +1,106 @@
+"""What tensor splitting hands the degree search: per-unit costs of one micro-batch at one tp degree.
+
+The split ILP (``plan_splits.price_units``) solves each distinct block kind once for a given tp,
+micro-batch and sequence length, then prices every unit of the condensed block graph (segments and
+blocks, in execution order) with the strategies it chose. The degree search (``plan_search``) reads
+only these numbers: it never looks at the graph, so it can be tested with hand-made costs.
+
+All seconds are for one micro-batch on one device of a tp group; all bytes are per device, in the
+plan's activation precision. No torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from xirang.ir.plan_parts import CollectiveChoice, NodeStrategy
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit of the condensed block graph ("segment:0", "block:model.layers.3", ...).
+
+    - ``forward_seconds`` / ``backward_seconds``: local compute (roofline per node, each node's
+      share of the work under its chosen strategy).
+    - ``tp_comm_forward_seconds`` / ``tp_comm_backward_seconds``: the tensor-parallel collectives
+      of the unit (resharding on edges and collectives ops issue themselves), not overlapped.
+    - ``params_local``: parameter elements one tp rank holds (a tied weight counted in the first
+      unit that reads it, as the condensed graph does).
+    - ``saved_bytes``: activations kept for the backward with no recompute.
+    - ``selective_saved_bytes`` / ``selective_recompute_seconds``: the same when the attention
+      core (the ops whose tensors grow with seq², or the fused attention op) is recomputed, and the
+      forward time that recompute adds to the backward.
+    - ``input_bytes``: the unit's inputs from earlier units, what full recompute keeps.
+    - ``cut_bytes_after``: bytes one rank sends to the next stage if a pipeline cut follows this unit
+      (every tensor made at or before it and read after it); 0 for the last unit.
+    - ``model_flops``: forward + backward FLOPs of the whole unit (not the local share, no
+      recompute), for TFLOP/s figures; ``model_forward_flops`` the forward part of it (what full
+      recompute runs again, counted in hardware FLOP/s as Megatron-LM's figures do).
+    """
+
+    name: str
+    kind: str  # block kind hash for blocks, the unit name for segments
+    forward_seconds: float
+    backward_seconds: float
+    tp_comm_forward_seconds: float
+    tp_comm_backward_seconds: float
+    params_local: int
+    saved_bytes: float
+    selective_saved_bytes: float
+    selective_recompute_seconds: float
+    input_bytes: float
+    cut_bytes_after: float
+    model_flops: float
+    model_forward_flops: float
+
+    def __post_init__(self):
+        for name in ("forward_seconds", "backward_seconds", "tp_comm_forward_seconds",
+                     "tp_comm_backward_seconds", "saved_bytes", "selective_saved_bytes",
+                     "selective_recompute_seconds", "input_bytes", "cut_bytes_after", "model_flops",
+                     "model_forward_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if isinstance(self.params_local, bool) or not isinstance(self.params_local, int) or self.params_local < 0:
+            raise ValueError(f"UnitCost {self.name!r}: params_local must be a non-negative int, "
+                             f"got {self.params_local!r}")
+
+    def activation_bytes(self, recompute: str) -> float:
+        """Bytes kept for the backward under recompute mode none / selective / full."""
+        return {"none": self.saved_bytes, "selective": self.selective_saved_bytes,
+                "full": self.input_bytes}[recompute]
+
+    def seconds(self, recompute: str) -> float:
+        """Forward + backward of one micro-batch, communication included, with the recompute the
+        mode adds (full: the forward and its collectives once more before the backward)."""
+        forward = self.forward_seconds + self.tp_comm_forward_seconds
+        backward = self.backward_seconds + self.tp_comm_backward_seconds
+        extra = {"none": 0.0, "selective": self.selective_recompute_seconds, "full": forward}[recompute]
+        return forward + backward + extra
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """The split ILP's answer for one (tp, micro_batch, seq): costs per unit in execution order, the
+    strategy of every node, the tp collectives of one representative of each unit kind, and the
+    ops that had no sharding rule (run replicated)."""
+
+    tp: int
+    micro_batch: int
+    seq: int
+    units: tuple[UnitCost, ...]
+    placements: Mapping[str, NodeStrategy] = field(default_factory=dict)
+    collectives: tuple[CollectiveChoice, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "placements", MappingProxyType(dict(self.placements)))
+        if not self.units:
+            raise ValueError("TensorSplit needs at least one unit")
+
+    def __hash__(self) -> int:
+        return hash((self.tp, self.micro_batch, self.seq, self.units))
