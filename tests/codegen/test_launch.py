@@ -1,0 +1,106 @@
+"""The local launcher: results in rank order, and failing ranks reported by rank, never a hang.
+
+Each launch spawns fresh interpreters (seconds each), so this file launches four times in all:
+a good run, a rank that raises, a rank that dies with os._exit, and a rank that never returns.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from xirang.codegen.launch import ensure_distributed, launch, launch_command
+from xirang.errors import XirangError
+
+
+def _report(rank, world, tag):
+    if rank == 0:
+        time.sleep(0.3)  # rank 0 answers last: the result order must not be arrival order
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    return {"rank": rank, "world": world, "tag": tag, "env_rank": os.environ["RANK"],
+            "sum": total.item(), "backend": dist.get_backend()}
+
+
+def _raise_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 waits on rank 1 and must be stopped, not left hanging
+
+
+def _exit_on_rank_1(rank, world):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _never_returns(rank, world):
+    time.sleep(600)
+
+
+def test_results_come_back_in_rank_order():
+    results = launch(_report, 2, args=("hello",), timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["tag"] == "hello" and r["backend"] == "gloo" for r in results)
+    assert [r["env_rank"] for r in results] == ["0", "1"]
+    assert all(r["sum"] == 3.0 for r in results)
+
+
+def test_a_raising_rank_is_named_with_its_traceback():
+    with pytest.raises(XirangError) as info:
+        launch(_raise_on_rank_1, 2, timeout_s=60)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed")
+    assert "ValueError: boom on purpose" in message
+    assert 'raise ValueError("boom on purpose")' in message  # the traceback's source line
+    assert "_raise_on_rank_1" in info.value.where
+
+
+def test_a_rank_that_exits_is_named_with_its_exit_code():
+    # pg_timeout_s bounds rank 0's barrier too; launch must report well within timeout_s.
+    with pytest.raises(XirangError) as info:
+        launch(_exit_on_rank_1, 2, timeout_s=20, pg_timeout_s=20)
+    assert str(info.value).startswith("rank 1 of 2 failed")
+    assert "rank 1 exited with code 3 before returning a result" in str(info.value)
+
+
+def test_a_hanging_rank_is_terminated_at_the_deadline():
+    # The deadline may pass while the rank is still importing torch; either way it never returns.
+    with pytest.raises(XirangError, match=r"rank\(s\) 0 of 1 did not finish within 4 s"):
+        launch(_never_returns, 1, timeout_s=4)
+
+
+def test_unpicklable_function_is_refused_before_spawning():
+    with pytest.raises(XirangError, match="define fn at the top level"):
+        launch(lambda rank, world: rank, 2)
+    with pytest.raises(XirangError, match="nprocs must be a positive int"):
+        launch(_report, 0)
+
+
+def test_launch_command_is_torchrun():
+    assert launch_command("train.py", 4, ["--steps", 3]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "train.py", "--steps", "3"]
+
+
+def test_ensure_distributed_outside_a_launch(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert ensure_distributed(1) == (0, 1)
+    with pytest.raises(XirangError) as info:
+        ensure_distributed(4, script="train.py", script_args=["--steps", "3"])
+    command = shlex.join(launch_command("train.py", 4, ["--steps", "3"]))
+    assert "needs 4 ranks but runs as a single process" in str(info.value)
+    assert command in info.value.hint
+
+
+def test_ensure_distributed_with_the_wrong_world_size(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(XirangError, match="needs 4 ranks but was launched with 2"):
+        ensure_distributed(4, script="train.py", script_args=[])
