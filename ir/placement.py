@@ -4,8 +4,8 @@ A tensor's full layout on the mesh is one placement per mesh axis (dp, pp, tp); 
 knows about a single axis. "dim" is always a tensor dimension, "axis" always a mesh axis.
 
 Placements are small frozen values so they can be dict keys in the sharding-rule table and compared
-by the ILP layer; their JSON form is plain (``{"shard": 0}``, ``"replicate"``, ``{"partial": "sum"}``)
-so a person can edit a plan file by hand.
+by the ILP layer; their JSON form is plain (``{"shard": 0}``, ``{"shard": 2, "chunks": 3}``,
+``"replicate"``, ``{"partial": "sum"}``) so a person can edit a plan file by hand.
 """
 from __future__ import annotations
 
@@ -21,20 +21,31 @@ class Shard:
 
     ``dim`` is non-negative: rules normalise ``-1`` against the tensor's rank before building a
     placement, so two spellings of the same layout never compare unequal.
+
+    ``chunks`` > 1: the dim is ``chunks`` equal contiguous pieces, each split evenly across the
+    ranks, and a rank holds its slice of every piece, concatenated. That is Megatron's layout of a
+    fused ``[q | k | v]`` projection (Shoeybi et al. 2019): a rank's columns of the fused weight
+    are its heads of q, of k and of v, so splitting the output into three pieces gives each rank a
+    per-head shard of each. A plain contiguous slice (chunks 1) would give rank 0 all of q instead.
+    The local shape is the same either way.
     """
 
     dim: int
+    chunks: int = 1
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
             raise ValueError(f"Shard(dim={self.dim!r}): dim must be a non-negative int "
                              f"(normalise negative dims with dim % ndim first)")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"Shard(dim={self.dim}, chunks={self.chunks!r}): chunks must be a positive int "
+                             f"(1 for one contiguous slice per rank, k for a fused projection of k pieces)")
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim}, {self.chunks} chunks)"
 
     def to_json(self) -> dict:
-        return {"shard": self.dim}
+        return {"shard": self.dim} if self.chunks == 1 else {"shard": self.dim, "chunks": self.chunks}
 
 
 @dataclass(frozen=True)
@@ -76,14 +87,14 @@ def placement_from_json(data: Any) -> Placement:
     """Inverse of ``placement.to_json()``; a malformed value raises ValueError naming it."""
     if data == "replicate":
         return Replicate()
+    if isinstance(data, dict) and set(data) in ({"shard"}, {"shard", "chunks"}):
+        return Shard(data["shard"], data.get("chunks", 1))
     if isinstance(data, dict) and len(data) == 1:
         (kind, value), = data.items()
-        if kind == "shard":
-            return Shard(value)
         if kind == "partial":
             return Partial(value)
-    raise ValueError(f"bad placement {data!r}: expected {{\"shard\": <dim>}}, \"replicate\" "
-                     f"or {{\"partial\": <{'|'.join(PARTIAL_OPS)}>}}")
+    raise ValueError(f"bad placement {data!r}: expected {{\"shard\": <dim>}} (optionally with "
+                     f"\"chunks\": <pieces>), \"replicate\" or {{\"partial\": <{'|'.join(PARTIAL_OPS)}>}}")
 
 
 def local_shape(shape: tuple, placement: Placement, axis_size: int) -> tuple:

@@ -21,6 +21,9 @@ Choices, so a reader can argue with them:
 - The bias of a row-parallel linear is read as Partial(sum): the edge from its Replicate parameter
   is free (rank 0 keeps the bias, the others zero it), so the bias is added exactly once in the sum.
 - Shards are offered only on dims tp divides for every batch/seq value (see sharding_rules_views).
+- A column-parallel output that is later split into k equal pieces (a fused [q | k | v]) is also
+  offered as ``Shard(last, chunks=k)``, which the split turns into a per-head shard of each piece;
+  parameters read that way are offered the chunked shard too (see sharding_rules_fused).
 - Ops that draw random numbers (dropout, attention dropout) are correct in distribution only: a
   replicated dropout needs the same seed on every tp rank, a sharded one distinct streams.
 - Backward: ``gradient_placements`` gives the placement each input's gradient has under a strategy
@@ -41,6 +44,7 @@ from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
 from .memory_traffic import STAT_BYTES, arg
 from .op_tables import in_any, op_packet, ops_missing_from
+from .sharding_rules_fused import chunked_follows, fused_chunks, split_follows
 from .sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides, floating, info,
                                    is_tensor, same, shape, shardable)
 
@@ -125,6 +129,8 @@ def _linear(node, tp):
     rows = []
     if divides(tp, out_features):
         rows.append(make(node, "column", pairs(R, Shard(0), Shard(0)), Shard(last), 1 / tp))
+    rows += [make(node, f"column ({k} chunks)", pairs(R, Shard(0, k), Shard(0, k)), Shard(last, k), 1 / tp)
+             for k in fused_chunks(node, last, tp) if divides(tp * k, out_features)]  # fused [q | k | v]
     if divides(tp, in_features):
         rows.append(make(node, "row", pairs(Shard(last), Shard(1), SUM), SUM, 1 / tp))
     rows += [make(node, f"rows S({d})", pairs(Shard(d), R, R), Shard(d), 1 / tp)
@@ -152,6 +158,8 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
         rows = []
         if divides(tp, sb[-1]):
             rows.append(strategy("column", R, Shard(len(sb) - 1), Shard(len(out) - 1)))
+        rows += [strategy(f"column ({k} chunks)", R, Shard(len(sb) - 1, k), Shard(len(out) - 1, k))
+                 for k in fused_chunks(node, len(out) - 1, tp) if divides(tp * k, sb[-1])]
         if divides(tp, sa[-1]):
             rows.append(strategy("row", Shard(len(sa) - 1), Shard(len(sb) - 2), SUM))
         for d in shardable(sa[:-1], tp):
@@ -239,8 +247,8 @@ def _from_follow(rule: Callable[[Node, int], list[Follow]]):
     """A follow rule's rows as strategies: the work splits with the elements, so a rank reading or
     writing a shard does 1/tp of it, and a Partial passing through costs a whole op per rank."""
     def strategies(node, tp):
-        found = []
-        for follow in rule(node, tp):
+        found, rows = [], rule(node, tp)
+        for follow in rows + chunked_follows(node, tp, rows) + split_follows(node, tp):
             placements = [p for _, p in follow.inputs] + list(_outputs(follow.output))
             split = any(isinstance(p, Shard) for p in placements)
             name = ", ".join(str(p) for _, p in follow.inputs) + " -> " + str(_outputs(follow.output)[0])
@@ -265,7 +273,8 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
         if tp == 1:
             return [Strategy("replicate", (), R, 1.0)]
         return [Strategy("replicate", (), R, 1.0)] + \
-            [Strategy(f"S({d})", (), Shard(d), 1 / tp) for d in shardable(shape(node), tp)]
+            [Strategy(str(p), (), p, 1 / tp) for p in [Shard(d) for d in shardable(shape(node), tp)]
+             + _chunked_reads(node, tp)]
     found = [replicated(node)]
     if tp == 1:  # one rank: every placement is the whole tensor
         return found
@@ -274,6 +283,15 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
         if strategy is not None and all((s.inputs, s.output) != (strategy.inputs, strategy.output) for s in found):
             found.append(strategy)
     return found
+
+
+def _chunked_reads(node: Node, tp: int) -> list[Shard]:
+    """Chunked shards that readers of a parameter ask of it (a fused [q | k | v] weight and bias), so
+    it can be held that way rather than replicated and sliced."""
+    wanted = {p for user in node.users if user.op == "call_function" and is_tensor(user)
+              for s in strategies_for(user, tp) for value, p in zip(user.all_input_nodes, s.inputs)
+              if value is node and isinstance(p, Shard) and p.chunks > 1}
+    return sorted(wanted, key=lambda p: (p.dim, p.chunks))
 
 
 def ops_without_sharding_rule(gm) -> dict[str, list[str]]:

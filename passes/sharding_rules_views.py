@@ -18,7 +18,9 @@ Conventions shared with ``sharding_rules``:
   tensor or a scalar, division of a Partial, neg, sum and mean. Never through gelu, pow, dropout, an
   integer cast, or an add of a scalar (which the sum would count tp times).
 - A split along a sharded dim is not followed: a contiguous shard of a fused ``[q | k | v]``
-  projection does not hold a shard of each chunk (Megatron permutes the fused weight for that).
+  projection does not hold a shard of each chunk. The chunked layout ``Shard(dim, chunks=k)`` does
+  (Megatron's layout of the fused weight); ``sharding_rules_fused`` offers it where it leads to such
+  a split, from the op groups named below.
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ def broadcast_input(value, out_shape: tuple, out_placement: Placement) -> Placem
     d = out_placement.dim - (len(out_shape) - len(mine))
     if d < 0 or (mine[d] == 1 and out_shape[out_placement.dim] != 1):
         return R
-    return Shard(d)
+    return Shard(d, out_placement.chunks)
 
 
 def floating(value) -> bool:
@@ -293,27 +295,35 @@ def _reduction(partial_when_reduced: bool) -> Callable[[Node, int], list[Follow]
 
 _POINTWISE = _elementwise()
 
+# Op groups, named so sharding_rules_fused can tell which ops carry a shard of a dim unchanged.
+RESHAPE_OPS = (aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.unflatten, aten.unsqueeze,
+               aten.squeeze)
+PERMUTE_OPS = (aten.transpose, aten.t, aten.permute)
+SPLIT_OPS = (aten.split, aten.split_with_sizes, aten.chunk)
+COPY_OPS = (aten.contiguous, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.to, aten._to_copy,
+            aten.dropout)
+LINEAR_ELEMENTWISE = {aten.add: "additive", aten.sub: "additive", aten.mul: "scaling", aten.div: "dividend",
+                      aten.neg: "negation"}
+POINTWISE_OPS = (
+    aten.gelu, aten.silu, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
+    aten.pow, aten.square, aten.reciprocal, aten.sin, aten.cos, aten.erf, aten.abs, aten.clamp,
+    aten.hardtanh, aten.leaky_relu, aten.rsub, aten.maximum, aten.minimum, aten.where, aten.masked_fill,
+    aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__, aten.bitwise_and,
+    aten.bitwise_or, aten.bitwise_not, aten.logical_and, aten.logical_or, aten.logical_not)
+
 FOLLOW_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {
-    **{op: _reshape for op in (aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.unflatten,
-                               aten.unsqueeze, aten.squeeze)},
-    aten.transpose: _permute, aten.t: _permute, aten.permute: _permute,
+    **{op: _reshape for op in RESHAPE_OPS},
+    **{op: _permute for op in PERMUTE_OPS},
     aten.expand: _expand,
     aten.slice: _slice,
-    aten.split: _split, aten.split_with_sizes: _split, aten.chunk: _split,
+    **{op: _split for op in SPLIT_OPS},
     operator.getitem: _getitem,
     aten.cat: _cat,
-    **{op: _identity(partial_ok=True) for op in (aten.contiguous, aten.clone, aten.alias, aten.detach,
-                                                 aten.lift_fresh_copy, aten.to, aten._to_copy)},
+    **{op: _identity(partial_ok=True) for op in COPY_OPS if op is not aten.dropout},
     aten.dropout: _identity(partial_ok=False),  # a Partial would need the same mask on every rank
     aten.layer_norm: _norm, aten.rms_norm: _norm,
     aten.softmax: _softmax, aten._softmax: _softmax, aten.log_softmax: _softmax, aten._log_softmax: _softmax,
     aten.sum: _reduction(partial_when_reduced=True), aten.mean: _reduction(partial_when_reduced=False),
-    aten.add: _elementwise("additive"), aten.sub: _elementwise("additive"),
-    aten.mul: _elementwise("scaling"), aten.div: _elementwise("dividend"), aten.neg: _elementwise("negation"),
-    **{op: _POINTWISE for op in (
-        aten.gelu, aten.silu, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
-        aten.pow, aten.square, aten.reciprocal, aten.sin, aten.cos, aten.erf, aten.abs, aten.clamp,
-        aten.hardtanh, aten.leaky_relu, aten.rsub, aten.maximum, aten.minimum, aten.where, aten.masked_fill,
-        aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__, aten.bitwise_and,
-        aten.bitwise_or, aten.bitwise_not, aten.logical_and, aten.logical_or, aten.logical_not)},
+    **{op: _elementwise(linear) for op, linear in LINEAR_ELEMENTWISE.items()},
+    **{op: _POINTWISE for op in POINTWISE_OPS},
 }

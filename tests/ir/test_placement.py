@@ -102,3 +102,20 @@ def test_local_shape_errors():
         local_shape((4,), Shard(0), 0)
     with pytest.raises(TypeError, match="not a placement"):
         local_shape((4,), "S(0)", 2)
+
+
+def test_chunked_shard_prints_round_trips_and_keeps_the_local_shape():
+    fused = Shard(2, chunks=3)  # Megatron's layout of a fused [q | k | v] projection
+    assert str(fused) == "S(2, 3 chunks)" and fused != Shard(2) and Shard(2, chunks=1) == Shard(2)
+    assert fused.to_json() == {"shard": 2, "chunks": 3} and Shard(2).to_json() == {"shard": 2}
+    assert placement_from_json(json.loads(json.dumps(fused.to_json()))) == fused
+    assert placement_from_json({"shard": 2, "chunks": 1}) == Shard(2)
+    assert local_shape((4, 6, 192), fused, 2) == local_shape((4, 6, 192), Shard(2), 2) == (4, 6, 96)
+
+
+@pytest.mark.parametrize("chunks", [0, -3, 1.5, True, "3"])
+def test_chunked_shard_rejects_bad_chunks(chunks):
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        Shard(1, chunks=chunks)
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        placement_from_json({"shard": 1, "chunks": chunks})

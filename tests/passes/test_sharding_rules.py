@@ -329,3 +329,44 @@ def test_megatron_layout_is_reachable_on_llama_from_the_candidates_alone():
     # only all-reduces of Partials (embedding, then attention and MLP of each layer), no all-gather
     assert {(old, new) for _, old, new in resharded} == {("P(sum)", "R")}
     assert len({name for name, _, _ in resharded}) == 1 + 2 * 2
+
+
+# --- fused projections: the chunked shard ------------------------------------------------------------
+
+class FusedProjection(nn.Module):
+    """One Linear makes [q | k | v] (the in-repo GPT), or an addmm then a view (GPT-2's Conv1D)."""
+
+    def __init__(self, conv1d=False):
+        super().__init__()
+        self.conv1d = conv1d
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        if self.conv1d:
+            fused = torch.addmm(self.qkv.bias, x.view(-1, 8), self.qkv.weight.t()).view(x.shape[0], x.shape[1], 24)
+        else:
+            fused = self.qkv(x)
+        q, k, v = fused.split(8, dim=-1)
+        return q * k + v
+
+
+def test_fused_projection_offers_a_chunked_column_that_the_split_turns_into_a_shard_of_each_piece():
+    gm = analysed(FusedProjection(), {}, x=torch.randn(2, 3, 8))
+    fused = Shard(2, chunks=3)
+    column = by_name(only(gm, "linear"), tp=2)["column (3 chunks)"]
+    assert (column.inputs, column.output, column.compute_fraction) == ((R, Shard(0, 3), Shard(0, 3)), fused, 0.5)
+    assert "column" in by_name(only(gm, "linear"), tp=2)  # the contiguous column is still offered
+    assert ((fused,), (Shard(2),) * 3) in layouts(only(gm, "split"), tp=2)
+    weight = next(n for n in gm.graph.nodes if n.op == "placeholder" and "weight" in n.name)
+    assert Shard(0, 3) in {s.output for s in strategies_for(weight, tp=2)}  # held chunked, not sliced
+    assert set(by_name(only(gm, "linear"), tp=16)) == {"replicate"}  # 8-wide pieces on 16 ranks
+
+
+def test_chunked_shard_follows_views_to_the_split():
+    gm = analysed(FusedProjection(conv1d=True), {}, x=torch.randn(2, 3, 8))
+    addmm = by_name(only(gm, "addmm"), tp=2)["column (3 chunks)"]
+    assert addmm.output == Shard(1, 3) and addmm.inputs[0] == Shard(0, 3)  # the bias, chunked alike
+    view = next(n for n in calls(gm, "view") if n.args[0] is only(gm, "addmm"))
+    assert ((Shard(1, 3),), Shard(2, 3)) in {(s.inputs[:1], s.output) for s in strategies_for(view, tp=2)}
+    # ops that do not reach a split are not offered chunked shards
+    assert all(getattr(s.output, "chunks", 1) == 1 for s in strategies_for(only(gm, "add"), tp=2))
