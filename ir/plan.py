@@ -20,7 +20,8 @@ from typing import Mapping
 from .mesh import Mesh
 from .plan_checks import (REPLAN, PlanError, _at, _choice, _dumps, _first_difference, _int,  # noqa: F401
                           _json_list, _keys, _of_type, _parsed, _seq, _str, _unique)  # PlanError is public here
-from .plan_parts import COLLECTIVE_KINDS, CollectiveChoice, Layout, NodeStrategy, Prediction, StagePlan  # noqa: F401
+from .plan_parts import (COLLECTIVE_KINDS, Alternative, CollectiveChoice, Layout, NodeStrategy,  # noqa: F401
+                         Prediction, StagePlan)
 from .world import World
 
 SCHEMA_VERSION = 1
@@ -51,6 +52,7 @@ class Plan:
     fallbacks: tuple[str, ...] = ()  # ops with no sharding rule, run replicated
     collectives: tuple[CollectiveChoice, ...] = ()
     predicted: Prediction
+    alternatives: tuple[Alternative, ...] = ()  # other configurations priced, for explain()
 
     def __post_init__(self):
         with _at("plan"):
@@ -115,6 +117,8 @@ class Plan:
             raise PlanError(f"predicted.memory_bytes_per_device has {len(predicted.memory_bytes_per_device)} "
                             f"entries, one per pipeline rank needs {mesh.pp}",
                             where="predicted.memory_bytes_per_device", hint=REPLAN)
+        object.__setattr__(self, "alternatives", _seq(self.alternatives, "alternatives",
+                                                      lambda v, w: _of_type(v, Alternative, w)))
 
     # A read-only mapping is neither hashable nor picklable; these restore both.
     def __hash__(self) -> int:
@@ -122,6 +126,14 @@ class Plan:
 
     def __reduce__(self):
         return (Plan.from_json, (self.to_json(),))
+
+    def explain(self) -> str:
+        """A table of this plan and the alternatives it beat, with the time of each by cause and
+        why this one won. The rendering lives with the public API (``xirang.explain``); ir/ holds
+        the data, so the import is deferred to the call (``xirang`` is always loaded before
+        ``xirang.ir``: it is the parent package)."""
+        from xirang.explain import explain_plan
+        return explain_plan(self)
 
     def stages_of(self, pp_rank: int) -> tuple[StagePlan, ...]:
         """The stages pipeline rank ``pp_rank`` runs, in order (several when interleaved)."""
@@ -167,14 +179,18 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            _keys(data, tuple(f.name for f in fields(cls)), "plan")
+            # alternatives came after the first plans were written: optional when reading
+            _keys(data, tuple(f.name for f in fields(cls)), "plan",
+                  required=tuple(f.name for f in fields(cls) if f.name != "alternatives"))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):
                 with _at(name):
                     values[name] = parse(data[name])
-            for name, parse in (("stages", StagePlan.from_json), ("collectives", CollectiveChoice.from_json)):
-                values[name] = _json_list(data[name], name, parse)
+            for name, parse in (("stages", StagePlan.from_json), ("collectives", CollectiveChoice.from_json),
+                                ("alternatives", Alternative.from_json)):
+                if name in data:
+                    values[name] = _json_list(data[name], name, parse)
             _of_type(data["placements"], dict, "placements", "JSON object node name -> strategy")
             with _at("placements"):
                 values["placements"] = {name: _parsed(f"[{name!r}]", NodeStrategy.from_json, value)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Mapping
 
-from .mesh import AXES
+from .mesh import AXES, Mesh
 from .placement import Partial, Placement, Replicate, Shard, placement_from_json
 from .plan_checks import (REPLAN, PlanError, _at, _choice, _float, _int, _json_list, _keys, _of_type,  # noqa: F401
                           _seq, _str, _unique)
@@ -168,3 +168,59 @@ class Prediction:
         _keys(data, ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes"),
               "prediction")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """Another configuration the planner priced, kept so a plan can say why it won: its mesh, batch
+    split, schedule and recompute, what the cost model predicts for it (``memory_bytes_per_device``
+    one entry per pipeline rank, ``breakdown`` as in Prediction), whether it fits device memory,
+    and ``why`` it lost (or was rejected), in words."""
+
+    mesh: Mesh
+    micro_batch: int
+    num_micro_batches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    step_seconds: float
+    tflops_per_device: float
+    memory_bytes_per_device: tuple[int, ...]
+    breakdown: Mapping[str, float] = field(default_factory=dict)
+    fits: bool = True
+    why: str = ""
+
+    def __post_init__(self):
+        _of_type(self.mesh, Mesh, "mesh")
+        for name in ("micro_batch", "num_micro_batches", "virtual_stages"):
+            _int(getattr(self, name), name)
+        _str(self.schedule, "schedule")
+        _str(self.recompute, "recompute")
+        for name in ("step_seconds", "tflops_per_device"):
+            object.__setattr__(self, name, _float(getattr(self, name), name))
+        object.__setattr__(self, "memory_bytes_per_device", _seq(
+            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: _int(v, w, minimum=0)))
+        _of_type(self.breakdown, Mapping, "breakdown", "mapping cause -> seconds")
+        object.__setattr__(self, "breakdown", MappingProxyType(
+            {_str(k, "breakdown key"): _float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
+        _of_type(self.fits, bool, "fits")
+        _of_type(self.why, str, "why")
+
+    def __hash__(self) -> int:
+        return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute))
+
+    def __reduce__(self):
+        return (Alternative.from_json, (self.to_json(),))
+
+    def to_json(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update(mesh=self.mesh.to_json(), memory_bytes_per_device=list(self.memory_bytes_per_device),
+                    breakdown=dict(self.breakdown))
+        return data
+
+    @classmethod
+    def from_json(cls, data) -> "Alternative":
+        _keys(data, tuple(f.name for f in fields(cls)), "alternative")
+        with _at("mesh"):
+            mesh = Mesh.from_json(data["mesh"])
+        return cls(**{**data, "mesh": mesh})

@@ -12,9 +12,10 @@ from xirang.ir.world import LinkSpec, NodeSpec, World, parse_world
 
 from .analyze import AnalysisReport, analyze
 from .errors import PassFailure, PassOrderError, TraceError, XirangError
+from .plan_api import plan
 
 __all__ = [
-    "analyze", "AnalysisReport",
+    "analyze", "AnalysisReport", "plan",
     "World", "NodeSpec", "LinkSpec", "parse_world", "DeviceSpec", "device_spec", "DEVICE_PRESETS",
     "Mesh", "Shard", "Replicate", "Partial", "Plan", "PlanError",
     "XirangError", "TraceError", "PassOrderError", "PassFailure",

@@ -1,4 +1,4 @@
-"""The ``xirang`` command. For now: ``xirang analyze path/to/file.py:factory`` prints the analysis."""
+"""The ``xirang`` command: ``analyze`` a model, ``plan`` it for a world, ``explain`` a saved plan."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,30 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .plan_api import plan as make_plan
+    model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
+    pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
+                                                   "virtual_stages", "recompute", "precision")}
+    plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
+                     device=args.device, **{k: v for k, v in pins.items() if v is not None})
+    if args.json:
+        plan.save(args.json)
+    print(plan.explain())
+    if args.json:
+        print(f"\nplan written to {args.json}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from xirang.ir.plan import Plan
+    if not Path(args.plan).is_file():
+        raise XirangError(f"plan file {args.plan!r} does not exist", where=f"current directory {Path.cwd()}",
+                          hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
+    print(Plan.load(args.plan).explain())
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xirang", description="Compile a PyTorch model for 3D-parallel training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +98,28 @@ def main(argv=None) -> int:
     analyze.add_argument("--dump", metavar="DIR", help="write the graph after every pass into DIR")
     analyze.add_argument("--json", action="store_true", help="print the report as JSON")
     analyze.set_defaults(run=cmd_analyze)
+
+    plan = commands.add_parser("plan", help="choose dp x tp x pp, micro-batching, schedule and recompute for a world")
+    plan.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
+    plan.add_argument("--world", default="1x8", help="devices: N, or NODESxDEVICES_PER_NODE such as 128x8 "
+                                                     "(default 1x8)")
+    plan.add_argument("--device", default=None, help="device preset (a100-80g, h100-80g, h200, cpu)")
+    plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    plan.add_argument("--batch", type=int, help="batch size of the example inputs passed to the factory")
+    plan.add_argument("--seq", type=int, help="sequence length passed to the factory")
+    for name, kind, text in (("tp", int, "tensor-parallel degree"), ("pp", int, "pipeline stages"),
+                             ("dp", int, "data-parallel degree"), ("micro-batch", int, "samples per micro-batch"),
+                             ("schedule", str, "gpipe, 1f1b or interleaved"),
+                             ("virtual-stages", int, "model chunks per pipeline rank (interleaved)"),
+                             ("recompute", str, "none, selective or full"),
+                             ("precision", str, "fp32, bf16 or fp16")):
+        plan.add_argument(f"--{name}", type=kind, help=f"pin the {text} (default: searched)")
+    plan.add_argument("--json", metavar="OUT", help="save the plan as JSON to OUT")
+    plan.set_defaults(run=cmd_plan)
+
+    explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
+    explain.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    explain.set_defaults(run=cmd_explain)
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:

@@ -1,0 +1,115 @@
+"""``xirang.plan``: trace and analyse a model, split its tensors per tp degree, search the degrees,
+and return the Plan with what the cost model predicts for it.
+
+    plan = xirang.plan(model, world="16x8", example_kwargs=batch, global_batch=1024)
+    print(plan.explain())
+    plan.save("plan.json")
+
+Any choice can be pinned, e.g. to price a published configuration:
+``xirang.plan(..., tp=8, pp=2, micro_batch=4, schedule="interleaved", recompute="full")``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple, Optional, Union
+
+from xirang.ir.device import DEVICE_PRESETS, DeviceSpec
+from xirang.ir.plan import PRECISIONS, Plan
+from xirang.ir.world import World, parse_world
+from xirang.passes.cost_model import Efficiency
+from xirang.passes.plan_search import search_plan
+from xirang.passes.plan_search_space import check_global_batch
+
+from .analyze import analyze
+from .errors import XirangError
+from .plan_assemble import assemble_plan
+
+MEMORY_FRACTION = 0.9  # of each device's memory the plan may use; see search_plan
+
+
+class PlanProgress(NamedTuple):
+    """One step of planning done: ``stage`` ("analyse", "splits", "search", "assemble"), its wall
+    time, and a line for people (``progress=print`` prints it)."""
+
+    stage: str
+    seconds: float
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None, global_batch: int,
+         seq: Optional[int] = None, device: Union[str, DeviceSpec, None] = None, precision: Optional[str] = None,
+         tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
+         micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
+         recompute: Optional[str] = None, efficiency: Optional[Efficiency] = None,
+         progress: Optional[Callable[[PlanProgress], None]] = None) -> Plan:
+    """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
+
+    ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
+    (default "a100-80g") or gives a DeviceSpec when ``world`` is not a World. ``global_batch``:
+    samples per optimizer step. ``seq``: sequence length to plan for (default: the example inputs').
+    ``precision``: "bf16" on GPUs, "fp32" on "cpu" unless given. ``tp``, ``pp``, ``dp``,
+    ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved"), ``virtual_stages`` and
+    ``recompute`` ("none", "selective", "full") pin a choice. ``progress`` receives a
+    ``PlanProgress`` after each step.
+    """
+    world = _world(world, device)
+    precision = _precision(precision, world)
+    check_global_batch(global_batch)  # before the trace, which is the slow part
+    report_progress = progress or (lambda event: None)
+    start = time.perf_counter()
+    report = analyze(model, example_inputs, example_kwargs)
+    gm, seq = report.graph_module, _seq(seq, report.symbols)
+    seconds = time.perf_counter() - start
+    report_progress(PlanProgress("analyse", seconds, f"traced and analysed {report.total_params:,} parameters, "
+                                                     f"{len(report.rows)} units in {seconds:.2f} s"))
+
+    from xirang.passes.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
+    pricer = SplitPricer(gm, world, efficiency=efficiency or Efficiency(), precision=precision)
+    result = search_plan(pricer.price, world, global_batch=global_batch, seq=seq, precision=precision,
+                         memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
+                         schedule=schedule, virtual_stages=virtual_stages, recompute=recompute)
+    report_progress(PlanProgress("splits", result.price_seconds, f"solved {result.splits_priced} tensor splits "
+                                                                 f"(tp, micro-batch) in {result.price_seconds:.2f} s"))
+    report_progress(PlanProgress("search", result.search_seconds,
+                                 f"searched {result.candidates} configurations, priced {result.priced}, "
+                                 f"in {result.search_seconds:.2f} s: {result.best.candidate.label()}"))
+    start = time.perf_counter()
+    made = assemble_plan(gm, world, result, global_batch=global_batch, precision=precision,
+                         memory_fraction=MEMORY_FRACTION)
+    seconds = time.perf_counter() - start
+    report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s"))
+    return made
+
+
+def _world(world, device) -> World:
+    try:
+        return parse_world(world, device)
+    except ValueError as error:
+        if "unknown device" in str(error):
+            raise XirangError(str(error), where=f"device={device!r}",
+                              hint=f"use one of {', '.join(DEVICE_PRESETS)}, or pass a DeviceSpec") from None
+        raise XirangError(str(error), where=f"world={world!r}",
+                          hint="pass world=N devices, 'NxM' (N nodes of M devices) or a World; give "
+                               "device= only with N or 'NxM'") from None
+
+
+def _precision(precision, world: World) -> str:
+    if precision is None:  # half precision wherever the device has it; CPUs train in fp32
+        return "fp32" if all(node.device.name == "cpu" for node in world.nodes) else "bf16"
+    if precision not in PRECISIONS:
+        raise XirangError(f"precision={precision!r} is not one Xirang plans for", where="precision=",
+                          hint=f"use one of: {', '.join(PRECISIONS)}")
+    return precision
+
+
+def _seq(seq, symbols: dict) -> int:
+    if seq is None:
+        # models without a sequence dim have no 'seq' symbol; any value then prices the same
+        return symbols.get("seq", 1)
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise XirangError(f"seq={seq!r} must be a positive int", where="seq=",
+                          hint="pass the sequence length to plan for, or leave it to the example inputs")
+    return seq

@@ -1,0 +1,119 @@
+"""Turn the degree search's answer into a Plan: stages, gradient buckets, collectives, prediction.
+
+The search knows units only by their costs; here the traced graph supplies the names: which
+parameters each unit owns (placeholders' ``xr_unit`` and ``xr_param_name``), so gradient buckets
+can list them, and the fingerprint that ties the plan to this graph.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, ROLE, UNIT
+from xirang.ir.placement import Shard
+from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
+from xirang.ir.world import World
+from xirang.passes.cost_collectives import ALGORITHMS, collective_cost, group_topology
+from xirang.passes.fingerprint import graph_fingerprint
+from xirang.passes.plan_costs import CAUSES, GRAD_BYTES, Priced, bucket_elements
+from xirang.passes.plan_search import SearchResult
+
+from .explain import why_lost
+
+
+def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, precision: str,
+                  memory_fraction: float) -> Plan:
+    """The frozen Plan of ``result.best`` for the traced graph ``gm``. Each stage may use the
+    memory the search allowed its pipeline rank (all of it: an interleaved rank's stages share it)."""
+    best, split = result.best, result.split
+    c, mesh = best.candidate, best.candidate.mesh
+    names = [u.name for u in split.units]
+    stages = tuple(StagePlan(i, tuple(names[a:b]), int(best.usable_per_rank[i % c.pp]))
+                   for i, (a, b) in enumerate(best.bounds))
+    buckets, bucket_sizes = gradient_buckets(gm, best, names, split.placements, precision)
+    collectives = list(split.collectives)
+    if c.dp > 1:  # one all-reduce per bucket on the dp group of its pipeline rank (tp index 0 shown)
+        topology = {r: group_topology(mesh.group("dp", mesh.rank_of(dp=0, pp=r, tp=0)), world)
+                    for r in {rank for _, rank in bucket_sizes}}
+        collectives += [CollectiveChoice(f"bucket:{k}", "dp", "all_reduce",
+                                         _cheapest_all_reduce(nbytes, topology[rank]), int(nbytes))
+                        for k, (nbytes, rank) in enumerate(bucket_sizes)]
+    for i, (_, stop) in enumerate(best.bounds[:-1]):
+        pair = (mesh.rank_of(dp=0, pp=i % c.pp, tp=0), mesh.rank_of(dp=0, pp=(i + 1) % c.pp, tp=0))
+        nbytes = split.units[stop - 1].cut_bytes_after
+        collectives.append(CollectiveChoice(names[stop - 1], "pp", "send",
+                                            collective_cost("send", nbytes, pair, world).algorithm, int(round(nbytes))))
+    fallbacks = tuple(dict.fromkeys(split.fallbacks))
+    notes = [*split.notes, *best.notes]
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} op(s) have no sharding rule and run replicated: {', '.join(fallbacks[:8])}"
+                     + (", ..." if len(fallbacks) > 8 else ""))
+    notes.append(f"the plan may use {memory_fraction:.0%} of device memory; the rest is headroom for "
+                 f"CUDA context, NCCL buffers and fragmentation")
+    notes.append(f"searched {result.candidates} configurations, priced {result.priced}, "
+                 f"{result.splits_priced} tensor splits")
+    winner, usable = _row(best), min(best.usable_per_rank)
+    alternatives = tuple(replace(row, why=why_lost(winner, row, usable)) for row in map(_row, result.alternatives))
+    predicted = Prediction(step_seconds=winner.step_seconds, tflops_per_device=winner.tflops_per_device,
+                           memory_bytes_per_device=winner.memory_bytes_per_device, breakdown=winner.breakdown,
+                           notes=tuple(notes))
+    return Plan(fingerprint=graph_fingerprint(gm), world=world, mesh=mesh, micro_batch=c.micro_batch,
+                num_micro_batches=c.num_micro_batches, global_batch=global_batch, schedule=c.schedule,
+                virtual_stages=c.virtual_stages, recompute=c.recompute, precision=precision,
+                grad_reduce_dtype=precision, placements=split.placements, stages=stages, buckets=buckets,
+                fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives)
+
+
+def _row(p: Priced) -> Alternative:
+    """A priced candidate as the Plan records it (bytes rounded up to ints)."""
+    c = p.candidate
+    return Alternative(mesh=c.mesh, micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
+                       schedule=c.schedule, virtual_stages=c.virtual_stages, recompute=c.recompute,
+                       step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
+                       memory_bytes_per_device=tuple(int(math.ceil(b)) for b in p.memory_per_rank),
+                       breakdown={key: p.breakdown[key] for key in CAUSES}, fits=p.fits)
+
+
+def _cheapest_all_reduce(nbytes: float, topology) -> str:
+    """``collective_cost``'s choice of algorithm, on a topology built once per group rather than
+    once per bucket (a dp group of hundreds of ranks takes milliseconds to place on nodes)."""
+    priced = [(fn(nbytes, topology), i, name) for i, (name, fn) in enumerate(ALGORITHMS["all_reduce"])]
+    return min(entry for entry in priced if entry[0] is not None)[2]
+
+
+def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: str):
+    """Parameter names per gradient bucket in launch order (last layers first), and each bucket's
+    bytes and pipeline rank. A bucket closes once it holds ``bucket_elements(dp)`` gradient
+    elements of this rank, and at every stage boundary (each stage is its own model chunk)."""
+    c = best.candidate
+    tp, grad_bytes = c.tp, GRAD_BYTES[precision]
+    cap = bucket_elements(c.dp)
+    params_of: dict[str, list] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and ROLE.get(node) == "parameter" and UNIT.has(node):
+            params_of.setdefault(UNIT.get(node), []).append(node)
+    buckets, sizes = [], []
+    for index in reversed(range(len(best.bounds))):
+        start, stop = best.bounds[index]
+        current, elements = [], 0
+        for unit in reversed(names[start:stop]):
+            for node in reversed(params_of.get(unit, [])):
+                current.append(PARAM_NAME.get(node))
+                elements += _local_elements(node, placements, tp)
+                if elements >= cap:
+                    buckets.append(tuple(current))
+                    sizes.append((elements * grad_bytes, index % c.pp))
+                    current, elements = [], 0
+        if current:
+            buckets.append(tuple(current))
+            sizes.append((elements * grad_bytes, index % c.pp))
+    return tuple(buckets), sizes
+
+
+def _local_elements(node, placements, tp: int) -> int:
+    """Elements of a parameter one tp rank holds: a tp shard holds 1/tp (rounded up)."""
+    count = PARAM_COUNT.get(node)
+    strategy = placements.get(node.name)
+    if strategy is not None and strategy.outputs and isinstance(strategy.outputs[0].tp, Shard):
+        return -(-count // tp)
+    return count
