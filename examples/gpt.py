@@ -26,10 +26,16 @@ class GPTConfig:
     ffn_mult: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # "sdpa": F.scaled_dot_product_attention (a fused kernel that keeps no seq x seq tensor);
+    # "eager": scores, causal mask, softmax, dropout and the product with V as separate ops, as
+    # Megatron-LM ran in 2021 (Narayanan et al.), so its seq² memory traffic is priced.
+    attention: str = "sdpa"
 
     def __post_init__(self):
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention must be 'sdpa' or 'eager', got {self.attention!r}")
 
 
 _PRESETS = {
@@ -57,16 +63,29 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
         self.proj = nn.Linear(config.hidden, config.hidden)
         self.dropout = config.dropout
+        self.eager = config.attention == "eager"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(x).split(hidden, dim=-1)
         # (batch, seq, hidden) -> (batch, heads, seq, head_dim)
         q, k, v = (t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.eager:
+            y = self._eager_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, hidden)
         return self.proj(y)
+
+    def _eager_attention(self, q, k, v):
+        """softmax(q kᵀ / sqrt(d) + causal mask) v with dropout on the probabilities; q is scaled
+        first, which is exact and saves a pass over the seq x seq scores."""
+        seq = q.shape[-2]
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        return F.dropout(probs, self.dropout, self.training) @ v
 
 
 class MLP(nn.Module):
