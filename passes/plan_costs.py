@@ -7,7 +7,7 @@ Terms, each with its source:
   cut is priced on the slowest link between neighbouring pipeline ranks, so the fast cuts and the
   exact solver see the same problem.
 - Step time: ``pipeline_step_time`` (Narayanan et al. 2021, eq. 1 and sec. 2.2.2) of the slowest
-  stage (v times the slowest chunk when interleaved), plus the data-parallel gradient all-reduce
+  device (the sum of its v chunks when interleaved), plus the data-parallel gradient all-reduce
   left after the last micro-batch's backward (``exposed_comm_time``; Li et al. 2020).
 - Memory per device: 16 B per local parameter (``model_state_bytes``, mixed-precision Adam;
   Rajbhandari et al. 2020) + activations × micro-batches in flight on that pipeline rank
@@ -187,9 +187,8 @@ class CandidatePricer:
     def lower_bound(self, c: Candidate) -> float:
         """A step time no cut can beat: perfectly balanced stages, no sends, no exposed dp sync."""
         total, longest, _, _ = self.units(c).totals
-        chunk = max(longest, total / c.stages)
-        return pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages * chunk,
-                                  c.virtual_stages)
+        device = max(longest, total / c.pp)  # the busiest device holds at least the mean share
+        return pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages)
 
     def memory_lower_bound(self, c: Candidate) -> float:
         """Bytes the average pipeline rank needs at least, so the fullest one too."""
@@ -202,19 +201,21 @@ class CandidatePricer:
         """Step time, breakdown, memory and TFLOP/s of ``c`` cut at ``bounds``. ``exact`` prices the
         dp sync bucket by bucket; otherwise by a closed form for gradients produced at an even rate."""
         n, table = self.units(c), self.table(c)
-        times = [table.stage_time(a, b) for a, b in bounds]
-        worst = max(range(len(times)), key=times.__getitem__)
-        start, stop = bounds[worst]
-        compute, tp_comm = math.fsum(n.compute[start:stop]), math.fsum(n.tp_comm[start:stop])
-        send = table.cut_seconds[stop - 1] if stop < table.units else 0.0
         v, m = c.virtual_stages, c.num_micro_batches
-        t_device = v * times[worst]  # interleaved: each device runs v chunks per micro-batch
-        pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v)
         ranks = [[bounds[i] for i in range(r, c.stages, c.pp)] for r in range(c.pp)]
+        # A device runs all its chunks for every micro-batch, so the busiest device (the sum of its
+        # v chunks, not v times the slowest chunk) sets the pace of the pipeline.
+        rank_times = [math.fsum(table.stage_time(a, b) for a, b in stages) for stages in ranks]
+        worst = max(range(c.pp), key=rank_times.__getitem__)
+        compute = math.fsum(math.fsum(n.compute[a:b]) for a, b in ranks[worst])
+        tp_comm = math.fsum(math.fsum(n.tp_comm[a:b]) for a, b in ranks[worst])
+        send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
+        t_device = rank_times[worst]
+        pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v)
         sync = self._exposed_exact if exact else self._exposed_estimate
         dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
-        breakdown = {"compute": m * v * compute, "tp_comm": m * v * tp_comm,
-                     "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": m * v * send,
+        breakdown = {"compute": m * compute, "tp_comm": m * tp_comm,
+                     "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": m * send,
                      "dp_exposed": dp_exposed}
         step = pipeline + dp_exposed
         in_flight = in_flight_by_rank(c.schedule, c.pp, m, v)

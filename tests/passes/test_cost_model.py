@@ -23,11 +23,15 @@ PUBLISHED = Path("/work/shared/reference/published_configs.json")
 # --- compute -------------------------------------------------------------------------------------
 
 def test_compute_time_roofline():
+    half = Efficiency(matmul=0.5, memory=0.8)
     # compute-bound: 1 TFLOP at 312 TFLOP/s x 0.5 = 6.41 ms; 1 MB at 2.039 TB/s x 0.8 is ~0.6 us
-    assert compute_time(1e12, 1e6, A100, "bf16") == pytest.approx(1e12 / 156e12)
+    assert compute_time(1e12, 1e6, A100, "bf16", efficiency=half) == pytest.approx(1e12 / 156e12)
     # memory-bound: 1 GB at 2.039 TB/s x 0.8 = 0.613 ms; 1 MFLOP is nothing
-    assert compute_time(1e6, 1e9, A100, "bfloat16", is_matmul=False) == pytest.approx(
+    assert compute_time(1e6, 1e9, A100, "bfloat16", is_matmul=False, efficiency=half) == pytest.approx(
         1e9 / (2.039e12 * 0.8))
+    # the defaults (fitted in benchmarks/fit_efficiency.py): 0.7 of peak, 0.35 of bandwidth
+    assert compute_time(1e12, 1e6, A100, "bf16") == pytest.approx(1e12 / (312e12 * 0.7))
+    assert compute_time(1e6, 1e9, A100, "bf16", is_matmul=False) == pytest.approx(1e9 / (2.039e12 * 0.35))
     exact = Efficiency(matmul=1.0, memory=1.0)
     assert compute_time(312e12, 0, A100, "bf16", efficiency=exact) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="fraction"):
