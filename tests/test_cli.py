@@ -41,3 +41,50 @@ def test_unknown_factory_lists_the_functions():
     result = xirang("analyze", "examples/catalog.py:gpt_huge")
     assert result.returncode == 2
     assert "has no function 'gpt_huge'" in result.stderr and "gpt_tiny" in result.stderr
+
+
+def test_plan_saves_json_that_explain_reads(tmp_path):
+    out = tmp_path / "plan.json"
+    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "1x2", "--device", "cpu",
+                    "--global-batch", "8", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "Plan for 1 node x 2 cpu" in result.stdout and "Why this plan" in result.stdout
+    saved = json.loads(out.read_text())
+    assert saved["schema_version"] == 1 and saved["global_batch"] == 8
+    explained = xirang("explain", str(out))
+    assert explained.returncode == 0, explained.stderr
+    chosen = [line for line in explained.stdout.splitlines() if line.startswith("* dp=")]
+    assert len(chosen) == 1 and chosen[0] in result.stdout
+
+
+def test_plan_pins_are_honoured():
+    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "8",
+                    "--pp", "2", "--micro-batch", "2", "--schedule", "gpipe", "--recompute", "full")
+    assert result.returncode == 0, result.stderr
+    assert "* dp=1 pp=2 tp=1 b=2 m=4 gpipe recompute=full" in result.stdout
+
+
+def test_bad_world_string_says_the_accepted_forms():
+    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2x9y", "--global-batch", "8")
+    assert result.returncode == 2
+    assert "bad world '2x9y'" in result.stderr and "'NxM' (N nodes of M devices" in result.stderr
+
+
+def test_stale_or_hand_broken_plan_json_is_refused_naming_the_field(tmp_path):
+    out = tmp_path / "plan.json"
+    assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "4",
+                  "--json", str(out)).returncode == 0
+    data = json.loads(out.read_text())
+    data["schema_version"] = 0
+    out.write_text(json.dumps(data))
+    result = xirang("explain", str(out))
+    assert result.returncode == 2 and "schema_version" in result.stderr and str(out) in result.stderr
+    data["schema_version"], data["global_batch"] = 1, 5  # no longer dp x micro_batch x micro-batches
+    out.write_text(json.dumps(data))
+    result = xirang("explain", str(out))
+    assert result.returncode == 2 and "global_batch 5 !=" in result.stderr
+
+
+def test_explain_of_a_missing_file_says_how_to_make_one():
+    result = xirang("explain", "no/such/plan.json")
+    assert result.returncode == 2 and "plan file 'no/such/plan.json' does not exist" in result.stderr
