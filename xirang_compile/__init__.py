@@ -20,3 +20,9 @@ __all__ = [
     "Mesh", "Shard", "Replicate", "Partial", "Plan", "PlanError",
     "XirangError", "TraceError", "PassOrderError", "PassFailure",
 ]
+
+from xirang.codegen.launch import launch  # noqa: E402  (local CPU ranks for xirang.compile)
+
+from .compile_api import compile  # noqa: E402,A001
+
+__all__ += ["compile", "launch"]

@@ -1,0 +1,85 @@
+"""Emit one rank's program: the traced graph rewritten for its tp rank, with precision casts, as a
+GraphModule whose Python source is deterministic (byte-identical across runs and processes, so
+golden files catch every unintended change).
+
+The program's signature is the traced graph's: local parameters and buffers (by placeholder
+name), then the model's inputs; it returns ``(loss,)``. Process group and communication counter
+are module attributes (``self.tp_group``, ``self.comm_counter``): the same source runs with any
+group object, and ``code(rank)`` can be printed for ranks this process does not run.
+
+Data parallelism adds nothing to the program: dp ranks run the same program on their share of
+the batch, and their gradients are averaged outside it (codegen/grad_sync). Pipeline parallelism
+(pp > 1) is not emitted yet.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Graph, GraphModule
+
+from xirang.errors import XirangError
+from xirang.ir.meta_keys import ROLE
+
+from .rewrite_tp import rewrite_for_tp_rank
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_emittable(plan) -> None:
+    """Refuse what this emitter cannot run yet, before any rank builds anything."""
+    if plan.mesh.pp > 1:
+        raise XirangError(f"the plan uses pipeline parallelism (mesh {plan.mesh}); per-rank programs for "
+                          f"pp > 1 are not emitted yet", where="plan.mesh.pp",
+                          hint="re-plan with pp=1 (xirang.plan(..., pp=1) or xirang.compile(..., pp=1))")
+
+
+def insert_precision_casts(graph: Graph, dtype: torch.dtype) -> None:
+    """Half-precision compute with fp32 master weights: every floating parameter is read through a
+    cast to ``dtype`` (autograd casts its gradient back to fp32, the dtype the optimizer updates),
+    and the loss is returned in fp32."""
+    if dtype == torch.float32:
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    for node in placeholders:
+        val = node.meta.get("val")
+        if ROLE.get(node, None) != "parameter" or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        with graph.inserting_after(anchor):
+            cast = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype})
+        anchor = cast
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    output = next(n for n in graph.nodes if n.op == "output")
+    (loss,) = output.args[0]
+    with graph.inserting_before(output):
+        loss32 = graph.call_function(torch.ops.aten._to_copy.default, (loss,), {"dtype": torch.float32})
+    output.args = ((loss32,),)
+
+
+def emit_rank_program(gm, plan, *, rank: int, device="cpu", tp_group=None, counter=None) -> GraphModule:
+    """The GraphModule global rank ``rank`` runs under ``plan`` (see the module docstring)."""
+    check_emittable(plan)
+    coords = plan.mesh.coords(rank)
+    graph = rewrite_for_tp_rank(gm, plan.placements, tp_rank=coords["tp"], tp_size=plan.mesh.tp, device=device)
+    insert_precision_casts(graph, COMPUTE_DTYPES[plan.precision])
+    graph.eliminate_dead_code()
+    graph.lint()
+    root = torch.nn.Module()
+    root.tp_group, root.comm_counter = tp_group, counter
+    return GraphModule(root, graph, class_name=f"Rank{rank}Program")
+
+
+def rank_source(gm, plan, rank: int, device="cpu") -> str:
+    """Python source of rank ``rank``'s program, with a header naming the rank and its mesh place."""
+    program = emit_rank_program(gm, plan, rank=rank, device=device)
+    coords = plan.mesh.coords(rank)
+    header = (f"# Xirang program of rank {rank}: mesh {plan.mesh}, dp {coords['dp']} pp {coords['pp']} "
+              f"tp {coords['tp']}, precision {plan.precision}\n")
+    return header + program.code.lstrip("\n")
+
+
+def attach(program: GraphModule, *, tp_group=None, counter: Optional[object] = None) -> GraphModule:
+    """Point a program at this process's live tp group and counter."""
+    program.tp_group, program.comm_counter = tp_group, counter
+    return program
