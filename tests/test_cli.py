@@ -88,3 +88,17 @@ def test_stale_or_hand_broken_plan_json_is_refused_naming_the_field(tmp_path):
 def test_explain_of_a_missing_file_says_how_to_make_one():
     result = xirang("explain", "no/such/plan.json")
     assert result.returncode == 2 and "plan file 'no/such/plan.json' does not exist" in result.stderr
+
+
+def test_launch_runs_a_training_script_on_local_ranks_through_torchrun():
+    result = xirang("launch", "-n", "2", "examples/train_gpt.py", "--", "--tp", "2", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py --tp 2" in result.stderr
+    assert "* dp=1 pp=1 tp=2" in result.stdout  # the plan rank 0 printed: tensor parallel over both ranks
+    losses = [float(line.split("loss ")[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_launch_of_a_missing_script_says_so():
+    result = xirang("launch", "-n", "2", "no/such/train.py")
+    assert result.returncode == 2 and "script 'no/such/train.py' does not exist" in result.stderr

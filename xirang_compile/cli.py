@@ -1,4 +1,5 @@
-"""The ``xirang`` command: ``analyze`` a model, ``plan`` it for a world, ``explain`` a saved plan."""
+"""The ``xirang`` command: ``analyze`` a model, ``plan`` it for a world, ``explain`` a saved plan, ``launch``
+a training script on local CPU ranks through torch's own launcher."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +88,21 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    import subprocess
+    from xirang.codegen.launch import launch_command
+    if not Path(args.script).is_file():
+        raise XirangError(f"script {args.script!r} does not exist", where=f"current directory {Path.cwd()}",
+                          hint="give the path of a training script, e.g. examples/train_gpt.py")
+    if args.nprocs < 1:
+        raise XirangError(f"-n {args.nprocs}: the number of ranks must be at least 1", where="-n",
+                          hint="e.g. xirang launch -n 4 examples/train_gpt.py")
+    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    command = launch_command(args.script, args.nprocs, script_args)
+    print("+ " + " ".join(command), file=sys.stderr, flush=True)
+    return subprocess.run(command).returncode
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xirang", description="Compile a PyTorch model for 3D-parallel training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +136,13 @@ def main(argv=None) -> int:
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
     explain.add_argument("plan", help="plan.json written by `xirang plan --json`")
     explain.set_defaults(run=cmd_explain)
+
+    launch = commands.add_parser("launch", help="run a training script on N local ranks (torch.distributed.run; "
+                                                "gloo on CPU)")
+    launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    launch.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
+    launch.set_defaults(run=cmd_launch)
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
