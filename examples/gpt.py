@@ -126,6 +126,16 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """GPT-2's initialisation (Radford et al. 2019): weights N(0, 0.02), biases zero. PyTorch's
+        default N(0, 1) embedding, tied to the head, would start the loss near 40 instead of ln(vocab)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab), or the mean cross-entropy when ``labels`` is given.

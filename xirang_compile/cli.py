@@ -103,6 +103,18 @@ def cmd_launch(args) -> int:
     return subprocess.run(command).returncode
 
 
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    try:
+        dp, tp, pp = (int(part) for part in args.mesh.lower().split("x"))
+    except ValueError:
+        raise XirangError(f"--mesh {args.mesh!r} is not DPxTPxPP", where="--mesh",
+                          hint="e.g. --mesh 2x2x2 (dp=2, tp=2, pp=2: 8 ranks)") from None
+    result = run_demo(world=dp * tp * pp, dp=dp, tp=tp, pp=pp, schedule=args.schedule,
+                      timeline=None if args.no_picture else args.timeline)
+    return 0 if result["ranks_agree"] and result["worst"] < 1e-4 else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="xirang", description="Compile a PyTorch model for 3D-parallel training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +148,14 @@ def main(argv=None) -> int:
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
     explain.add_argument("plan", help="plan.json written by `xirang plan --json`")
     explain.set_defaults(run=cmd_explain)
+
+    demo = commands.add_parser("demo", help="the main job: plan a small GPT for 8 local CPU ranks, show the plan and "
+                                            "schedule, train on a dp x tp x pp plan, compare with one device")
+    demo.add_argument("--mesh", default="2x2x2", help="DPxTPxPP (default 2x2x2: 8 ranks)")
+    demo.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved (default 1f1b)")
+    demo.add_argument("--timeline", default="demo_timeline.png", help="where to draw the pipeline timeline (PNG)")
+    demo.add_argument("--no-picture", action="store_true", help="do not write the timeline picture")
+    demo.set_defaults(run=cmd_demo)
 
     launch = commands.add_parser("launch", help="run a training script on N local ranks (torch.distributed.run; "
                                                 "gloo on CPU)")
