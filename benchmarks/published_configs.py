@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     rows = load_rows()
     picked = range(len(rows)) if not options.rows else [int(i) for i in options.rows.split(",")]
-    header = (f"{'params':>7} {'gpus':>5} | {'published config':<34} {'paper':>6} {'priced':>7} {'err':>6} | "
-              f"{'xirang plan':<36} {'TFLOP/s':>7} {'speedup':>7} | {'plan s':>6}")
+    header = (f"{'params':>7} {'gpus':>5} | {'published config':<42} {'paper':>6} {'priced':>7} {'err':>6} | "
+              f"{'xirang plan':<48} {'TFLOP/s':>7} {'speedup':>7} | {'plan s':>6}")
     print(f"device {DEVICE}, seq {SEQ}, vocab {VOCAB}; TFLOP/s per GPU (hardware FLOPs, recompute included)")
     print(header)
     print("-" * len(header))
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         error = (priced - paper) / paper
         worst = max(worst, abs(error))
         speedup = published.predicted.step_seconds / chosen.predicted.step_seconds
-        print(f"{row['params_billion']:>6}B {row['gpus']:>5} | {describe(published):<34} {paper:>6.0f} "
-              f"{priced:>7.1f} {error:>+6.1%} | {describe(chosen):<36} {chosen.predicted.tflops_per_device:>7.1f} "
+        print(f"{row['params_billion']:>6}B {row['gpus']:>5} | {describe(published):<42} {paper:>6.0f} "
+              f"{priced:>7.1f} {error:>+6.1%} | {describe(chosen):<48} {chosen.predicted.tflops_per_device:>7.1f} "
               f"{speedup:>6.3f}x | {outcome['seconds'][1]:>6.1f}")
         results.append({"row": row, "published_predicted_tflops": priced, "error": error,
                         "published_step_s": published.predicted.step_seconds,
