@@ -20,7 +20,11 @@ Choices, so a reader can argue with them:
   ``collectives`` lists only communication inside an op (vocabulary-parallel cross-entropy).
 - The bias of a row-parallel linear is read as Partial(sum): the edge from its Replicate parameter
   is free (rank 0 keeps the bias, the others zero it), so the bias is added exactly once in the sum.
-- Shards are offered only on dims tp divides for every batch/seq value (see sharding_rules_views).
+- Shards are offered only on dims tp divides for every batch/seq value (see sharding_rules_views),
+  except along the vocabulary chain (a vocabulary of 50257 on tp=8): the embedding table's rows, the
+  LM head's out-features when they reach a cross-entropy's class dim, the views between, and the
+  vocabulary-parallel cross-entropy take an end-padded shard (``padded``), whose padding they never
+  read as data (see sharding_rules_fused). Its compute fraction is ceil(n/tp)/n.
 - A column-parallel output that is later split into k equal pieces (a fused [q | k | v]) is also
   offered as ``Shard(last, chunks=k)``, which the split turns into a per-head shard of each piece;
   parameters read that way are offered the chunked shard too (see sharding_rules_fused).
@@ -44,9 +48,9 @@ from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
 from .memory_traffic import STAT_BYTES, arg
 from .op_tables import in_any, op_packet, ops_missing_from
-from .sharding_rules_fused import chunked_follows, fused_chunks, split_follows
+from .sharding_rules_fused import chunked_follows, fused_chunks, padded_follows, reaches_vocab_loss, split_follows
 from .sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides, floating, info,
-                                   is_tensor, same, shape, shardable)
+                                   is_tensor, padded, same, shape, shard_fraction, shardable)
 
 aten = torch.ops.aten
 
@@ -127,8 +131,9 @@ def _linear(node, tp):
     def pairs(px, pw, pb):
         return [(x, px), (w, pw)] + ([(bias, pb)] if bias is not None else [])
     rows = []
-    if divides(tp, out_features):
-        rows.append(make(node, "column", pairs(R, Shard(0), Shard(0)), Shard(last), 1 / tp))
+    if divides(tp, out_features) or _padded_logits(node, last, out_features, tp):
+        rows.append(make(node, "column", pairs(R, Shard(0), Shard(0)), Shard(last),
+                         shard_fraction(tp, out_features)))
     rows += [make(node, f"column ({k} chunks)", pairs(R, Shard(0, k), Shard(0, k)), Shard(last, k), 1 / tp)
              for k in fused_chunks(node, last, tp) if divides(tp * k, out_features)]  # fused [q | k | v]
     if divides(tp, in_features):
@@ -150,14 +155,14 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
                                                        not all(map(same, sa[:-2], sb[:-2])))):
             return []  # vectors and broadcast batch dims: keep it replicated
 
-        def strategy(name, pa, pb, po):
+        def strategy(name, pa, pb, po, fraction=1 / tp):
             pairs = [(a, pa), (b, pb)]
             if bias is not None:
                 pairs.append((bias, SUM if po == SUM else broadcast_input(bias, out, po)))
-            return make(node, name, pairs, po, 1 / tp)
+            return make(node, name, pairs, po, fraction)
         rows = []
-        if divides(tp, sb[-1]):
-            rows.append(strategy("column", R, Shard(len(sb) - 1), Shard(len(out) - 1)))
+        if divides(tp, sb[-1]) or _padded_logits(node, len(out) - 1, sb[-1], tp):
+            rows.append(strategy("column", R, Shard(len(sb) - 1), Shard(len(out) - 1), shard_fraction(tp, sb[-1])))
         rows += [strategy(f"column ({k} chunks)", R, Shard(len(sb) - 1, k), Shard(len(out) - 1, k))
                  for k in fused_chunks(node, len(out) - 1, tp) if divides(tp * k, sb[-1])]
         if divides(tp, sa[-1]):
@@ -169,6 +174,13 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
     return rule
 
 
+def _padded_logits(node, dim: int, size, tp: int) -> bool:
+    """A column-parallel product may split out-features tp does not divide only when they are logits:
+    the padded weight rows (and bias) are zero, so the padded columns are 0, and the dim reaches a
+    cross-entropy's class dim, which masks them (sharding_rules_fused.reaches_vocab_loss)."""
+    return padded(tp, size) and reaches_vocab_loss(node, dim, tp)
+
+
 # --- embedding, attention, loss ----------------------------------------------------------------
 
 def _embedding(node, tp):
@@ -178,7 +190,7 @@ def _embedding(node, tp):
     w, ids = node.args[0], node.args[1]
     vocab, hidden = shape(w)
     rows = []
-    if divides(tp, vocab):
+    if divides(tp, vocab) or padded(tp, vocab):  # padded rows: no id looks them up
         rows.append(make(node, "vocab_parallel", [(w, Shard(0)), (ids, R)], SUM, 1.0))
     if divides(tp, hidden):
         rows.append(make(node, "hidden", [(w, Shard(1)), (ids, R)], Shard(len(shape(node)) - 1), 1 / tp))
@@ -218,13 +230,13 @@ def _cross_entropy(node, tp):
     class_dim = 1 if len(shape(logits)) >= 2 else 0
     classes = shape(logits)[class_dim]
     rows = []
-    if divides(tp, classes):
+    if divides(tp, classes) or padded(tp, classes):  # padded classes count as logit -inf
         row_bytes = info(logits).numel / classes * STAT_BYTES
         reduces = (Collective("all_reduce", row_bytes, "max", "row max of the logits"),
                    Collective("all_reduce", row_bytes, "sum", "logit of the target class"),
                    Collective("all_reduce", row_bytes, "sum", "sum of exp(logit - max)"))
-        rows.append(make(node, "vocab_parallel", [(logits, Shard(class_dim)), (target, R)], R, 1 / tp,
-                         reduces))
+        rows.append(make(node, "vocab_parallel", [(logits, Shard(class_dim)), (target, R)], R,
+                         shard_fraction(tp, classes), reduces))
     if class_dim == 1 and reduction in (0, 2) and divides(tp, shape(logits)[0]):
         rows.append(make(node, "rows S(0)", [(logits, Shard(0)), (target, Shard(0))],
                          Shard(0) if reduction == 0 else SUM, 1 / tp))
@@ -245,14 +257,20 @@ COMPUTE_RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
 
 def _from_follow(rule: Callable[[Node, int], list[Follow]]):
     """A follow rule's rows as strategies: the work splits with the elements, so a rank reading or
-    writing a shard does 1/tp of it, and a Partial passing through costs a whole op per rank."""
+    writing a shard does 1/tp of it (ceil(n/tp)/n of a padded dim of n), and a Partial passing
+    through costs a whole op per rank."""
     def strategies(node, tp):
         found, rows = [], rule(node, tp)
-        for follow in rows + chunked_follows(node, tp, rows) + split_follows(node, tp):
+        extra = chunked_follows(node, tp, rows) + split_follows(node, tp) + padded_follows(node, tp)
+        for follow in rows + extra:
             placements = [p for _, p in follow.inputs] + list(_outputs(follow.output))
             split = any(isinstance(p, Shard) for p in placements)
             name = ", ".join(str(p) for _, p in follow.inputs) + " -> " + str(_outputs(follow.output)[0])
-            found.append(make(node, name, follow.inputs, follow.output, 1 / tp if split else 1.0))
+            out = follow.output
+            fraction = 1 / tp if split else 1.0
+            if isinstance(out, Shard):  # ceil(n/tp)/n on a padded dim, 1/tp on an even one
+                fraction = shard_fraction(tp, shape(node)[out.dim])
+            found.append(make(node, name, follow.inputs, follow.output, fraction))
         return found
     return strategies
 
@@ -273,8 +291,8 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
         if tp == 1:
             return [Strategy("replicate", (), R, 1.0)]
         return [Strategy("replicate", (), R, 1.0)] + \
-            [Strategy(str(p), (), p, 1 / tp) for p in [Shard(d) for d in shardable(shape(node), tp)]
-             + _chunked_reads(node, tp)]
+            [Strategy(str(p), (), p, shard_fraction(tp, shape(node)[p.dim]))
+             for p in [Shard(d) for d in shardable(shape(node), tp)] + _asked_reads(node, tp)]
     found = [replicated(node)]
     if tp == 1:  # one rank: every placement is the whole tensor
         return found
@@ -285,12 +303,15 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
     return found
 
 
-def _chunked_reads(node: Node, tp: int) -> list[Shard]:
-    """Chunked shards that readers of a parameter ask of it (a fused [q | k | v] weight and bias), so
-    it can be held that way rather than replicated and sliced."""
+def _asked_reads(node: Node, tp: int) -> list[Shard]:
+    """Chunked shards (a fused [q | k | v] weight and bias) and padded ones (a vocabulary tp does not
+    divide) that readers of a parameter ask of it, so it can be held that way rather than replicated
+    and sliced. Padded shards are offered only when asked: only vocabulary-chain rules ask them."""
+    def asked(p):
+        return isinstance(p, Shard) and (p.chunks > 1 or padded(tp, shape(node)[p.dim]))
     wanted = {p for user in node.users if user.op == "call_function" and is_tensor(user)
               for s in strategies_for(user, tp) for value, p in zip(user.all_input_nodes, s.inputs)
-              if value is node and isinstance(p, Shard) and p.chunks > 1}
+              if value is node and asked(p)}
     return sorted(wanted, key=lambda p: (p.dim, p.chunks))
 
 

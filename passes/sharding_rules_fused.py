@@ -17,9 +17,14 @@ it leads somewhere:
 - The split itself turns ``Shard(dim, chunks=k)`` into ``Shard(dim)`` on each of its k pieces
   (``split_follows``). It is not offered when the split reads a placeholder: a parameter or input
   is only ever offered plain shards, so the row could never be chosen.
+
+The vocabulary chain reuses the forward walk for end-padded shards (a vocabulary of 50257 on tp=8):
+``reaches_vocab_loss`` says whether a dim flows, through ops that keep it a whole dim, into the
+class dim of a cross-entropy, and ``padded_follows`` offers those ops the padded shard (below).
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from xirang.ir.placement import Shard
@@ -27,7 +32,9 @@ from xirang.ir.placement import Shard
 from .op_tables import op_packet
 from .sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, PERMUTE_OPS, POINTWISE_OPS, RESHAPE_OPS,
                                    SPLIT_OPS, Follow, R, _permutation, divides, first_tensor, info, is_tensor,
-                                   norm_dim, reshape_groups, shape)
+                                   norm_dim, padded, reshape_groups, same, shape)
+
+aten = torch.ops.aten
 
 SEARCH_DEPTH = 6  # ops between a fused projection and its split (GPT-2: addmm -> view -> split)
 _ELEMENTWISE = frozenset(LINEAR_ELEMENTWISE) | frozenset(POINTWISE_OPS)
@@ -121,3 +128,75 @@ def split_follows(node: Node, tp: int) -> list[Follow]:
         return []
     dim = _split_dim(node)
     return [Follow(((x, Shard(dim, pieces)),), (Shard(dim),) * pieces)]
+
+
+# --- the vocabulary chain: end-padded shards ---------------------------------------------------------
+#
+# Padding is harmless only from the vocabulary's producer to its loss: a padded row of the embedding
+# table is never looked up (its id is out of range), a padded row of the LM head weight is zero (shard_of
+# pads with zeros, and its gradient stays zero), so the padded logit columns are zero, and the
+# vocabulary-parallel cross-entropy counts them as -inf. In between, only ops that move whole class
+# dims are allowed: views keeping the dim whole, transposes, copies and casts, slices of other dims.
+# A softmax, norm, sum or elementwise op over the padded dim would read the padding, so their rules
+# (which ask ``divides``) never accept it; a reshard off a padded shard strips or re-adds the padding.
+
+_VOCAB_COPIES = frozenset(COPY_OPS) - {aten.dropout}  # dropout rescales: padded zeros stay, but keep it out
+
+
+def vocab_carried_dim(user: Node, value: Node, dim: int) -> int | None:
+    """The dim of ``user``'s output that holds dim ``dim`` of ``value`` as a whole dim, or None."""
+    packet = op_packet(user)
+    if not is_tensor(user) or isinstance(info(user), tuple) or first_tensor(user) is not value:
+        return None
+    if packet in RESHAPE_OPS:
+        kept = next((o for i, o in reshape_groups(shape(value), shape(user)) or () if i == dim), None)
+        return kept if kept is not None and same(shape(value)[dim], shape(user)[kept]) else None
+    if packet in PERMUTE_OPS:
+        perm = _permutation(user)
+        return perm.index(dim) if dim in perm else None
+    if packet is aten.slice:
+        sliced = norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), len(shape(value)))
+        return dim if sliced != dim or same(shape(value)[dim], shape(user)[dim]) else None
+    return dim if packet in _VOCAB_COPIES else None
+
+
+def _class_dim_of(user: Node, value: Node) -> int | None:
+    """The class dim of a cross-entropy reading ``value`` as its logits, else None."""
+    if op_packet(user) is not aten.cross_entropy_loss or not user.args or user.args[0] is not value:
+        return None
+    return 1 if len(shape(value)) >= 2 else 0
+
+
+def reaches_vocab_loss(node: Node, dim: int, tp: int) -> bool:
+    """True when dim ``dim`` of ``node``'s output reaches the class dim of a cross-entropy through
+    ``vocab_carried_dim`` ops only (at most ``SEARCH_DEPTH`` of them, GPT-2: linear -> to -> view)."""
+    frontier = [(node, dim)]
+    for _ in range(SEARCH_DEPTH + 1):
+        reached = []
+        for value, d in frontier:
+            for user in value.users:
+                if _class_dim_of(user, value) == d:
+                    return True
+                kept = vocab_carried_dim(user, value, d)
+                if kept is not None:
+                    reached.append((user, kept))
+        if not reached:
+            return False
+        frontier = reached
+    return False
+
+
+def padded_follows(node: Node, tp: int) -> list[Follow]:
+    """For a vocabulary-carrying op: a padded shard of an input dim that tp does not divide, onto the
+    output dim that holds it whole, where that dim reaches a cross-entropy's class dim."""
+    x = first_tensor(node) if node.args or node.kwargs else None
+    if not isinstance(x, Node) or not is_tensor(x) or isinstance(info(x), tuple):
+        return []
+    rows = []
+    for d, size in enumerate(shape(x)):
+        if not padded(tp, size):
+            continue
+        kept = vocab_carried_dim(node, x, d)
+        if kept is not None and reaches_vocab_loss(node, kept, tp):
+            rows.append(Follow(((x, Shard(d)),), Shard(kept)))
+    return rows

@@ -8,7 +8,9 @@ argument must have and the placement of the output. ``sharding_rules`` turns the
 Conventions shared with ``sharding_rules``:
 - A ``Shard(dim)`` is offered only on a dim whose size ``tp`` provably divides: an int, or a sympy
   size such as ``4*batch`` whose quotient is an integer for every batch. A bare ``batch`` or ``seq``
-  is not shardable here (no padding: uneven shards would break reshapes and reductions).
+  is not shardable here (no padding: uneven shards would break reshapes and reductions). The one
+  exception is the vocabulary chain, where end-padding is provably harmless: see ``padded`` and
+  sharding_rules_fused.padded_follows.
 - A shard follows a reshape only on the outermost dim of a group of dims whose products match, on
   both sides (``[b, s, 64] -> [b, s, 4, 16]``: S(2) -> S(2) when tp divides 4). Each rank's slice of
   the outermost factor is a contiguous block of the flattened group, which is exactly a shard of the
@@ -77,6 +79,23 @@ def same(a, b) -> bool:
 def divides(tp: int, size) -> bool:
     """True when ``size`` is a multiple of ``tp`` for every value of the batch/seq symbols."""
     return (sympy.sympify(size) / tp).is_integer is True
+
+
+def padded(tp: int, size) -> bool:
+    """True when ``size`` is a known int (> 1) that ``tp`` does not divide: a shard of it holds
+    ceil(size / tp) per rank, end-padded (ir/placement.local_shape). Only the vocabulary chain
+    offers such shards (sharding_rules_fused.padded_follows); every other rule asks ``divides``."""
+    size = sympy.sympify(size)
+    return size.is_Integer is True and int(size) > 1 and int(size) % tp != 0
+
+
+def shard_fraction(tp: int, size) -> float:
+    """A rank's share of a dim of ``size`` split over tp: 1/tp, or ceil(n/tp)/n when it is padded
+    (the last rank computes on padding, so every rank does the largest rank's work)."""
+    if padded(tp, size):
+        n = int(sympy.sympify(size))
+        return -(-n // tp) / n
+    return 1 / tp
 
 
 def shardable(dims_shape: tuple, tp: int) -> list[int]:

@@ -250,7 +250,88 @@ def test_vocabulary_parallel_embedding_and_cross_entropy():
     # three all-reduces of one float32 per row: max, target logit, sum of exp (Megatron)
     assert [(c.reduce_op, sympy.expand(c.nbytes - 4 * B * S)) for c in loss.collectives] == \
         [("max", 0), ("sum", 0), ("sum", 0)]
-    assert set(by_name(only(gm, "cross_entropy_loss"), tp=3)) == {"replicate"}  # 100 classes on 3 ranks
+    # 100 classes on 3 ranks: an end-padded split, 34 columns each (the last holds 32 and 2 padding)
+    padded = by_name(only(gm, "cross_entropy_loss"), tp=3)["vocab_parallel"]
+    assert (padded.inputs, padded.compute_fraction) == ((Shard(1), R), pytest.approx(34 / 100))
+
+
+# --- padded (uneven) shards: the vocabulary chain only ---------------------------------------------
+
+V = 1001  # 251 rows per rank on tp = 4, the last rank holding 248 and 3 padding rows
+
+
+class TiedHead(nn.Module):
+    """Embedding tied to the LM head; ``between`` runs on the logits before the loss."""
+
+    def __init__(self, between=None):
+        super().__init__()
+        self.table, self.between = nn.Embedding(V, 8), between
+
+    def forward(self, ids, labels):
+        logits = F.linear(self.table(ids), self.table.weight)
+        if self.between is not None:
+            logits = self.between(logits)
+        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+
+
+def tied(between=None):
+    tokens = {name: torch.zeros(2, 3, dtype=torch.long) for name in ("ids", "labels")}
+    return analysed(TiedHead(between), **tokens)
+
+
+def padded_rows(node, tp=4):
+    """Strategies that read or write a shard of a dim of size V."""
+    def on_v(value, p):
+        return isinstance(p, Shard) and value is not None and info(value).shape[p.dim] == V
+    found = []
+    for s in strategies_for(node, tp):
+        outputs = s.output if isinstance(s.output, tuple) else (s.output,)
+        if any(on_v(v, p) for v, p in zip(node.all_input_nodes, s.inputs)) or any(on_v(node, p) for p in outputs):
+            found.append(s)
+    return found
+
+
+def test_vocabulary_tp_does_not_divide_is_split_with_padding():
+    gm = tied()
+    fraction = pytest.approx(251 / 1001)
+    embedding = by_name(only(gm, "embedding"), tp=4)["vocab_parallel"]
+    assert (embedding.inputs, embedding.output, embedding.compute_fraction) == ((Shard(0), R), P, 1.0)
+    column = by_name(only(gm, "linear"), tp=4)["column"]
+    assert (column.inputs, column.output, column.compute_fraction) == ((R, Shard(0)), Shard(2), fraction)
+    (view,) = padded_rows(next(n for n in calls(gm, "reshape") if n.args[0] is only(gm, "linear")))
+    assert (view.inputs, view.output, view.compute_fraction) == ((Shard(2),), Shard(1), fraction)
+    loss = by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"]
+    assert (loss.inputs, loss.output, loss.compute_fraction) == ((Shard(1), R), R, fraction)
+    weight = next(n for n in gm.graph.nodes if n.op == "placeholder" and info(n).shape == (V, 8))
+    held = {s.output: s.compute_fraction for s in strategies_for(weight, 4)}
+    assert held[Shard(0)] == fraction and Shard(1) in held  # 8 hidden: even
+    # 1001 = 7 x 143: the even split, priced as before
+    assert by_name(only(gm, "cross_entropy_loss"), tp=7)["vocab_parallel"].compute_fraction == 1 / 7
+
+
+@pytest.mark.parametrize("between", [lambda x: F.layer_norm(x, (V,)), lambda x: torch.softmax(x, -1),
+                                     lambda x: x - x.sum(-1, keepdim=True), lambda x: x + torch.ones(V),
+                                     lambda x: F.gelu(x)],
+                         ids=["layer_norm", "softmax", "sum", "add", "gelu"])
+def test_a_padded_dim_is_not_offered_to_ops_that_would_read_the_padding(between):
+    """A norm, softmax, sum or elementwise op over the padded vocabulary would mix padding into real
+    values: neither it nor the LM head before it is offered the padded split."""
+    gm = tied(between)
+    loss = only(gm, "cross_entropy_loss")
+    # the ops from the LM head up to (not including) the view the loss reads: that view may take the
+    # padded split, since whatever precedes it is resharded to it (padding re-added as zeros)
+    readers = [n for n in gm.graph.nodes if n.op == "call_function" and n not in (only(gm, "embedding"), loss)
+               and n is not loss.args[0] and info(n) is not None
+               and any(info(v) is not None and V in info(v).shape for v in n.all_input_nodes)]
+    assert len(readers) >= 2 and all(not padded_rows(n) for n in readers), \
+        [(n.name, padded_rows(n)) for n in readers]
+    # the loss itself still masks its padded classes; only the chain to it is cut
+    assert by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"].inputs == (Shard(1), R)
+
+
+def test_padded_out_features_that_are_not_logits_are_not_split():
+    gm = analysed(nn.Linear(8, V), {}, input=torch.randn(5, 8))
+    assert set(by_name(only(gm, "linear"), tp=4)) == {"replicate", "row"}  # no padded column
 
 
 # --- the four graphs -----------------------------------------------------------------------------

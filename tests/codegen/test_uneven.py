@@ -1,0 +1,167 @@
+"""Uneven (end-padded) vocabulary shards give the single-device results: a vocabulary of 1001 on
+tp = 4 (251 rows per rank, 3 padding rows on the last) and on tp = 2 (501, 1 padding row).
+
+The planner offers a padded shard only along the vocabulary chain (sharding_rules_fused): the
+vocabulary-parallel embedding and cross-entropy and the LM head's out-features. This file checks
+that a plan really takes it (with a tied head the table stays replicated and the head reads its
+padded slice; untied, the head's weight is held padded: 251 rows per rank, the last 3 zero), and
+that the compiled program then trains exactly like the model on one device: loss per step, gathered gradients and parameters after AdamW steps, within 1e-5 fp32.
+
+As in test_equivalence, the plans are made for seq 4096 on A100s (where the ILP splits the model)
+and run at seq 16; AdamW uses eps=1e-3 because some gradients are exactly zero in exact arithmetic
+(the bias of k in attention), so their computed values are rounding noise, and with a tiny eps
+Adam's first step is lr * sign(noise), which no two summation orders agree on. Spawning ranks
+costs seconds, so every model and configuration runs in one launch of 4 ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xirang
+from examples.gpt import GPTConfig, build_gpt
+from xirang.codegen import shard_params
+from xirang.codegen.launch import launch
+from xirang.codegen.padding import unshard
+from xirang.ir.placement import Shard
+
+VOCAB, BATCH, SEQ, STEPS, TOLERANCE = 1001, 8, 16, 3, 1e-5
+PLAN_SEQ = 4096
+CONFIGS = ((1, 4), (2, 2))
+MODELS = ("gpt", "gpt2", "gpt_untied")
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    if name.startswith("gpt") and name != "gpt2":  # the in-repo GPT: tok_emb tied to lm_head, or not
+        return build_gpt(GPTConfig(vocab_size=VOCAB, seq_len=64, hidden=64, heads=4, layers=2,
+                                   tie_embeddings=name == "gpt"))
+    from transformers import GPT2Config, GPT2LMHeadModel  # wte tied to lm_head
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def batch(step: int, size=BATCH, seq=SEQ) -> dict:
+    # ids and labels over the whole vocabulary, so the last rank's real rows are read too
+    generator = torch.Generator().manual_seed(step)
+    return {"input_ids": torch.randint(0, VOCAB, (size, seq), generator=generator),
+            "labels": torch.randint(0, VOCAB, (size, seq), generator=generator)}
+
+
+def make_plan(name: str, dp: int, tp: int):
+    return xirang.plan(build(name), world=dp * tp, example_kwargs=batch(0, 2), global_batch=BATCH, seq=PLAN_SEQ,
+                       device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1, micro_batch=BATCH // dp)
+
+
+def _loss(output):
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def _train(name, plan):
+    compiled = xirang.compile(build(name), world=plan.mesh.dp * plan.mesh.tp, example_kwargs=batch(0),
+                              plan=plan, device="a100-80g")
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
+    steps = []
+    for step in range(STEPS):
+        loss = compiled.train_step(**batch(step))
+        steps.append((loss.item(), compiled.full_gradients()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"steps": steps, "params": compiled.full_state_dict(),
+            "local": {n: tuple(p.shape) for n, p in compiled.named_parameters()}}
+
+
+def _rank_main(rank, world, jobs):
+    return [_train(name, plan) for name, plan in jobs]
+
+
+def _reference(name):
+    model = build(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
+    steps = []
+    for step in range(STEPS):
+        loss = _loss(model(**batch(step)))
+        loss.backward()
+        steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"steps": steps, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _check_vocab_sharded(plan, name):
+    """The vocabulary is split although tp does not divide it: vocabulary-parallel cross-entropy fed
+    by a column-parallel LM head on the padded out-features."""
+    strategies = {n: s.strategy for n, s in plan.placements.items()}
+    assert "vocab_parallel" in strategies.values(), (name, sorted(set(strategies.values())))
+    padded = [n for n, s in plan.placements.items() if s.strategy == "column"
+              and any(isinstance(o.tp, Shard) and o.tp.dim == 2 for o in s.outputs)
+              and VOCAB % plan.mesh.tp]
+    assert padded, f"{name}: the LM head is not column-parallel on the padded vocabulary"
+    if name == "gpt_untied":  # held padded: shard_params pads it, full_state_dict strips it
+        assert plan.placements["p_lm_head_weight"].outputs[0].tp == Shard(0)
+
+
+def _compare(name, dp, tp, results, reference):
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for rank, result in enumerate(results):
+        for (loss, grads), (ref_loss, ref_grads) in zip(result["steps"], reference["steps"]):
+            worst["loss"] = max(worst["loss"], abs(loss - ref_loss))
+            assert set(grads) >= set(ref_grads), (name, rank, sorted(set(ref_grads) - set(grads)))
+            for param, expected in ref_grads.items():
+                assert grads[param].shape == expected.shape, (name, param, grads[param].shape)
+                worst["grad"] = max(worst["grad"], (grads[param] - expected).abs().max().item())
+        for param, expected in reference["params"].items():
+            assert result["params"][param].shape == expected.shape, (name, param)
+            worst["param"] = max(worst["param"], (result["params"][param] - expected).abs().max().item())
+    print(f"{name:5s} dp={dp} tp={tp} vocab {VOCAB}: max |diff| loss {worst['loss']:.1e} "
+          f"grad {worst['grad']:.1e} param {worst['param']:.1e}")
+    assert all(value <= TOLERANCE for value in worst.values()), (name, dp, tp, worst)
+
+
+def test_padded_vocabulary_trains_like_single_device():
+    jobs, plans = [], []
+    for dp, tp in CONFIGS:
+        for name in MODELS:
+            plan = make_plan(name, dp, tp)
+            _check_vocab_sharded(plan, name)
+            plans.append((name, dp, tp))
+            jobs.append((name, plan))
+    results = launch(_rank_main, 4, (jobs,), timeout_s=300)
+    references = {name: _reference(name) for name in MODELS}
+    for index, (name, dp, tp) in enumerate(plans):
+        _compare(name, dp, tp, [results[rank][index] for rank in range(4)], references[name])
+        if name == "gpt_untied":  # every rank holds ceil(1001 / tp) rows of the head
+            rows = {shape[0] for r in range(4) for n, shape in results[r][index]["local"].items() if "lm_head" in n}
+            assert rows == {-(-VOCAB // tp)}, (dp, tp, rows)
+
+
+def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
+    """50257 rows on tp = 8: 6283 per rank, the last holding 6276 real rows and 7 zero rows;
+    full_tensor (what full_state_dict calls per parameter) gives back exactly the 50257 rows."""
+    tp, vocab, hidden = 8, 50257, 4
+    full = torch.randn(vocab, hidden)
+    model = torch.nn.Module()
+    model.wte = torch.nn.Parameter(full.clone())
+    shard = shard_params.ParamShard("p_wte", "wte", ("wte",), "parameter", Shard(0), (vocab, hidden))
+    locals_ = [shard_params.local_state(model, [shard], tp_rank=r, tp=tp, device="cpu")["p_wte"] for r in range(tp)]
+    assert {tuple(t.shape) for t in locals_} == {(6283, hidden)}
+    assert torch.equal(locals_[-1][6276:], torch.zeros(7, hidden))
+    assert torch.equal(locals_[-1][:6276], full[7 * 6283:])
+    # eight ranks' all-gather, played in one process
+    monkeypatch.setattr(shard_params, "group_size", lambda group: tp)
+    monkeypatch.setattr(shard_params.dist, "all_gather",
+                        lambda parts, local, group=None: [p.copy_(t) for p, t in zip(parts, locals_)])
+    gathered = shard_params.full_tensor(locals_[0], shard, tp_group=object())
+    assert tuple(gathered.shape) == (vocab, hidden) and torch.equal(gathered, full)
+    assert torch.equal(unshard(locals_, Shard(0), vocab), full)
+
+
+@pytest.mark.parametrize("tp", (2, 4, 8))
+def test_plan_offers_the_padded_vocabulary(tp):
+    """A replicated weight is not the only choice any more: the rules offer the padded split."""
+    from xirang.passes.sharding_rules import strategies_for
+    gm = xirang.analyze(build("gpt"), example_kwargs=batch(0, 2)).graph_module
+    loss = next(n for n in gm.graph.nodes if "cross_entropy" in str(n.target))
+    fractions = {s.name: s.compute_fraction for s in strategies_for(loss, tp)}
+    assert fractions["vocab_parallel"] == pytest.approx(-(-VOCAB // tp) / VOCAB)
