@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, ROLE, UNIT
-from xirang.ir.placement import Shard
+from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, ROLE, TENSOR, UNIT
+from xirang.ir.placement import Shard, local_shape
 from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
 from xirang.ir.world import World
 from xirang.passes.cost_collectives import ALGORITHMS, collective_cost, group_topology
@@ -111,9 +111,11 @@ def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: 
 
 
 def _local_elements(node, placements, tp: int) -> int:
-    """Elements of a parameter one tp rank holds: a tp shard holds 1/tp (rounded up)."""
+    """Elements of a parameter one tp rank holds: its local shape under the tp shard, which pads an
+    uneven dim at the end (``local_shape``: 1001 rows on 4 ranks are 251 each, padding included)."""
     count = PARAM_COUNT.get(node)
     strategy = placements.get(node.name)
     if strategy is not None and strategy.outputs and isinstance(strategy.outputs[0].tp, Shard):
-        return -(-count // tp)
+        shape = TENSOR.get(node).shape
+        return math.prod(int(size) for size in local_shape(shape, strategy.outputs[0].tp, tp))
     return count

@@ -165,3 +165,15 @@ def test_plan_offers_the_padded_vocabulary(tp):
     loss = next(n for n in gm.graph.nodes if "cross_entropy" in str(n.target))
     fractions = {s.name: s.compute_fraction for s in strategies_for(loss, tp)}
     assert fractions["vocab_parallel"] == pytest.approx(-(-VOCAB // tp) / VOCAB)
+
+
+def test_planned_parameter_memory_counts_the_padding():
+    """The plan's per-rank parameter count (what its memory prediction and dp buckets use) is the
+    padded local shape: the untied head of 1001 x 64 on tp = 4 is 251 x 64 per rank, not 1001*64/4."""
+    from xirang.ir.meta_keys import PARAM_NAME
+    from xirang.plan_assemble import _local_elements
+    plan = make_plan("gpt_untied", 1, 4)
+    gm = xirang.analyze(build("gpt_untied"), example_kwargs=batch(0)).graph_module
+    head = next(n for n in gm.graph.nodes if PARAM_NAME.get(n, None) == "lm_head.weight")
+    assert plan.placements[head.name].outputs[0].tp == Shard(0)
+    assert _local_elements(head, plan.placements, 4) == 251 * 64 == 16064
