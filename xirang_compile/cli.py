@@ -1,5 +1,6 @@
-"""The ``xirang`` command: ``analyze`` a model, ``plan`` it for a world, ``explain`` a saved plan, ``launch``
-a training script on local CPU ranks through torch's own launcher."""
+"""The ``xirang`` command: ``analyze`` a model, ``plan`` it for a world, ``explain`` a saved plan (and draw its
+memory), ``inspect`` one rank of a plan, ``run`` or ``verify`` a model on local CPU ranks, ``launch`` a
+training script on local CPU ranks through torch's own launcher."""
 from __future__ import annotations
 
 import argparse
@@ -84,7 +85,12 @@ def cmd_explain(args) -> int:
     if not Path(args.plan).is_file():
         raise XirangError(f"plan file {args.plan!r} does not exist", where=f"current directory {Path.cwd()}",
                           hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
-    print(Plan.load(args.plan).explain())
+    plan = Plan.load(args.plan)
+    print(plan.explain())
+    if args.picture:
+        from xirang.codegen.memory_picture import write_memory_png
+        path = write_memory_png(plan, args.picture)
+        print(f"\nmemory picture: {path} (a bar per pipeline rank, red line: usable memory)")
     return 0
 
 
@@ -147,7 +153,45 @@ def main(argv=None) -> int:
 
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
     explain.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    explain.add_argument("--picture", metavar="PNG", help="draw the predicted memory per pipeline rank against "
+                                                          "the usable limit into PNG")
     explain.set_defaults(run=cmd_explain)
+
+    from .cli_inspect import cmd_inspect
+    inspect_ = commands.add_parser("inspect", help="one rank of a saved plan: mesh place, stages, placements, "
+                                                   "collectives and (with --model) its program")
+    inspect_.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    inspect_.add_argument("--rank", type=int, required=True, help="global rank to show")
+    inspect_.add_argument("--stage", type=int, help="show only this pipeline stage of the rank")
+    inspect_.add_argument("--model", help="path/to/file.py:factory the plan was made for (to emit the code)")
+    inspect_.add_argument("--batch", type=int, help="batch size passed to the factory")
+    inspect_.add_argument("--seq", type=int, help="sequence length passed to the factory")
+    inspect_.add_argument("--all", action="store_true", help="list every node, replicated ones too")
+    inspect_.add_argument("--json", action="store_true", help="print as JSON")
+    inspect_.set_defaults(run=cmd_inspect)
+
+    from .cli_verify import cmd_run, cmd_verify
+    for name, text, function in (
+            ("run", "train a model on N local CPU ranks (random batches shaped like its example inputs)", cmd_run),
+            ("verify", "train on N local ranks and on one device; compare loss, gradients and parameters",
+             cmd_verify)):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
+        sub.add_argument("--world", type=int, required=True, help="number of local ranks")
+        sub.add_argument("--global-batch", type=int, help="samples per step (default: the plan's, or the "
+                                                          "example inputs')")
+        sub.add_argument("--steps", type=int, default=3 if name == "run" else 2, help="optimizer steps")
+        sub.add_argument("--plan", help="plan.json to use (default: planned here for --world cpu ranks)")
+        for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
+            sub.add_argument(f"--{axis}", type=int, help=f"pin the {text} when planning (default: searched)")
+        sub.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
+        if name == "run":
+            sub.add_argument("--print-command", action="store_true",
+                             help="print the torchrun command for a cluster instead of running")
+        else:
+            sub.add_argument("--tolerance", type=float, default=1e-5, help="largest |difference| that passes "
+                                                                           "(default 1e-5, fp32)")
+        sub.set_defaults(run=function)
 
     demo = commands.add_parser("demo", help="the main job: plan a small GPT for 8 local CPU ranks, show the plan and "
                                             "schedule, train on a dp x tp x pp plan, compare with one device")

@@ -1,0 +1,93 @@
+"""``xirang inspect``, ``run``, ``verify`` and ``explain --picture`` as a user runs them: real subprocesses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_cli import xirang
+
+
+@pytest.fixture(scope="module")
+def tp2_plan(tmp_path_factory):
+    """A saved plan of the tiny GPT on 2 ranks, tensor parallel (tp=2)."""
+    out = tmp_path_factory.mktemp("plans") / "tp2.json"
+    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "8",
+                    "--tp", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_inspect_shows_rank_1_of_a_tp_plan_with_its_splits_and_code(tp2_plan):
+    result = xirang("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Rank 1 of mesh dp=1 x pp=1 x tp=2: dp 0, pp 0, tp 1" in out and "tp group: ranks [0, 1]" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  linear")}
+    assert "column" in rows["linear"] and "row" in rows["linear_1"]  # attention qkv, then its projection
+    assert "all_reduce     on tp [0, 1]" in out
+    assert "# Xirang program of rank 1: mesh dp=1 x pp=1 x tp=2, dp 0 pp 0 tp 1" in out
+    assert "vocab_parallel_cross_entropy" in out  # the emitted code itself
+
+
+def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp2_plan):
+    result = xirang("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["coords"] == {"dp": 0, "pp": 0, "tp": 0} and info["code"] is None
+    assert len(info["placements"]) == info["placements_total"] > 50
+
+
+def test_inspect_errors_name_the_valid_range_the_missing_file_and_a_stale_plan(tp2_plan, tmp_path):
+    result = xirang("inspect", str(tp2_plan), "--rank", "2")
+    assert result.returncode == 2
+    assert "--rank 2 is out of range: the plan has 2 ranks" in result.stderr and "from 0 to 1" in result.stderr
+    result = xirang("inspect", "no/such/plan.json", "--rank", "0")
+    assert result.returncode == 2 and "plan file 'no/such/plan.json' does not exist" in result.stderr
+    stale = json.loads(tp2_plan.read_text())
+    stale["fingerprint"] = "0123456789abcdef"
+    (tmp_path / "stale.json").write_text(json.dumps(stale))
+    result = xirang("inspect", str(tmp_path / "stale.json"), "--rank", "0", "--model", "examples/catalog.py:gpt_tiny")
+    assert result.returncode == 2
+    assert "plan was made for a different model" in result.stderr and "plan.fingerprint" in result.stderr
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(line.split("loss ")[1]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def test_run_trains_two_ranks_and_prints_every_loss():
+    result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "2", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = _losses(result.stdout)
+    assert len(losses) == 2 and all(4.0 < loss < 8.0 for loss in losses)  # ln(512) = 6.24 at the start
+
+
+def test_run_print_command_spells_torchrun():
+    result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "4", "--print-command")
+    assert result.returncode == 0, result.stderr
+    assert "torch.distributed.run --standalone --nproc-per-node 4 examples/train_gpt.py" in result.stdout
+
+
+def test_verify_passes_on_gpt_tiny_at_world_2():
+    result = xirang("verify", "examples/catalog.py:gpt_tiny", "--world", "2")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for what in ("loss", "gradients", "parameters"):
+        assert any(line.startswith(what) and "PASS" in line for line in result.stdout.splitlines()), what
+    assert "verify: PASS" in result.stdout
+
+
+def test_verify_of_the_mlp_example_fails_with_exit_1_below_what_fp32_reaches():
+    # the MLP (not a transformer) trains on 2 ranks (planned tp=2), and its loss matches one device
+    # exactly; its gradients are summed in another order over the tp halves, so tolerance 0 fails
+    result = xirang("verify", "examples/mlp.py:mlp", "--world", "2", "--steps", "1", "--tolerance", "0")
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "tp=2" in result.stdout and "verify: FAIL" in result.stdout
+    assert any(line.startswith("loss") and "PASS" in line for line in result.stdout.splitlines())
+
+
+def test_explain_picture_writes_a_png(tp2_plan, tmp_path):
+    picture = tmp_path / "mem.png"
+    result = xirang("explain", str(tp2_plan), "--picture", str(picture))
+    assert result.returncode == 0, result.stderr
+    assert "memory picture:" in result.stdout and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

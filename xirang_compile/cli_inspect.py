@@ -1,0 +1,128 @@
+"""``xirang inspect plan.json --rank R``: what one rank of a saved plan does.
+
+Everything but the code is read from the plan alone: the rank's mesh coordinates, its pipeline
+stages and their units, the layout chosen for every node, the collectives of its groups. The code
+needs the model: it is traced here (``analyze``) and rank R's program is emitted with
+``codegen.emit.rank_source``, which rewrites the graph for R's tp rank without any process group,
+so no distributed launch is needed to read the program of any rank of a large world.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xirang.ir.mesh import AXES
+from xirang.ir.plan import Plan
+from xirang.ir.plan_parts import Layout
+
+from .errors import XirangError
+
+
+def load_plan(path: str) -> Plan:
+    """The saved plan, or an error saying how to write one."""
+    if not Path(path).is_file():
+        raise XirangError(f"plan file {path!r} does not exist", where=f"current directory {Path.cwd()}",
+                          hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
+    return Plan.load(path)
+
+
+def check_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.mesh.size:
+        raise XirangError(f"--rank {rank} is out of range: the plan has {plan.mesh.size} ranks ({plan.mesh})",
+                          where="--rank", hint=f"give a rank from 0 to {plan.mesh.size - 1}")
+
+
+def group_of(plan: Plan, rank: int, axis: str) -> list[int]:
+    """The global ranks sharing every coordinate with ``rank`` except ``axis``: its group on that axis."""
+    coords = plan.mesh.coords(rank)
+    return [plan.mesh.rank_of(**{**coords, axis: i}) for i in range(plan.mesh.axis_size(axis))]
+
+
+def _replicated(strategy) -> bool:
+    every = list(strategy.inputs) + list(strategy.outputs)
+    return all(layout == Layout() for layout in every)
+
+
+def _traced(plan: Plan, model_spec: str, batch, seq):
+    """Trace the model and refuse a plan made for another one (Plan.check_matches names the field)."""
+    from xirang.passes.fingerprint import graph_fingerprint
+
+    from .analyze import analyze
+    from .cli import build, load_factory
+    model, example_kwargs = build(load_factory(model_spec), batch, seq)
+    gm = analyze(model, example_kwargs=example_kwargs).graph_module
+    plan.check_matches(graph_fingerprint(gm), plan.world)
+    return gm
+
+
+def inspect_rank(plan: Plan, rank: int, *, stage: int | None = None, every_node: bool = False,
+                 model_spec: str | None = None, batch=None, seq=None) -> dict:
+    """What rank ``rank`` runs under ``plan``, as a JSON-ready dict (see the module docstring)."""
+    check_rank(plan, rank)
+    coords = plan.mesh.coords(rank)
+    stages = plan.stages_of(coords["pp"])
+    if stage is not None:
+        if stage not in [s.index for s in stages]:
+            raise XirangError(f"--stage {stage} does not run on rank {rank} (pipeline rank {coords['pp']})",
+                              where="--stage", hint=f"rank {rank} runs stage(s) {[s.index for s in stages]}")
+        stages = tuple(s for s in stages if s.index == stage)
+    gm = _traced(plan, model_spec, batch, seq) if model_spec else None
+    nodes = list(plan.placements)
+    if gm is not None and plan.mesh.pp > 1:
+        # only the model can say which unit a node belongs to: the plan stores units per stage
+        from xirang.ir.meta_keys import UNIT
+        mine = {u for s in stages for u in s.units}
+        unit_of = {n.name: UNIT.get(n, None) for n in gm.graph.nodes}
+        nodes = [n for n in nodes if unit_of.get(n) in mine]
+    placements = [{"node": name, "strategy": s.strategy, "inputs": [str(x) for x in s.inputs],
+                   "outputs": [str(x) for x in s.outputs]}
+                  for name, s in ((n, plan.placements[n]) for n in nodes) if every_node or not _replicated(s)]
+    groups = {axis: group_of(plan, rank, axis) for axis in AXES if plan.mesh.axis_size(axis) > 1}
+    collectives = [{"node": c.node, "axis": c.axis, "kind": c.kind, "algorithm": c.algorithm, "bytes": c.nbytes,
+                    "group": groups[c.axis]} for c in plan.collectives if c.axis in groups]
+    result = {"rank": rank, "mesh": str(plan.mesh), "pp": plan.mesh.pp, "coords": coords, "groups": groups,
+              "stages": [{"index": s.index, "units": list(s.units)} for s in stages],
+              "placements": placements, "placements_total": len(nodes),
+              "collectives": collectives, "code": None}
+    if gm is not None:
+        from xirang.codegen.emit import rank_source
+        result["code"] = rank_source(gm, plan, rank)
+    return result
+
+
+def format_inspection(info: dict, *, every_node: bool) -> str:
+    c = info["coords"]
+    lines = [f"Rank {info['rank']} of mesh {info['mesh']}: dp {c['dp']}, pp {c['pp']}, tp {c['tp']}"]
+    for axis, members in info["groups"].items():
+        lines.append(f"  {axis} group: ranks {members}")
+    lines.append("\nStages:")
+    for s in info["stages"]:
+        lines.append(f"  stage {s['index']}: {', '.join(s['units'])}")
+    shown = "every node" if every_node else "nodes not fully replicated; --all shows every node"
+    lines.append(f"\nPlacements ({len(info['placements'])} of {info['placements_total']} nodes: {shown}):")
+    if info["placements"]:
+        width = max(len(p["node"]) for p in info["placements"])
+        swidth = max(len(p["strategy"]) for p in info["placements"])
+        lines.append(f"  {'node':<{width}}  {'strategy':<{swidth}}  inputs -> outputs")
+        for p in info["placements"]:
+            lines.append(f"  {p['node']:<{width}}  {p['strategy']:<{swidth}}  "
+                         f"{', '.join(p['inputs']) or '-'} -> {', '.join(p['outputs']) or '-'}")
+    lines.append(f"\nCollectives ({len(info['collectives'])}):")
+    for x in info["collectives"]:
+        lines.append(f"  {x['kind']:<14} on {x['axis']} {x['group']} at {x['node']} ({x['algorithm']}, "
+                     f"{x['bytes']:,} bytes)")
+    if info["code"] is None:
+        lines.append("\nCode: pass --model path.py:factory (the model the plan was made for) to see the program.")
+    else:
+        note = (" (the whole tp-rewritten program; pipeline stages are cut from it when it is compiled)"
+                if info["pp"] > 1 else "")
+        lines.append(f"\nCode{note}:\n{info['code']}")
+    return "\n".join(lines)
+
+
+def cmd_inspect(args) -> int:
+    plan = load_plan(args.plan)
+    info = inspect_rank(plan, args.rank, stage=args.stage, every_node=args.all, model_spec=args.model,
+                        batch=args.batch, seq=args.seq)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info, every_node=args.all))
+    return 0

@@ -1,0 +1,189 @@
+"""``xirang run`` and ``xirang verify``: train a factory's model on N local CPU ranks, and check the
+compiled program against single-device training of the same model.
+
+Both plan once in this process (or load ``--plan``) and send the plan to the ranks, so the ranks
+do not each search the same configurations again. Every rank and the single-device reference
+build the model under the same seed and train on the same batches: random data shaped like the
+factory's example inputs (integers below the model's smallest vocabulary, see ``_int_bound``).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .errors import XirangError
+
+MODEL_SEED, LR = 0, 1e-3
+
+
+def _build(spec: str, batch):
+    """The factory's model under a fixed seed (every rank and the reference get the same weights)."""
+    from .cli import build, load_factory
+    torch.manual_seed(MODEL_SEED)
+    return build(load_factory(spec), batch, None)
+
+
+def _int_bound(model) -> int:
+    """Exclusive bound of random integer inputs: the smallest embedding table or output layer, so
+    token ids and class labels are valid for every model in examples/ (GPT: vocab; MLP: classes)."""
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if linears:
+        sizes.append(linears[-1].out_features)
+    return max(1, min(sizes, default=2))
+
+
+def random_batch(example_kwargs: dict, bound: int, step: int, global_batch: int) -> dict:
+    """A batch of ``global_batch`` samples shaped like the examples, the same for a given step."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    batch = {}
+    for name, value in example_kwargs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            batch[name] = value
+            continue
+        shape = (global_batch, *value.shape[1:])
+        if value.dtype.is_floating_point:
+            batch[name] = torch.randn(shape, generator=generator, dtype=value.dtype)
+        elif value.dtype == torch.bool:
+            batch[name] = value.new_ones(shape)
+        else:
+            batch[name] = torch.randint(0, bound, shape, generator=generator, dtype=value.dtype)
+    return batch
+
+
+def _global_batch(example_kwargs: dict, given) -> int:
+    if given is not None:
+        return given
+    sizes = [v.shape[0] for v in example_kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not sizes:
+        raise XirangError("the factory's example inputs have no tensor with a batch dimension",
+                          where="example inputs", hint="pass --global-batch")
+    return sizes[0]
+
+
+def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = None) -> tuple:
+    """(plan, global batch) for ``world`` ranks: loaded from ``plan_path`` or planned here with ``pins``
+    (tp=, pp=, dp= the user fixed)."""
+    import xirang
+    from .cli_inspect import load_plan
+    if world < 1:
+        raise XirangError(f"--world {world}: the number of ranks must be at least 1", where="--world",
+                          hint="e.g. --world 2")
+    pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    if plan_path and pins:
+        raise XirangError(f"--plan fixes the mesh; it cannot be combined with {sorted('--' + k for k in pins)}",
+                          where="--plan", hint="drop the pins, or drop --plan to plan with them")
+    if plan_path:
+        plan = load_plan(plan_path)
+        if plan.world.size != world:
+            raise XirangError(f"{plan_path} was made for {plan.world.size} ranks, not --world {world}",
+                              where="--world", hint=f"pass --world {plan.world.size}, or re-plan for {world}")
+        global_batch = global_batch or plan.global_batch
+        if global_batch != plan.global_batch:
+            raise XirangError(f"--global-batch {global_batch} differs from the plan's {plan.global_batch}",
+                              where="--global-batch", hint="drop --global-batch to use the plan's")
+        return plan, global_batch
+    model, example_kwargs = _build(spec, global_batch)
+    global_batch = _global_batch(example_kwargs, global_batch)
+    example = random_batch(example_kwargs, _int_bound(model), 0, global_batch)
+    plan = xirang.plan(model, world=world, device="cpu", example_kwargs=example, global_batch=global_batch,
+                       **pins)
+    return plan, global_batch
+
+
+def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps: int, gather: bool, say: bool):
+    """One rank: compile, train ``steps`` AdamW steps; with ``gather`` return losses, gradients of the
+    last step and final parameters (full tensors; the gathers are collectives, so every rank runs them)."""
+    import xirang
+    model, example_kwargs = _build(spec, global_batch)
+    bound = _int_bound(model)
+    compiled = xirang.compile(model, world=world, example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
+                              plan=plan)
+    optimizer, losses, grads = torch.optim.AdamW(compiled.parameters(), lr=LR), [], {}
+    for step in range(steps):
+        loss = compiled.train_step(**random_batch(example_kwargs, bound, step, global_batch)).item()
+        losses.append(loss)
+        if say and rank == 0:
+            print(f"step {step}: loss {loss:.6f}", flush=True)
+        if gather and step == steps - 1:
+            grads = {k: v.detach().clone() for k, v in compiled.full_gradients().items()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {k: v.detach().clone() for k, v in compiled.full_state_dict().items()} if gather else {}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def _train_single(spec: str, global_batch: int, steps: int) -> dict:
+    model, example_kwargs = _build(spec, global_batch)
+    bound = _int_bound(model)
+    optimizer, losses, grads = torch.optim.AdamW(model.parameters(), lr=LR), [], {}
+    for step in range(steps):
+        loss = model(**random_batch(example_kwargs, bound, step, global_batch))
+        loss.backward()
+        losses.append(loss.item())
+        if step == steps - 1:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": grads, "params": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+def cmd_run(args) -> int:
+    import xirang
+    from xirang.codegen.launch import launch_command
+    if args.print_command:
+        # the cluster path is a script under torchrun; examples/train_gpt.py is the worked one
+        script_args = ["--global-batch", str(args.global_batch or 8), "--steps", str(args.steps)]
+        for axis in ("tp", "pp"):  # the pins train_gpt.py takes
+            script_args += [f"--{axis}", str(getattr(args, axis))] if getattr(args, axis) else []
+        print(" ".join(launch_command("examples/train_gpt.py", args.world, script_args)))
+        print("# on several nodes: replace --standalone with --nnodes N --node-rank I --rdzv-endpoint HOST:PORT; "
+              "examples/train_gpt.py shows how a script calls xirang.compile (copy it for your model)")
+        return 0
+    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,
+                                 {k: getattr(args, k) for k in ("tp", "pp", "dp")})
+    print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
+          f"global batch {global_batch}; training {args.steps} steps on {args.world} local CPU ranks", flush=True)
+    xirang.launch(_train_rank, args.world, args=(args.model, plan, global_batch, args.steps, False, True),
+                  timeout_s=args.timeout)
+    return 0
+
+
+def _max_diff(got: dict, want: dict) -> tuple[float, list]:
+    common = sorted(set(got) & set(want))
+    worst = max((float((got[k].float() - want[k].float()).abs().max()) for k in common), default=0.0)
+    return worst, sorted(set(want) - set(got))
+
+
+def cmd_verify(args) -> int:
+    import xirang
+    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,
+                                 {k: getattr(args, k) for k in ("tp", "pp", "dp")})
+    print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
+          f"{args.steps} AdamW steps (lr {LR}) on {args.world} ranks against one device", flush=True)
+    results = xirang.launch(_train_rank, args.world, args=(args.model, plan, global_batch, args.steps, True, False),
+                            timeout_s=args.timeout)
+    single = _train_single(args.model, global_batch, args.steps)
+    grads, params = {}, {}
+    for result in results:  # with pp > 1 each pipeline rank holds only its stages' tensors
+        grads.update({k: v for k, v in result["grads"].items() if k not in grads})
+        params.update({k: v for k, v in result["params"].items() if k not in params})
+    losses = results[0]["losses"]
+    print(f"\n{'step':>4} {'single device':>14} {'xirang':>14} {'|difference|':>13}")
+    for step, (want, got) in enumerate(zip(single["losses"], losses)):
+        print(f"{step:>4} {want:>14.6f} {got:>14.6f} {abs(want - got):>13.2e}")
+    loss_diff = max(abs(a - b) for a, b in zip(single["losses"], losses))
+    grad_diff, grad_missing = _max_diff(grads, single["grads"])
+    param_diff, param_missing = _max_diff(params, single["params"])
+    ok = True
+    for what, diff, missing in (("loss", loss_diff, []), ("gradients", grad_diff, grad_missing),
+                                ("parameters", param_diff, param_missing)):
+        passed = diff <= args.tolerance and not missing
+        ok &= passed
+        extra = f"; missing from the compiled model: {missing[:5]}" if missing else ""
+        print(f"{what:<11} max |difference| {diff:.2e}  {'PASS' if passed else 'FAIL'} "
+              f"(tolerance {args.tolerance:g}){extra}")
+    print("verify: " + ("PASS" if ok else "FAIL"))
+    sys.stdout.flush()
+    return 0 if ok else 1
