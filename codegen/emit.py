@@ -9,7 +9,8 @@ group object, and ``code(rank)`` can be printed for ranks this process does not 
 
 Data parallelism adds nothing to the program: dp ranks run the same program on their share of
 the batch, and their gradients are averaged outside it (codegen/grad_sync). Pipeline parallelism
-(pp > 1) is not emitted yet.
+(pp > 1) cuts this program into stages afterwards (codegen/compose_3d.py, which also restores
+the analysis meta the split reads on the program's nodes).
 """
 from __future__ import annotations
 
@@ -28,10 +29,9 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 def check_emittable(plan) -> None:
     """Refuse what this emitter cannot run yet, before any rank builds anything."""
-    if plan.mesh.pp > 1:
-        raise XirangError(f"the plan uses pipeline parallelism (mesh {plan.mesh}); per-rank programs for "
-                          f"pp > 1 are not emitted yet", where="plan.mesh.pp",
-                          hint="re-plan with pp=1 (xirang.plan(..., pp=1) or xirang.compile(..., pp=1))")
+    if plan.precision not in COMPUTE_DTYPES:
+        raise XirangError(f"the plan computes in {plan.precision!r}, which no program is emitted for",
+                          where="plan.precision", hint=f"re-plan with precision in {sorted(COMPUTE_DTYPES)}")
 
 
 def insert_precision_casts(graph: Graph, dtype: torch.dtype) -> None:

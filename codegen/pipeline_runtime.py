@@ -1,4 +1,4 @@
-"""One rank's pipeline-parallel (dp x pp, tp = 1) training program, from a model and its Plan.
+"""One rank's pipeline-parallel (dp x pp x tp) training program, from a model and its Plan.
 
     # inside each launched rank (codegen/launch.py or torchrun)
     runtime = PipelineRuntime(model, plan, example_kwargs=batch)
@@ -19,11 +19,16 @@ the LM head) is a copy on each. Each copy gets the gradient of its own uses only
 over a "tied" group (one per dp and tp index, the ranks holding the copies) gives every copy the
 full gradient, so the same optimizer step keeps them equal (Megatron-LM's embedding group). The
 sum runs after the dp average; both are linear, so the order does not matter.
+
+Tensor parallelism (tp > 1): the stages are cut from this rank's tp-rewritten program
+(codegen/compose_3d.py), the program carries each parameter's tp placement (``shards``), and
+every bound tensor is this tp rank's shard of it; tied copies are matching shards (same tp index)
+on the first and last stage. ``full_state_dict``/``full_gradients`` gather over tp, then pp.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -34,9 +39,11 @@ from xirang.ir.meta_keys import PARAM_ALIASES, PARAM_NAME, ROLE, SYMBOL_DIMS, SY
 
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets
 from .pipeline_executor import LocalStage, PipelineExecutor, StepRecord
+from .padding import shard_of
 from .process_groups import build_mesh_groups
 from .schedule_check import check_schedule
 from .schedules import Backward, BackwardWeight, build_schedule
+from .shard_params import full_tensor
 from .split_stages import split_stages, tied_parameters
 
 
@@ -51,6 +58,7 @@ class PipelineProgram:
     inputs: tuple  # user input names the stages read
     aliases: dict  # FQN -> every FQN bound to that tensor (tied weights)
     trainable: frozenset  # FQNs of parameters (buffers and constants are bound but not trained)
+    shards: dict = field(default_factory=dict)  # FQN -> ParamShard (tp placement); absent: replicated
 
 
 def build_pipeline_program(graph_module, plan, *, verify_plan: bool = True) -> PipelineProgram:
@@ -75,28 +83,39 @@ _REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  
 
 
 class PipelineRuntime:
-    """This rank's stages of ``model`` under ``plan`` (tp == 1); see the module docstring.
+    """This rank's stages of ``model`` under ``plan``; see the module docstring.
 
     ``model``: the module, or its ``state_dict(keep_vars=True)``-like mapping FQN -> tensor when
     ``program`` is given (a rank then needs neither the model class nor a trace). ``program``: a
-    ``build_pipeline_program`` result to reuse; without it the model is traced here
-    with ``example_kwargs``."""
+    ``build_pipeline_program`` result to reuse (for tp > 1: ``compose_3d.rank_pipeline_program``
+    of this rank's tp index); without it the model is traced here with ``example_kwargs``.
+    ``counter``: a ``CommCounter`` the tp collectives record on."""
 
     def __init__(self, model, plan, *, example_kwargs: Optional[dict] = None,
                  program: Optional[PipelineProgram] = None, groups=None, bucket_bytes: Optional[int] = None,
-                 device="cpu"):
-        if plan.mesh.tp != 1:
-            raise XirangError(f"PipelineRuntime runs tp = 1 plans; this plan has mesh {plan.mesh}",
-                              where="PipelineRuntime(plan=...)",
-                              hint="plan with tp=1 (xirang.plan(..., tp=1)), or use xirang.compile for tp > 1")
+                 device="cpu", counter=None, event_log: Optional[list] = None):
+        self.groups = groups or build_mesh_groups(plan.mesh)
+        self.tp, self.tp_rank = self.groups.axis_size("tp"), self.groups.axis_index("tp")
         if program is None:
             if example_kwargs is None:
                 raise XirangError("PipelineRuntime needs example_kwargs= to trace the model, or a program=",
                                   where="PipelineRuntime", hint="pass the example inputs the plan was made with")
             from xirang.analyze import analyze  # the public API sits above codegen; imported on use
-            program = build_pipeline_program(analyze(model, example_kwargs=example_kwargs).graph_module, plan)
+            gm = analyze(model, example_kwargs=example_kwargs).graph_module
+            if self.tp > 1:
+                from .compose_3d import rank_pipeline_program  # builds on this module
+                from xirang.passes.fingerprint import graph_fingerprint
+                plan.check_matches(graph_fingerprint(gm), plan.world)
+                program = rank_pipeline_program(gm, plan, rank=self.groups.rank, device=device)
+            else:
+                program = build_pipeline_program(gm, plan)
+        if self.tp > 1 and not program.shards:
+            raise XirangError(f"the plan has mesh {plan.mesh} but the program has no tp placements: it was split "
+                              f"from the traced graph, not from a tp rank's program", where="PipelineRuntime(program=)",
+                              hint="build it with xirang.codegen.compose_3d.rank_pipeline_program for this rank")
+        for stage in program.stages:  # the stage modules read the tp group as an attribute
+            stage.module.tp_group, stage.module.comm_counter = self.groups.tp, counter
         self.plan, self.device, self.program = plan, torch.device(device), program
-        self.groups = groups or build_mesh_groups(plan.mesh)
         self.dp, self.dp_rank = self.groups.axis_size("dp"), self.groups.axis_index("dp")
         self.pp, self.pp_rank = self.groups.axis_size("pp"), self.groups.axis_index("pp")
         self.symbols, self.programs = program.symbols, program.stages
@@ -106,10 +125,12 @@ class PipelineRuntime:
         self._aliases, self._trainable = program.aliases, program.trainable
 
         local = self.schedule.stages_of(self.pp_rank)
-        self._state = _bind_state(model, [self.programs[i] for i in local], self._trainable, self.device)
+        self._state = _bind_state(model, [self.programs[i] for i in local], self._trainable, self.device,
+                                  shards=program.shards, tp_rank=self.tp_rank, tp=self.tp)
         stages = {i: LocalStage(self.programs[i], [self._state[fqn] for fqn in self.programs[i].parameter_names])
                   for i in local}
         self._tied = _tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
+        self._counter, self._event_log = counter, event_log
         buckets = self._grad_buckets(stages, bucket_bytes or DEFAULT_BUCKET_BYTES) if self.dp > 1 else None
         self.executor = PipelineExecutor(
             self.schedule, self.pp_rank, stages, peers=self.groups.pp_ranks, device=self.device,
@@ -131,7 +152,8 @@ class PipelineRuntime:
         return {index: GradientBuckets([self._state[fqn] for fqn in stage.program.parameter_names
                                         if owner[fqn] == index and fqn in self._trainable],
                                        self.groups.dp, bucket_bytes=bucket_bytes,
-                                       reduce_dtype=_REDUCE_DTYPES[self.plan.grad_reduce_dtype])
+                                       reduce_dtype=_REDUCE_DTYPES[self.plan.grad_reduce_dtype],
+                                       event_log=self._event_log, counter=self._counter)
                 for index, stage in stages.items()}
 
     # --- parameters ------------------------------------------------------------------------------
@@ -144,16 +166,24 @@ class PipelineRuntime:
     def parameters(self) -> list:
         return [tensor for _, tensor in self.named_parameters()]
 
+    def local_param_bytes(self) -> int:
+        """Bytes of the trainable tensors this rank holds (its stages' tp shards)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
     def full_state_dict(self) -> dict:
         """FQN -> parameter of the whole model, tied weights under every alias. Collective over the
-        pp group: call it on every rank."""
-        return self._gather({fqn: t.detach().clone() for fqn, t in self.named_parameters()})
+        tp and pp groups: call it on every rank."""
+        return self._gather({fqn: t.detach() for fqn, t in self.named_parameters()})
 
     def full_gradients(self) -> dict:
         """FQN -> gradient after ``train_step``, gathered like ``full_state_dict``."""
-        return self._gather({fqn: t.grad.clone() for fqn, t in self.named_parameters() if t.grad is not None})
+        return self._gather({fqn: t.grad for fqn, t in self.named_parameters() if t.grad is not None})
 
-    def _gather(self, mine: dict) -> dict:
+    def _gather(self, local: dict) -> dict:
+        # tp first: every tp rank of this stage holds the same FQNs in the same order.
+        mine = {fqn: (full_tensor(tensor, self.program.shards[fqn], self.groups.tp)
+                      if fqn in self.program.shards else tensor.detach().clone())
+                for fqn, tensor in local.items()}
         pieces = [mine]
         if self.groups.pp is not None:
             pieces = [None] * self.pp
@@ -247,10 +277,11 @@ class PipelineRuntime:
         return [entry for piece in pieces for entry in piece]
 
 
-def _bind_state(model, programs, trainable: frozenset, device) -> dict:
+def _bind_state(model, programs, trainable: frozenset, device, *, shards: dict, tp_rank: int, tp: int) -> dict:
     """FQN -> this rank's copy of every parameter/buffer its stages read; one tensor per FQN even
     when two local stages read it, so their gradients accumulate in one place. ``model`` is the
-    module, or a mapping FQN -> tensor (a state dict: what launched ranks can be sent cheaply)."""
+    module, or a mapping FQN -> tensor (a state dict: what launched ranks can be sent cheaply).
+    A tensor with an entry in ``shards`` is bound as this tp rank's shard of it."""
     from_module = isinstance(model, torch.nn.Module)  # a mapping says nothing of frozen parameters
     if from_module:
         state = dict(model.named_parameters(remove_duplicate=False))
@@ -268,7 +299,10 @@ def _bind_state(model, programs, trainable: frozenset, device) -> dict:
                                   f"{'has only on the meta device' if full is not None else 'does not have'}",
                                   where=f"placeholder {placeholder} of stage {program.index}",
                                   hint="build the runtime from the model that was planned, with real tensors")
-            copy = full.detach().to(device).clone()
+            local = full.detach()
+            if fqn in shards:
+                local = shard_of(local, shards[fqn].placement, tp_rank, tp)
+            copy = local.to(device).clone()
             trains = full.requires_grad if from_module else True
             bound[fqn] = torch.nn.Parameter(copy, requires_grad=trains) if fqn in trainable else copy
     return bound

@@ -17,6 +17,10 @@ builds for stage ``i`` a module called as
 - ``user_inputs``: the model inputs (``input_ids``, ``labels``) the stage reads; each rank is given
   the batch, so a stage never receives them from a neighbour.
 
+A tp rank's program (codegen/compose_3d.py) splits the same way: its collectives carry the
+``UNIT`` of the node they feed, and its ``get_attr`` nodes (the tp group, the communication
+counter) are module attributes every stage that reads them gets.
+
 Symbolic sizes: shapes are static per plan (micro-batch and sequence fixed), so every SymInt node
 (``aten.sym_size.int`` and arithmetic on it) is folded to a Python int evaluated at ``symbols``.
 That removes the scalar from the cut altogether: no stage needs an input only to read its size, and
@@ -36,7 +40,11 @@ from xirang.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
 from xirang.ir.meta_keys import PARAM_NAME, REQUIRES_GRAD, ROLE, TENSOR, TORCH_SYMBOLS, UNIT
 
+from .local_ops import local_size
+
 BOUND_ROLES = ("parameter", "buffer", "constant")
+# Pure int -> int functions a tp rank's program applies to sizes; folded like the sizes they read.
+INT_FUNCTIONS = (local_size,)
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in
            (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
             torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
@@ -113,8 +121,8 @@ def _stage_of_nodes(gm, stages) -> dict:
     stage_of_unit = {unit: stage.index for stage in stages for unit in stage.units}
     stage_of = {}
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue  # get_attr (a tp rank's process group) is copied into each stage that reads it
         unit = UNIT.get(node, None)
         if unit not in stage_of_unit:
             raise XirangError(f"node {node.name} belongs to unit {unit!r}, which no stage of the plan lists",
@@ -149,6 +157,11 @@ def _fold_symbolic_ints(gm, symbols: dict) -> dict:
     torch_names = TORCH_SYMBOLS.get(gm, {})
     folded = {}
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in INT_FUNCTIONS and node.all_input_nodes \
+                and all(arg in folded for arg in node.all_input_nodes):
+            # a tp rank's local share of a folded size (codegen/local_ops.local_size): fold it too
+            folded[node] = node.target(*fx.node.map_arg(node.args, lambda arg: folded[arg]))
+            continue
         value = node.meta.get("val")
         if node.op == "placeholder" or not isinstance(value, (torch.SymInt, int)) or isinstance(value, bool):
             continue
@@ -213,6 +226,9 @@ def _build_stage(gm, index, stage_of, folded, crossing_in, crossing_out, loss) -
         if node.op == "placeholder" and node in reads and ROLE.get(node, None) not in BOUND_ROLES:
             env[node] = _copy_placeholder(graph, node, node.name)
             user_inputs.append(node.name)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node in reads:
+            env[node] = graph.get_attr(node.target)  # GraphModule(gm, ...) copies the attribute
     for node in own:
         env[node] = graph.node_copy(node, lambda arg: env[arg])
     if loss is not None:

@@ -7,13 +7,15 @@
 
 Every rank calls it with the same arguments. Without ``plan`` it plans (``xirang.plan``, every
 rank deterministically reaching the same plan); with one, the plan is checked against this model's
-traced graph and World first, so a stale plan is refused. Pipeline parallelism (pp > 1) is not
-emitted yet and is refused.
+traced graph and World first, so a stale plan is refused. With pp > 1 the rank's program is cut
+into its pipeline stages (codegen/compose_3d.py) and the result, a ``PipelinedModel``, has the
+same API as ``CompiledModel``.
 """
 from __future__ import annotations
 
 from typing import Optional, Union
 
+from xirang.codegen.compose_3d import PipelinedModel
 from xirang.codegen.emit import check_emittable
 from xirang.codegen.launch import ensure_distributed
 from xirang.codegen.process_groups import build_mesh_groups
@@ -30,7 +32,7 @@ from .plan_api import _world, plan as make_plan
 def compile(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None,  # noqa: A001
             plan: Optional[Plan] = None, global_batch: Optional[int] = None, device=None,
             runtime_device="cpu", bucket_bytes: Optional[int] = None, counter=None,
-            event_log: Optional[list] = None, **plan_pins) -> CompiledModel:
+            event_log: Optional[list] = None, **plan_pins) -> Union[CompiledModel, PipelinedModel]:
     """This rank's ``CompiledModel`` of ``model`` on ``world`` (see the module docstring).
 
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
@@ -63,5 +65,6 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
                          global_batch=global_batch, **plan_pins)
         check_emittable(plan)
     groups = build_mesh_groups(plan.mesh)
-    return CompiledModel(model, gm, plan, groups, device=runtime_device, bucket_bytes=bucket_bytes,
+    built = PipelinedModel if plan.mesh.pp > 1 else CompiledModel
+    return built(model, gm, plan, groups, device=runtime_device, bucket_bytes=bucket_bytes,
                          counter=counter, event_log=event_log)
