@@ -91,3 +91,12 @@ def test_explain_picture_writes_a_png(tp2_plan, tmp_path):
     result = xirang("explain", str(tp2_plan), "--picture", str(picture))
     assert result.returncode == 0, result.stderr
     assert "memory picture:" in result.stdout and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_verify_reads_the_loss_of_hugging_face_outputs_tuples_and_tensors():
+    import torch
+    from transformers.modeling_outputs import CausalLMOutput
+    from xirang.cli_verify import _loss_of
+    loss = torch.tensor(2.5)
+    assert _loss_of(CausalLMOutput(loss=loss, logits=torch.zeros(1))) is loss  # HF models with labels
+    assert _loss_of((loss, torch.zeros(1))) is loss and _loss_of(loss) is loss

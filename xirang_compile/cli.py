@@ -70,8 +70,13 @@ def cmd_plan(args) -> int:
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
                                                    "virtual_stages", "recompute", "precision")}
+    steps = ("analyse", "splits", "search", "assemble")
+
+    def progress(event):  # one line per planning step on stderr, so stdout stays the plan
+        done = steps.index(event.stage) + 1 if event.stage in steps else 0
+        print(f"[{'#' * done}{'.' * (len(steps) - done)}] {event.message}", file=sys.stderr, flush=True)
     plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
-                     device=args.device, **{k: v for k, v in pins.items() if v is not None})
+                     device=args.device, progress=progress, **{k: v for k, v in pins.items() if v is not None})
     if args.json:
         plan.save(args.json)
     print(plan.explain())

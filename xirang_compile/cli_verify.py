@@ -119,7 +119,7 @@ def _train_single(spec: str, global_batch: int, steps: int) -> dict:
     bound = _int_bound(model)
     optimizer, losses, grads = torch.optim.AdamW(model.parameters(), lr=LR), [], {}
     for step in range(steps):
-        loss = model(**random_batch(example_kwargs, bound, step, global_batch))
+        loss = _loss_of(model(**random_batch(example_kwargs, bound, step, global_batch)))
         loss.backward()
         losses.append(loss.item())
         if step == steps - 1:
@@ -187,3 +187,13 @@ def cmd_verify(args) -> int:
     print("verify: " + ("PASS" if ok else "FAIL"))
     sys.stdout.flush()
     return 0 if ok else 1
+
+
+def _loss_of(output):
+    """The loss a model returns: a tensor, the first element of a tuple, or ``.loss`` of a Hugging
+    Face output object (the compiled step returns that same loss)."""
+    if hasattr(output, "loss") and output.loss is not None:
+        return output.loss
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    return output
