@@ -45,14 +45,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world, port, backend, pg_timeout_s, threads, fn, args, conn):
-    """Body of one spawned rank: join the world, run fn, send back ("ok", bytes) or an error."""
+def _rank_main(rank, world, port, backend, pg_timeout_s, threads, payload, conn):
+    """Body of one spawned rank: join the world, run fn, send back ("ok", bytes) or an error.
+
+    ``payload`` is ``pickle.dumps((fn, args))`` made by the parent: unpickling it here, inside the
+    try, makes an error (or a hang) while rebuilding the arguments this rank's reported failure or
+    the launch deadline's business, instead of blocking the parent inside ``Process.start``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     # Ranks share this machine's cores; torch's default (all cores each) oversubscribes them.
     torch.set_num_threads(threads)
     initialised = False
     try:
+        fn, args = pickle.loads(payload)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world,
@@ -101,7 +106,7 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
         raise XirangError(f"nprocs must be a positive int, got {nprocs!r}", where=where,
                           hint="pass the number of ranks the mesh needs (dp * pp * tp)")
     try:
-        pickle.dumps((fn, tuple(args)))
+        payload = pickle.dumps((fn, tuple(args)))
     except Exception as exc:
         raise XirangError(f"fn or args cannot be sent to a spawned rank: {exc}", where=where,
                           hint="define fn at the top level of an importable module (no lambda or "
@@ -116,8 +121,7 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_main, name=f"xirang-rank-{rank}",
-                               args=(rank, nprocs, port, backend, pg_timeout_s, threads, fn,
-                                     tuple(args), writer))
+                               args=(rank, nprocs, port, backend, pg_timeout_s, threads, payload, writer))
             proc.start()
             writer.close()  # only the child holds the writer, so its death reads as EOF here
             procs.append(proc)

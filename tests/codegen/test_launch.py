@@ -43,6 +43,31 @@ def _never_returns(rank, world):
     time.sleep(600)
 
 
+class _BreaksInRank1:
+    """Pickles in the parent; rebuilding it in rank 1 raises (as a module that rank cannot import
+    would)."""
+
+    def __reduce__(self):
+        return (_rebuild, ())
+
+
+def _rebuild():
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("cannot rebuild the argument here")
+    return "rebuilt"
+
+
+def _echo(rank, world, value):
+    return value
+
+
+def test_arguments_that_fail_to_rebuild_in_a_rank_are_that_ranks_reported_error():
+    with pytest.raises(XirangError) as error:
+        launch(_echo, 2, args=(_BreaksInRank1(),), timeout_s=60)
+    assert "rank 1 of 2 failed" in error.value.what
+    assert "RuntimeError: cannot rebuild the argument here" in error.value.what
+
+
 def test_results_come_back_in_rank_order():
     results = launch(_report, 2, args=("hello",), timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
