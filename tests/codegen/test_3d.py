@@ -22,6 +22,7 @@ import torch
 import xirang
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.compose_3d import rank_pipeline_program
+from tests.codegen.single_device import single_device_run
 from xirang.codegen.launch import launch
 from xirang.codegen.pipeline_runtime import PipelineRuntime
 from xirang.codegen.process_groups import build_mesh_groups
@@ -52,22 +53,8 @@ def make_plan(name: str, dp: int, tp: int, pp: int, schedule: str):
     return plan
 
 
-def _loss(output):
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
 def reference(name: str) -> dict:
-    model = build(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
-    steps = []
-    for step in range(STEPS):
-        loss = _loss(model(**batch(step)))
-        loss.backward()
-        steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}))
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"steps": steps, "params": params}
+    return single_device_run(build(name), batch, STEPS, keep_duplicates=True)
 
 
 # --- what each rank runs ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import xirang
 from examples.gpt import GPTConfig, build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.comm_counter import CommCounter
+from tests.codegen.single_device import single_device_run
 from xirang.codegen.launch import launch
 from xirang.ir.meta_keys import BLOCK, BLOCK_KINDS
 from xirang.ir.placement import Shard
@@ -59,10 +60,6 @@ def make_plan(name: str, dp: int, tp: int, *, global_batch=BATCH, micro_batch=No
     return xirang.plan(build(name), world=dp * tp, example_kwargs=batch(0, 2, SEQ), global_batch=global_batch,
                        seq=COMM_SEQ, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1,
                        micro_batch=micro_batch or global_batch // dp)
-
-
-def _loss(output):
-    return output if isinstance(output, torch.Tensor) else output.loss
 
 
 # --- what each rank runs ---------------------------------------------------------------------------
@@ -103,19 +100,7 @@ def _rank_main(rank, world, jobs):
 @pytest.fixture(scope="module")
 def references():
     """Loss, gradients and parameters of the single-device model per step, per model."""
-    found = {}
-    for name in MODELS:
-        model = build(name)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
-        steps = []
-        for step in range(STEPS):
-            loss = _loss(model(**batch(step)))
-            loss.backward()
-            steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-            optimizer.step()
-            optimizer.zero_grad()
-        found[name] = {"steps": steps, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    return found
+    return {name: single_device_run(build(name), batch, STEPS) for name in MODELS}
 
 
 def _check_sharded(plan, name):

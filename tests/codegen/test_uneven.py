@@ -21,6 +21,7 @@ import torch
 import xirang
 from examples.gpt import GPTConfig, build_gpt
 from xirang.codegen import shard_params
+from tests.codegen.single_device import single_device_run
 from xirang.codegen.launch import launch
 from xirang.codegen.padding import unshard
 from xirang.ir.placement import Shard
@@ -54,10 +55,6 @@ def make_plan(name: str, dp: int, tp: int):
                        device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1, micro_batch=BATCH // dp)
 
 
-def _loss(output):
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
 def _train(name, plan):
     compiled = xirang.compile(build(name), world=plan.mesh.dp * plan.mesh.tp, example_kwargs=batch(0),
                               plan=plan, device="a100-80g")
@@ -77,16 +74,7 @@ def _rank_main(rank, world, jobs):
 
 
 def _reference(name):
-    model = build(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
-    steps = []
-    for step in range(STEPS):
-        loss = _loss(model(**batch(step)))
-        loss.backward()
-        steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"steps": steps, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return single_device_run(build(name), batch, STEPS)
 
 
 def _check_vocab_sharded(plan, name):

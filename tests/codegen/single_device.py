@@ -1,0 +1,27 @@
+"""The single-device reference the multi-rank equivalence tests compare against: AdamW steps on the
+plain model, recording the loss and every gradient per step and the parameters after the last.
+
+AdamW uses eps=1e-3 (see tests/codegen/test_equivalence.py: a gradient that is zero in exact
+arithmetic is rounding noise, which Adam's first step with a tiny eps would amplify to lr * sign).
+"""
+from __future__ import annotations
+
+import torch
+
+from xirang.cli_verify import _loss_of as loss_of  # a tensor, a tuple's first element or HF `.loss`
+
+
+def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False) -> dict:
+    """{"steps": [(loss, {name: grad})...], "params": {name: tensor}} for ``steps`` AdamW steps on
+    ``batch(step)``; ``keep_duplicates`` lists a tied parameter under every name."""
+    def named():
+        return model.named_parameters(remove_duplicate=not keep_duplicates)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
+    found = []
+    for step in range(steps):
+        loss = loss_of(model(**batch(step)))
+        loss.backward()
+        found.append((loss.item(), {n: p.grad.clone() for n, p in named()}))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"steps": found, "params": {n: p.detach().clone() for n, p in named()}}
