@@ -10,7 +10,10 @@ returns its numbers to the parent, which compares them with a single-device run:
 step, the gathered gradients, and the parameters after STEPS AdamW steps, within TOLERANCE (fp32).
 HF GPT-2 ties its LM head to the token embedding, on the first and last stage: the tied gradient
 sum between those ranks is what keeps it right. Spawning costs seconds, so there are two launches:
-4 ranks ((1, 4): 1F1B, GPipe, interleaved v=2) and 8 ranks ((2, 4) 1F1B and (1, 8) 1F1B).
+4 ranks ((dp, pp) = (1, 4): 1F1B and GPipe on GPT-2 and the in-repo GPT, interleaved v=2 on GPT-2
+and Llama) and 8 ranks ((1, 8) and (2, 4), each with 1F1B and GPipe, on GPT-2 and Llama). Eight
+stages, or four ranks of two virtual stages, need eight units: those runs use six-layer models
+(embedding, six blocks, head). tests/codegen/test_3d.py covers the tp > 1 meshes.
 
 AdamW uses eps=1e-3 for the reason given in tests/codegen/test_equivalence.py (gradients that are
 zero in exact arithmetic are rounding noise, and Adam's first step would amplify it to lr * sign).
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 import xirang
-from examples.gpt import GPTConfig, build_gpt
+from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.launch import launch
 from xirang.codegen.pipeline_executor import LocalStage, PipelineExecutor
@@ -41,11 +44,10 @@ def build(name: str):
     torch.manual_seed(0)
     if name == "gpt":
         return build_gpt("tiny", device="cpu")
-    if name == "gpt6":  # 8 units (embedding, 6 blocks, head): enough for 8 stages
-        return build_gpt(GPTConfig(vocab_size=512, seq_len=64, hidden=32, heads=4, layers=6), device="cpu")
-    if name == "gpt2":
-        return hf_gpt2(device="cpu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return hf_llama(device="cpu")
+    layers = 6 if name.endswith("_6") else 2  # "gpt2_6", "llama_6": eight units, for eight stages
+    if name.startswith("gpt2"):
+        return hf_gpt2(layers, device="cpu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return hf_llama(layers, device="cpu")
 
 
 def batch(step: int, size: int) -> dict:
@@ -238,9 +240,9 @@ def config(label: str, name: str, **plan_choices) -> tuple:
 def test_pipeline_4_ranks_matches_single_device():
     configs = [config("gpt2 1f1b", "gpt2", dp=1, pp=4, schedule="1f1b"),
                config("gpt2 gpipe", "gpt2", dp=1, pp=4, schedule="gpipe"),
-               config("llama 1f1b", "llama", dp=1, pp=4, schedule="1f1b"),
                config("gpt 1f1b", "gpt", dp=1, pp=4, schedule="1f1b"),
-               config("gpt6 interleaved", "gpt6", dp=1, pp=4, schedule="interleaved", v=2)]
+               config("gpt2 interleaved v2", "gpt2_6", dp=1, pp=4, schedule="interleaved", v=2),
+               config("llama interleaved v2", "llama_6", dp=1, pp=4, schedule="interleaved", v=2)]
     results = launch(_rank_main, 4, (configs,), timeout_s=600)
     _check_launch(results, configs)
     # GPipe keeps all m micro-batches of stage 0 in flight; 1F1B at most p.
@@ -252,7 +254,10 @@ def test_pipeline_4_ranks_matches_single_device():
 
 
 def test_pipeline_8_ranks_dp_and_deep_pipeline_match_single_device():
-    configs = [config("gpt2 dp2 1f1b", "gpt2", dp=2, pp=4, schedule="1f1b"),
-               config("gpt6 pp8 1f1b", "gpt6", dp=1, pp=8, schedule="1f1b")]
+    configs = [config(f"{model} ({dp},1,{pp}) {schedule}", model if pp == 4 else f"{model}_6",
+                      dp=dp, pp=pp, schedule=schedule)
+               for model in ("gpt2", "llama") for dp, pp in ((1, 8), (2, 4)) for schedule in ("1f1b", "gpipe")]
     results = launch(_rank_main, 8, (configs,), timeout_s=600)
     _check_launch(results, configs)
+    # a plan stage per pipeline rank; the interleaved runs above hold two each
+    assert {len(plan.stages) for _, _, plan, _, _, _ in configs} == {8, 4}
