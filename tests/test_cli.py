@@ -9,13 +9,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def xirang(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xirang", *args], cwd=REPO, capture_output=True, text=True,
+def xirang(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "xirang", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
 
 
-def test_analyze_prints_json_report():
-    result = xirang("analyze", "examples/catalog.py:gpt_tiny", "--batch", "4", "--seq", "32", "--json")
+def test_analyze_prints_json_report(tmp_path):
+    # run from another folder: examples/catalog.py imports `examples.gpt`, its own package
+    result = xirang("analyze", str(REPO / "examples/catalog.py") + ":gpt_tiny", "--batch", "4", "--seq", "32",
+                    "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     # tiny GPT (vocab 512, positions 64, hidden 64, 2 layers, tied head): embeddings 512*64 + 64*64,
@@ -55,6 +57,18 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
     assert explained.returncode == 0, explained.stderr
     chosen = [line for line in explained.stdout.splitlines() if line.startswith("* dp=")]
     assert len(chosen) == 1 and chosen[0] in result.stdout
+    # not a terminal: one progress line per planning step on stderr, stdout is the plan
+    steps = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert [line[:6] for line in steps] == ["[#...]", "[##..]", "[###.]", "[####]"], result.stderr
+    as_data = xirang("explain", str(out), "--json")
+    assert as_data.returncode == 0, as_data.stderr
+    table = json.loads(as_data.stdout)
+    rows = table["rows"]
+    assert rows[0]["chosen"] and not any(row["chosen"] for row in rows[1:])
+    assert chosen[0].startswith("* " + rows[0]["configuration"])
+    assert rows[0]["dp"] * rows[0]["pp"] * rows[0]["tp"] == 2 and rows[0]["fits"]
+    assert set(rows[0]["seconds_by_cause"]) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed"}
+    assert abs(sum(rows[0]["seconds_by_cause"].values()) - rows[0]["step_seconds"]) <= 1e-6 * rows[0]["step_seconds"]
 
 
 def test_plan_pins_are_honoured():

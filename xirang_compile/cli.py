@@ -9,6 +9,7 @@ import inspect
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from xirang.ir.plan import PlanError
@@ -27,16 +28,36 @@ def load_factory(spec: str):
     if not path.is_file():
         raise XirangError(f"model file {path_text!r} does not exist", where=f"current directory {Path.cwd()}",
                           hint="give the path of a .py file, relative to the current directory or absolute")
-    sys.path.insert(0, str(path.resolve().parent))
-    sys.path.insert(0, str(Path.cwd()))
+    # The file may import its neighbours (`import gpt`) or its package (`from examples.gpt import
+    # ...`, examples/ being a package): put its folder and the folder above its package on the path.
+    folder = path.resolve().parent
+    package_root = folder
+    while (package_root / "__init__.py").is_file() and package_root.parent != package_root:
+        package_root = package_root.parent
+    for entry in dict.fromkeys((str(Path.cwd()), str(package_root), str(folder))):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except (ImportError, SyntaxError) as error:
+        line = getattr(error, "lineno", None) or _failing_line(error, path)
+        raise XirangError(f"model file {path_text} could not be loaded: {type(error).__name__}: {error}",
+                          where=f"{path_text}:{line}" if line else path_text,
+                          hint="install what it imports, or fix the file; it is run as a plain Python file "
+                               "with its folder and the folder above its package on sys.path") from error
     factory = getattr(module, name, None)
     if not callable(factory):
         found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
         raise XirangError(f"{path_text} has no function {name!r}", hint=f"functions there: {', '.join(found)}")
     return factory
+
+
+def _failing_line(error: BaseException, path: Path):
+    """The line of ``path`` in ``error``'s traceback, if the error passed through it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return frames[-1].lineno if frames else None
 
 
 def build(factory, batch: int | None, seq: int | None):
@@ -70,13 +91,10 @@ def cmd_plan(args) -> int:
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
                                                    "virtual_stages", "recompute", "precision")}
-    steps = ("analyse", "splits", "search", "assemble")
-
-    def progress(event):  # one line per planning step on stderr, so stdout stays the plan
-        done = steps.index(event.stage) + 1 if event.stage in steps else 0
-        print(f"[{'#' * done}{'.' * (len(steps) - done)}] {event.message}", file=sys.stderr, flush=True)
-    plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
-                     device=args.device, progress=progress, **{k: v for k, v in pins.items() if v is not None})
+    from .cli_progress import PlanProgressDisplay
+    with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
+        plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
+                         device=args.device, progress=progress, **{k: v for k, v in pins.items() if v is not None})
     if args.json:
         plan.save(args.json)
     print(plan.explain())
@@ -91,11 +109,16 @@ def cmd_explain(args) -> int:
         raise XirangError(f"plan file {args.plan!r} does not exist", where=f"current directory {Path.cwd()}",
                           hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
     plan = Plan.load(args.plan)
-    print(plan.explain())
+    if args.json:  # for scripts: the same table as data, nothing else on stdout
+        from .explain import explain_data
+        print(json.dumps(explain_data(plan), indent=2))
+    else:
+        print(plan.explain())
     if args.picture:
         from xirang.codegen.memory_picture import write_memory_png
         path = write_memory_png(plan, args.picture)
-        print(f"\nmemory picture: {path} (a bar per pipeline rank, red line: usable memory)")
+        print(f"\nmemory picture: {path} (a bar per pipeline rank, red line: usable memory)",
+              file=sys.stderr if args.json else sys.stdout)  # stdout stays parseable JSON
     return 0
 
 
@@ -158,6 +181,7 @@ def main(argv=None) -> int:
 
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
     explain.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    explain.add_argument("--json", action="store_true", help="print the table and reasons as JSON")
     explain.add_argument("--picture", metavar="PNG", help="draw the predicted memory per pipeline rank against "
                                                           "the usable limit into PNG")
     explain.set_defaults(run=cmd_explain)

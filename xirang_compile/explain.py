@@ -83,6 +83,25 @@ def why_won(plan: Plan) -> str:
     return " ".join(parts)
 
 
+def explain_data(plan: Plan) -> dict:
+    """What ``explain_plan`` shows, as JSON-ready data (``xirang explain plan.json --json``): one
+    row per configuration (the chosen one first), seconds per step by cause, memory per pipeline
+    rank in bytes, fits, and the reasons in words."""
+    def row(item: Alternative, chosen: bool, why: str) -> dict:
+        return {"configuration": label(item), "chosen": chosen,
+                "dp": item.mesh.dp, "pp": item.mesh.pp, "tp": item.mesh.tp, "micro_batch": item.micro_batch,
+                "num_micro_batches": item.num_micro_batches, "schedule": item.schedule,
+                "virtual_stages": item.virtual_stages, "recompute": item.recompute,
+                "step_seconds": item.step_seconds, "tflops_per_device": item.tflops_per_device,
+                "seconds_by_cause": {key: item.breakdown.get(key, 0.0) for key, _ in CAUSES},
+                "memory_bytes_per_pipeline_rank": list(item.memory_bytes_per_device),
+                "fits": item.fits, "why": why}
+    return {"world": plan.world.describe(), "global_batch": plan.global_batch, "precision": plan.precision,
+            "usable_bytes_per_device": min(stage.memory_limit_bytes for stage in plan.stages),
+            "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, a.why) for a in plan.alternatives],
+            "notes": list(plan.predicted.notes)}
+
+
 def explain_plan(plan: Plan) -> str:
     """The text table ``Plan.explain()`` returns."""
     winner = as_row(plan)

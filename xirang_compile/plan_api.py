@@ -29,11 +29,14 @@ MEMORY_FRACTION = 0.9  # of each device's memory the plan may use; see search_pl
 
 class PlanProgress(NamedTuple):
     """One step of planning done: ``stage`` ("analyse", "splits", "search", "assemble"), its wall
-    time, and a line for people (``progress=print`` prints it)."""
+    time, and a line for people (``progress=print`` prints it). ``step_done`` is False for the
+    events inside a stage (one per tensor-split problem solved while the search runs, the slow part
+    for big models), True for the event that ends the stage."""
 
     stage: str
     seconds: float
     message: str
+    step_done: bool = True
 
     def __str__(self) -> str:
         return self.message
@@ -68,7 +71,17 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
 
     from xirang.passes.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
     pricer = SplitPricer(gm, world, efficiency=efficiency or Efficiency(), precision=precision)
-    result = search_plan(pricer.price, world, global_batch=global_batch, seq=seq, precision=precision,
+    solved = []
+
+    def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch)
+        began = time.perf_counter()
+        split = pricer.price(tp, tp_group, micro_batch, seq, *rest)
+        solved.append((tp, micro_batch))
+        report_progress(PlanProgress("splits", time.perf_counter() - began,
+                                     f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}",
+                                     step_done=False))
+        return split
+    result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
                          memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
                          schedule=schedule, virtual_stages=virtual_stages, recompute=recompute)
     report_progress(PlanProgress("splits", result.price_seconds, f"solved {result.splits_priced} tensor splits "
