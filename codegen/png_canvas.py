@@ -1,40 +1,30 @@
-"""An RGB canvas of filled rectangles and 3x5-pixel text, written as PNG with zlib and struct only.
+"""An RGB canvas of filled rectangles and 5x7-pixel text, written as PNG with zlib and struct only.
 
 PNG layout (W3C PNG specification, 2nd edition): the 8-byte signature, then chunks of
 ``length | type | data | CRC-32 of type+data``: IHDR (width, height, bit depth 8, colour type 2 =
 truecolour RGB, no interlace), one IDAT holding the zlib stream of every row prefixed by filter byte
 0 (None), and IEND. That is all a viewer needs; no third-party imaging library is used.
 
-The font covers the digits and the few letters timeline labels use (F B I W c r s); each glyph is
-3 pixels wide and 5 high, drawn at an integer ``scale``.
+Text uses the 5x7 bitmap font of ``font_5x7`` (letters, digits, punctuation), one blank column
+between glyphs, drawn at an integer ``scale``: at scale 2 a character is 12 pixels wide and a line
+18 high (14 for the glyph, 4 for the descent of g, j, p, q, y).
 """
 from __future__ import annotations
 
 import struct
 import zlib
 
+from .font_5x7 import DROP, FONT_5X7, GLYPH_SPACING, GLYPH_WIDTH, LINE_HEIGHT
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 Colour = tuple[int, int, int]
 
-FONT_3X5 = {
-    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
-    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
-    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
-    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
-    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
-    "F": ("111", "100", "110", "100", "100"), "B": ("110", "101", "110", "101", "110"),
-    "I": ("111", "010", "010", "010", "111"), "W": ("101", "101", "111", "111", "101"),
-    "c": ("000", "111", "100", "100", "111"), "r": ("000", "111", "100", "100", "100"),
-    "s": ("011", "100", "010", "001", "110"), " ": ("000", "000", "000", "000", "000"),
-}
-GLYPH_WIDTH, GLYPH_HEIGHT, GLYPH_SPACING = 3, 5, 1
 
-
-def text_size(text: str, scale: int) -> tuple[int, int]:
-    """Pixel width and height of ``text`` drawn at ``scale``."""
+def text_size(text: str, scale: int = 1) -> tuple[int, int]:
+    """Pixel width and height of ``text`` drawn at ``scale`` (what ``Canvas.draw_text`` covers)."""
     if not text:
         return 0, 0
-    return (len(text) * (GLYPH_WIDTH + GLYPH_SPACING) - GLYPH_SPACING) * scale, GLYPH_HEIGHT * scale
+    return (len(text) * (GLYPH_WIDTH + GLYPH_SPACING) - GLYPH_SPACING) * scale, LINE_HEIGHT * scale
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -74,19 +64,29 @@ class Canvas:
         offset = (y * self.width + x) * 3
         return tuple(self.pixels[offset:offset + 3])
 
+    def outline_rect(self, x0: int, y0: int, x1: int, y1: int, colour: Colour) -> None:
+        """A one-pixel frame just inside the half-open box [x0, x1) x [y0, y1)."""
+        for box in ((x0, y0, x1, y0 + 1), (x0, y1 - 1, x1, y1), (x0, y0, x0 + 1, y1), (x1 - 1, y0, x1, y1)):
+            self.fill_rect(*box, colour)
+
+    text_size = staticmethod(text_size)
+
     def draw_text(self, x: int, y: int, text: str, colour: Colour, scale: int = 1) -> None:
-        """Draw ``text`` with its top-left corner at (x, y); characters outside FONT_3X5 are refused."""
-        unknown = sorted(set(text) - set(FONT_3X5))
+        """Draw ``text`` with its top-left corner at (x, y); it covers ``text_size(text, scale)``.
+        A character the font has no glyph for is refused by name (``font_5x7.printable`` replaces them)."""
+        unknown = sorted(set(text) - set(FONT_5X7))
         if unknown:
-            raise ValueError(f"draw_text: no glyph for {unknown} in {text!r}; the built-in font has "
-                             f"{''.join(sorted(FONT_3X5)).strip()}")
+            marks = "".join(c for c in FONT_5X7 if not c.isalnum() and c != " ")
+            raise ValueError(f"draw_text: no glyph for {', '.join(map(repr, unknown))} in {text!r}; the 5x7 "
+                             f"font has A-Z a-z 0-9, space and {marks} (font_5x7.printable replaces the rest)")
+        step = (GLYPH_WIDTH + GLYPH_SPACING) * scale
         for position, character in enumerate(text):
-            left = x + position * (GLYPH_WIDTH + GLYPH_SPACING) * scale
-            for row, bits in enumerate(FONT_3X5[character]):
+            left, top = x + position * step, y + DROP.get(character, 0) * scale
+            for row, bits in enumerate(FONT_5X7[character]):
                 for column, bit in enumerate(bits):
                     if bit == "1":
-                        self.fill_rect(left + column * scale, y + row * scale,
-                                       left + (column + 1) * scale, y + (row + 1) * scale, colour)
+                        self.fill_rect(left + column * scale, top + row * scale,
+                                       left + (column + 1) * scale, top + (row + 1) * scale, colour)
 
     def to_png(self) -> bytes:
         return encode_png(self.width, self.height, bytes(self.pixels))
