@@ -20,6 +20,7 @@ from xirang.ir.facts import SourceLocation
 from xirang.ir.pass_spec import compiler_pass
 
 from .fold_repeats import CannotFold, folded_repeats
+from .trace_normalize import canonical_graph
 from .trace_errors import ModuleCallTracker, explain_trace_failure, quiet_torch_logs, user_frames
 from .trace_inputs import (check_symbolic_dims, default_symbolic_dims, export_dynamic_shapes,
                            name_inputs, symbol_values, widen_unit_dims)
@@ -44,6 +45,7 @@ def trace_model(gm, ctx):
 
     start = time.perf_counter()
     gm = _trace_folded(model, named, symbolic_dims, info, fold=ctx.fold_repeats)
+    gm = canonical_graph(gm)  # the same names and ops for one model on meta, CPU or GPU
     info["seconds"] = time.perf_counter() - start
     _annotate_locations(gm)
     torch_symbols, specialised = _map_symbols(gm, symbolic_dims)

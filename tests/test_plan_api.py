@@ -41,7 +41,11 @@ def test_plan_is_valid_and_consistent(gpt_plans):
     assert math.isclose(sum(p.breakdown.values()), p.step_seconds, rel_tol=1e-9)
     assert set(p.breakdown) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed"}
     assert p.tflops_per_device > 0 and len(p.memory_bytes_per_device) == plan.mesh.pp
-    assert [e.stage for e in events] == ["analyse", "splits", "search", "assemble"]
+    assert [e.stage for e in events if e.step_done] == ["analyse", "splits", "search", "assemble"]
+    # inside the search: one event per tensor-split problem, as many as the splits step reports
+    solved = [e for e in events if not e.step_done]
+    assert solved and {e.stage for e in solved} == {"splits"}
+    assert f"solved {len(solved)} tensor splits" in next(e.message for e in events if e.step_done and e.stage == "splits")
 
 
 def test_buckets_hold_every_parameter_once(gpt_plans):

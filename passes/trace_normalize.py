@@ -1,0 +1,73 @@
+"""Make a traced graph independent of the device it was traced on: no layout-only copies, and node
+names that follow from the graph's structure alone.
+
+Why: a plan is made once (for a big model, on the ``meta`` device: no memory) and then used by
+every rank on its real device. It names nodes (its placements are keyed by node name) and carries
+the graph's fingerprint. Two things made the same model trace differently per device:
+
+- ``x.contiguous()`` is recorded only when the fake ``x`` is not already contiguous, which depends
+  on the device's kernels (sdpa's output strides differ between meta and CPU, so HF GPT-2 on meta
+  had a node the CPU trace lacked). Contiguity changes no value: the node is dropped and a ``view``
+  reading it becomes a ``reshape``, which copies where a view could not.
+- torch.export numbers nodes by a counter per name that also counts nodes it later removes, so the
+  same op could be ``mul_6`` in one trace and ``mul_8`` in another. Renumbering in graph order
+  (``mul``, ``mul_1``, ... per base name, as fx names them) makes equal structure mean equal names,
+  so a plan whose fingerprint matches also names the right nodes.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.fx import Graph, GraphModule, map_arg
+
+_NUMBERED = re.compile(r"^(.*?)(?:_\d+)*$")  # mul_6 -> mul, view_1_2 -> view
+
+
+def drop_layout_copies(gm: GraphModule) -> int:
+    """Remove ``aten.contiguous`` nodes in place; returns how many were removed."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.contiguous.default:
+            continue
+        for user in list(node.users):
+            if user.op == "call_function" and user.target == torch.ops.aten.view.default:
+                user.target = torch.ops.aten.reshape.default
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        dropped += 1
+    return dropped
+
+
+def canonical_names(graph: Graph) -> Graph:
+    """A copy of ``graph`` whose non-placeholder nodes are renamed base, base_1, ... in graph order
+    (placeholders keep their names: they are the user's inputs and parameters). Names go through
+    the new graph's namespace, so they stay unique and later inserted nodes cannot clash with them.
+    Node meta is shared with ``graph``'s nodes."""
+    renamed, counts, mapping = Graph(), {}, {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            candidate = node.name
+        else:
+            base = _NUMBERED.match(node.name).group(1) or node.op
+            count = counts.get(base, 0)
+            counts[base] = count + 1
+            candidate = base if count == 0 else f"{base}_{count}"
+        copy = renamed.create_node(node.op, node.target, map_arg(node.args, mapping.__getitem__),
+                                   map_arg(node.kwargs, mapping.__getitem__), name=candidate, type_expr=node.type)
+        if node.op == "placeholder" and copy.name != node.name:
+            # the namespace avoids builtins ("input" -> "input_1"); an input keeps the user's name,
+            # which the symbolic-dim table and the plan use. Reserve it so nothing else takes it.
+            copy.name = node.name
+            renamed._graph_namespace._used_names.add(node.name)
+        copy.meta = node.meta
+        mapping[node] = copy
+    return renamed
+
+
+def canonical_graph(gm: GraphModule) -> GraphModule:
+    """``gm`` without layout-only copies and with canonical node names (the same module object)."""
+    drop_layout_copies(gm)
+    gm.graph = canonical_names(gm.graph)
+    gm.recompile()
+    return gm
