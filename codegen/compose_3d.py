@@ -18,7 +18,13 @@ reads the analysis meta (``UNIT``, ``TENSOR``, ``REQUIRES_GRAD``, the graph's sy
   the traced node's meta, its ``TENSOR`` shape made local by the plan's output placement;
 - an inserted node (a collective, a local size) gets the ``UNIT`` of the first node that reads it,
   so a resharding runs in the consumer's stage (an f before a block runs with the block, and the
-  replicated residual is what crosses, once), its shape from the input's by the collective's rule.
+  replicated residual is what crosses, once), its shape from the input's by the collective's rule;
+  one computed from parameters alone (a bf16 cast) is copied into every unit that reads it, so a
+  tied weight is bound on both its stages rather than its cast sent across the pipeline.
+
+In half precision (``plan.precision`` bf16/fp16) the traced dtypes are not the program's: a kept
+node's ``TENSOR`` dtype is the one it has at run time (codegen/compute_dtypes.py), so a cut
+sends the bf16 hidden state as bf16 and an fp32 one (Llama's rotary cos/sin) as fp32.
 
 ``PipelinedModel`` wraps the runtime in the API of ``CompiledModel`` (``xirang.compile``).
 """
@@ -35,7 +41,8 @@ from xirang.ir.meta_keys import REQUIRES_GRAD, ROLE, TENSOR, UNIT
 from xirang.ir.placement import Replicate, Shard, local_shape
 
 from . import collectives, local_ops
-from .emit import emit_rank_program
+from .compute_dtypes import compute_dtypes
+from .emit import COMPUTE_DTYPES, emit_rank_program
 from .pipeline_runtime import PipelineProgram, PipelineRuntime, build_pipeline_program
 from .shard_params import param_shards
 from .vocab_calls import VOCAB_PARALLEL_OPS
@@ -51,7 +58,9 @@ def rank_pipeline_program(gm, plan, *, rank: int, device="cpu", tp_group=None, c
     docstring). ``gm``: the analysed graph the plan was made for. The program depends on the
     rank's tp index only; ``tp_group``/``counter`` become the stage modules' attributes."""
     program = emit_rank_program(gm, plan, rank=rank, device=device, tp_group=tp_group, counter=counter)
-    keep_split_meta(gm, program, plan.placements, plan.mesh.tp)
+    dtype = COMPUTE_DTYPES[plan.precision]
+    dtypes = compute_dtypes(gm, dtype) if dtype != torch.float32 else {}
+    keep_split_meta(gm, program, plan.placements, plan.mesh.tp, dtypes)
     split = build_pipeline_program(program, plan, verify_plan=False)
     shards = {shard.name: shard for shard in param_shards(gm, plan.placements)}
     return replace(split, shards=shards)
@@ -65,8 +74,9 @@ def attach_groups(program: PipelineProgram, *, tp_group=None, counter=None) -> P
     return program
 
 
-def keep_split_meta(gm, program, placements, tp: int) -> None:
-    """Put the meta ``split_stages`` reads on ``program``'s nodes and graph (module docstring)."""
+def keep_split_meta(gm, program, placements, tp: int, dtypes: Optional[dict] = None) -> None:
+    """Put the meta ``split_stages`` reads on ``program``'s nodes and graph (module docstring).
+    ``dtypes``: node name -> run-time dtype in half precision (empty: the traced dtypes hold)."""
     program.meta.update({key: value for key, value in gm.meta.items() if key.startswith("xr_")})
     original = {node.name: node for node in gm.graph.nodes}
     inserted = []
@@ -76,7 +86,7 @@ def keep_split_meta(gm, program, placements, tp: int) -> None:
             node.meta.update({k: v for k, v in source.meta.items() if k not in node.meta})
         elif node.op == "call_function" and source is not None and (
                 source.target == node.target or source.target in VOCAB_PARALLEL_OPS):
-            _copy_kept(source, node, placements, tp)
+            _copy_kept(source, node, placements, tp, (dtypes or {}).get(node.name))
         elif node.op == "call_function":
             _describe_inserted(node, tp)
             inserted.append(node)
@@ -90,9 +100,35 @@ def keep_split_meta(gm, program, placements, tp: int) -> None:
                               f"nor what reads it belongs to a unit", where=f"rank program node {node.name}",
                               hint="report this model; as a workaround plan with pp=1")
         UNIT.set(node, UNIT.get(unit))
+    for node in inserted:
+        _one_per_reading_unit(program.graph, node)
+    program.recompile()
 
 
-def _copy_kept(source, node, placements, tp: int) -> None:
+def _one_per_reading_unit(graph, node) -> None:
+    """Give each unit that reads ``node`` its own copy when ``node`` computes from bound state only
+    (the half-precision cast of a parameter): each stage then computes it from its own copy of the
+    parameter, instead of receiving it across every cut in between. A tied embedding's bf16 cast
+    would otherwise travel from the first stage to the last, a vocabulary x hidden tensor on every
+    link each micro-batch and its gradient back, where fp32 needs one tied-gradient sum per step."""
+    if not node.all_input_nodes or any(arg.op != "placeholder" for arg in node.all_input_nodes):
+        return
+    if not all(UNIT.has(user) for user in node.users):
+        return  # read outside every unit (not seen in practice): left to the split to place
+    by_unit: dict = {}
+    for user in node.users:
+        by_unit.setdefault(UNIT.get(user), []).append(user)
+    first, *others = by_unit
+    UNIT.set(node, first)
+    for unit in others:
+        with graph.inserting_after(node):
+            copy = graph.node_copy(node)  # copies the meta too: TENSOR, REQUIRES_GRAD
+        UNIT.set(copy, unit)
+        for user in by_unit[unit]:
+            user.replace_input_with(node, copy)
+
+
+def _copy_kept(source, node, placements, tp: int, dtype: Optional[torch.dtype]) -> None:
     for key in (UNIT, REQUIRES_GRAD):
         if key.has(source):
             key.set(node, key.get(source))
@@ -102,7 +138,8 @@ def _copy_kept(source, node, placements, tp: int) -> None:
     if isinstance(info, TensorInfo):
         strategy = placements.get(source.name)
         placement = strategy.outputs[0].tp if strategy is not None and strategy.outputs else Replicate()
-        TENSOR.set(node, TensorInfo(local_shape(info.shape, placement, tp), info.dtype, info.itemsize))
+        name, itemsize = (str(dtype).removeprefix("torch."), dtype.itemsize) if dtype else (info.dtype, info.itemsize)
+        TENSOR.set(node, TensorInfo(local_shape(info.shape, placement, tp), name, itemsize))
     elif info is not None:
         TENSOR.set(node, info)
 
@@ -141,8 +178,9 @@ def _describe_inserted(node, tp: int) -> None:
 
 class PipelinedModel:
     """One rank's compiled 3D program with the API of ``runtime.CompiledModel`` (what
-    ``xirang.compile`` returns for pp > 1): ``train_step`` on the global batch, ``parameters``,
-    ``full_state_dict``, ``full_gradients``, ``code``, ``local_param_bytes``."""
+    ``xirang.compile`` returns for pp > 1): ``train_step`` on the global batch (or, ``pre_sharded``,
+    this dp rank's share), ``parameters``, ``full_state_dict``, ``load_full_state_dict``,
+    ``full_gradients``, ``code``, ``local_param_bytes``."""
 
     def __init__(self, model, gm, plan, groups, *, device="cpu", bucket_bytes: Optional[int] = None,
                  counter=None, event_log: Optional[list] = None):
@@ -169,6 +207,11 @@ class PipelinedModel:
     def full_gradients(self) -> dict:
         return self.runtime.full_gradients()
 
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Copy this rank's piece of each full tensor in place (optimizers keep their references): the
+        tensors of its stages only, as its tp shards; tied copies each load the same entry."""
+        self.runtime.load_full_state_dict(state_dict)
+
     def code(self, rank: Optional[int] = None) -> str:
         """Python source of the stage modules rank ``rank`` (default: this one) runs."""
         rank = self.rank if rank is None else rank
@@ -185,14 +228,14 @@ class PipelinedModel:
 
     def train_step(self, *args, pre_sharded: bool = False, **kwargs) -> torch.Tensor:
         """Forward and backward of the plan's micro-batches through the pipeline schedule, gradients
-        averaged over dp and summed over tied copies; returns the mean loss of the global batch."""
-        if pre_sharded:
-            raise XirangError("train_step(pre_sharded=True) is not supported with pipeline parallelism",
-                              where="train_step", hint="pass the global batch on every rank (pre_sharded=False)")
+        averaged over dp and summed over tied copies; returns the mean loss of the global batch.
+        The batch is the global one on every rank, or with ``pre_sharded=True`` this dp rank's share
+        (every pp and tp rank of one dp index passes the same share)."""
         from xirang.passes.trace_inputs import name_inputs
         from .runtime import _Signature
         named = name_inputs(_Signature(self._model_forward), args, kwargs)
-        return self.runtime.train_step(**{name: named[name] for name in self.runtime._inputs if name in named})
+        return self.runtime.train_step(pre_sharded=pre_sharded,
+                                       **{name: named[name] for name in self.runtime._inputs if name in named})
 
     @property
     def last_step(self):

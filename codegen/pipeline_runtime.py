@@ -4,15 +4,16 @@
     runtime = PipelineRuntime(model, plan, example_kwargs=batch)
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-3)
     loss = runtime.train_step(**global_batch)   # every rank passes the same global batch
-    optimizer.step(); optimizer.zero_grad()
+    optimizer.step(); optimizer.zero_grad()       # (pre_sharded=True: this dp rank's share)
 
 Construction: trace and analyse the model (or take ``graph_module``), refuse a stale plan, build
 the mesh groups, split the graph at the plan's cuts (codegen/split_stages.py, sizes at one
 micro-batch), build and check the schedule, and bind this rank's stages to copies of the model's
-tensors. A step: this dp rank's share of the batch, cut into the plan's micro-batches, goes through
-the executor (codegen/pipeline_executor.py); then the gradients of tied parameters are summed over
-the ranks that hold them, and the loss -- the mean over the global batch, as on one device when
-every micro-batch counts the same number of loss terms -- is given to every rank.
+tensors (codegen/pipeline_state.py, which also loads and gathers them). A step: this dp rank's
+share of the batch, cut into the plan's micro-batches, goes through the executor
+(codegen/pipeline_executor.py); then the gradients of tied parameters are summed over the ranks
+that hold them, and the loss -- the mean over the global batch, as on one device when every
+micro-batch counts the same number of loss terms -- is given to every rank.
 
 Tied parameters: a tensor read by stages on different pipeline ranks (a token embedding tied to
 the LM head) is a copy on each. Each copy gets the gradient of its own uses only; summing them
@@ -24,6 +25,10 @@ Tensor parallelism (tp > 1): the stages are cut from this rank's tp-rewritten pr
 (codegen/compose_3d.py), the program carries each parameter's tp placement (``shards``), and
 every bound tensor is this tp rank's shard of it; tied copies are matching shards (same tp index)
 on the first and last stage. ``full_state_dict``/``full_gradients`` gather over tp, then pp.
+
+Half precision (plan precision bf16/fp16): the stages are cut from the emitted program, whose casts
+read the fp32 master weights in the compute dtype, also at tp = 1; what crosses a cut travels in
+the dtype it has at run time (codegen/compose_3d.py).
 """
 from __future__ import annotations
 
@@ -39,12 +44,11 @@ from xirang.ir.meta_keys import PARAM_ALIASES, PARAM_NAME, ROLE, SYMBOL_DIMS, SY
 
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets
 from .pipeline_executor import LocalStage, PipelineExecutor, StepRecord
-from .padding import shard_of
+from .pipeline_state import bind_state, gather_full, load_full_state, tied_groups
 from .process_groups import build_mesh_groups
 from .schedule_check import check_schedule
 from .schedules import Backward, BackwardWeight, build_schedule
-from .shard_params import full_tensor
-from .split_stages import split_stages, tied_parameters
+from .split_stages import split_stages
 
 
 @dataclass(frozen=True)
@@ -102,16 +106,17 @@ class PipelineRuntime:
                                   where="PipelineRuntime", hint="pass the example inputs the plan was made with")
             from xirang.analyze import analyze  # the public API sits above codegen; imported on use
             gm = analyze(model, example_kwargs=example_kwargs).graph_module
-            if self.tp > 1:
+            if self.tp > 1 or plan.precision != "fp32":  # a tp rewrite, or precision casts: emit first
                 from .compose_3d import rank_pipeline_program  # builds on this module
                 from xirang.passes.fingerprint import graph_fingerprint
                 plan.check_matches(graph_fingerprint(gm), plan.world)
                 program = rank_pipeline_program(gm, plan, rank=self.groups.rank, device=device)
             else:
                 program = build_pipeline_program(gm, plan)
-        if self.tp > 1 and not program.shards:
-            raise XirangError(f"the plan has mesh {plan.mesh} but the program has no tp placements: it was split "
-                              f"from the traced graph, not from a tp rank's program", where="PipelineRuntime(program=)",
+        if (self.tp > 1 or plan.precision != "fp32") and not program.shards:
+            raise XirangError(f"the plan has mesh {plan.mesh} and precision {plan.precision} but the program has no "
+                              f"tp placements or precision casts: it was split from the traced graph, not from a "
+                              f"rank's emitted program", where="PipelineRuntime(program=)",
                               hint="build it with xirang.codegen.compose_3d.rank_pipeline_program for this rank")
         for stage in program.stages:  # the stage modules read the tp group as an attribute
             stage.module.tp_group, stage.module.comm_counter = self.groups.tp, counter
@@ -125,11 +130,11 @@ class PipelineRuntime:
         self._aliases, self._trainable = program.aliases, program.trainable
 
         local = self.schedule.stages_of(self.pp_rank)
-        self._state = _bind_state(model, [self.programs[i] for i in local], self._trainable, self.device,
-                                  shards=program.shards, tp_rank=self.tp_rank, tp=self.tp)
+        self._state = bind_state(model, [self.programs[i] for i in local], self._trainable, self.device,
+                                 shards=program.shards, tp_rank=self.tp_rank, tp=self.tp)
         stages = {i: LocalStage(self.programs[i], [self._state[fqn] for fqn in self.programs[i].parameter_names])
                   for i in local}
-        self._tied = _tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
+        self._tied = tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
         self._counter, self._event_log = counter, event_log
         buckets = self._grad_buckets(stages, bucket_bytes or DEFAULT_BUCKET_BYTES) if self.dp > 1 else None
         self.executor = PipelineExecutor(
@@ -179,27 +184,23 @@ class PipelineRuntime:
         """FQN -> gradient after ``train_step``, gathered like ``full_state_dict``."""
         return self._gather({fqn: t.grad for fqn, t in self.named_parameters() if t.grad is not None})
 
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Copy this rank's piece of the full tensors in place (optimizers keep their references):
+        each rank loads only its stages' tensors, tied copies each from the same entry. Every rank
+        passes the same full state dict (``pipeline_state.load_full_state``)."""
+        load_full_state(self._state, state_dict, aliases=self._aliases, trainable=self._trainable,
+                        shards=self.program.shards, tp_rank=self.tp_rank, tp=self.tp,
+                        where=f"pp rank {self.pp_rank} (stages {list(self.schedule.stages_of(self.pp_rank))})")
+
     def _gather(self, local: dict) -> dict:
-        # tp first: every tp rank of this stage holds the same FQNs in the same order.
-        mine = {fqn: (full_tensor(tensor, self.program.shards[fqn], self.groups.tp)
-                      if fqn in self.program.shards else tensor.detach().clone())
-                for fqn, tensor in local.items()}
-        pieces = [mine]
-        if self.groups.pp is not None:
-            pieces = [None] * self.pp
-            dist.all_gather_object(pieces, mine, group=self.groups.pp)
-        found = {}
-        for piece in pieces:
-            for fqn, tensor in piece.items():
-                for alias in self._aliases.get(fqn, (fqn,)):
-                    found.setdefault(alias, tensor)
-        return found
+        return gather_full(local, shards=self.program.shards, groups=self.groups, aliases=self._aliases)
 
     # --- a step ----------------------------------------------------------------------------------
 
-    def train_step(self, **global_batch) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean loss over the global batch."""
-        micro_batches = self._micro_batches(global_batch)
+    def train_step(self, *, pre_sharded: bool = False, **batch) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the mean loss over the global batch.
+        ``batch``: the global batch, or with ``pre_sharded=True`` this dp rank's share of it."""
+        micro_batches = self._micro_batches(batch, pre_sharded)
         for param in self.parameters():
             param.grad = None  # each step computes fresh gradients
         if self.groups.pp is not None:
@@ -228,29 +229,38 @@ class PipelineRuntime:
             dist.broadcast(loss, src=self.groups.pp_ranks[last_rank], group=self.groups.pp)
         return loss
 
-    def _micro_batches(self, global_batch: dict) -> list:
-        missing = [name for name in self._inputs if name not in global_batch]
+    def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
+        missing = [name for name in self._inputs if name not in batch]
         if missing:
             raise XirangError(f"train_step is missing the input(s) {missing}", where="PipelineRuntime.train_step",
                               hint=f"pass the model inputs {list(self._inputs)} as keywords")
         m = self.plan.num_micro_batches
         shares = {}
         for name in self._inputs:
-            value, dims = global_batch[name], self._batch_dims.get(name, {})
+            value, dims = batch[name], self._batch_dims.get(name, {})
             for dim, symbol in dims.items():
-                self._check_size(name, value, dim, symbol)
+                self._check_size(name, value, dim, symbol, pre_sharded)
             batch_dim = next((d for d, s in dims.items() if s == "batch"), None)
             if batch_dim is None:
                 shares[name] = [value] * m
                 continue
-            share = value.chunk(self.dp, dim=batch_dim)[self.dp_rank]
+            share = value if pre_sharded else value.chunk(self.dp, dim=batch_dim)[self.dp_rank]
             shares[name] = list(share.chunk(m, dim=batch_dim))
         return [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
 
-    def _check_size(self, name: str, value, dim: int, symbol: str) -> None:
+    def _check_size(self, name: str, value, dim: int, symbol: str, pre_sharded: bool) -> None:
         plan = self.plan
         got = value.shape[dim]
-        if symbol == "batch" and got != plan.global_batch:
+        share = plan.num_micro_batches * plan.micro_batch
+        if symbol == "batch" and pre_sharded and got != share:
+            raise XirangError(
+                f"input {name!r} has {got} samples on its batch dim {dim}; with pre_sharded=True each dp rank "
+                f"passes its share of exactly {share} = {plan.num_micro_batches} micro-batches x micro_batch "
+                f"{plan.micro_batch} (global batch {plan.global_batch} over dp {plan.mesh.dp})",
+                where=f"PipelineRuntime.train_step(pre_sharded=True), dp rank {self.dp_rank}",
+                hint=f"pass this dp rank's {share} samples, or the global batch of {plan.global_batch} with "
+                     f"pre_sharded=False")
+        if symbol == "batch" and not pre_sharded and got != plan.global_batch:
             per = plan.mesh.dp * plan.num_micro_batches
             raise XirangError(
                 f"input {name!r} has a global batch of {got} samples; this plan splits exactly "
@@ -275,54 +285,3 @@ class PipelineRuntime:
         pieces = [None] * self.pp
         dist.all_gather_object(pieces, mine, group=self.groups.pp)
         return [entry for piece in pieces for entry in piece]
-
-
-def _bind_state(model, programs, trainable: frozenset, device, *, shards: dict, tp_rank: int, tp: int) -> dict:
-    """FQN -> this rank's copy of every parameter/buffer its stages read; one tensor per FQN even
-    when two local stages read it, so their gradients accumulate in one place. ``model`` is the
-    module, or a mapping FQN -> tensor (a state dict: what launched ranks can be sent cheaply).
-    A tensor with an entry in ``shards`` is bound as this tp rank's shard of it."""
-    from_module = isinstance(model, torch.nn.Module)  # a mapping says nothing of frozen parameters
-    if from_module:
-        state = dict(model.named_parameters(remove_duplicate=False))
-        state.update(model.named_buffers(remove_duplicate=False))
-    else:
-        state = dict(model)
-    bound = {}
-    for program in programs:
-        for placeholder, fqn in program.parameters:
-            if fqn in bound:
-                continue
-            full = state.get(fqn)
-            if full is None or full.is_meta:
-                raise XirangError(f"stage {program.index} reads {fqn!r}, which the model "
-                                  f"{'has only on the meta device' if full is not None else 'does not have'}",
-                                  where=f"placeholder {placeholder} of stage {program.index}",
-                                  hint="build the runtime from the model that was planned, with real tensors")
-            local = full.detach()
-            if fqn in shards:
-                local = shard_of(local, shards[fqn].placement, tp_rank, tp)
-            copy = local.to(device).clone()
-            trains = full.requires_grad if from_module else True
-            bound[fqn] = torch.nn.Parameter(copy, requires_grad=trains) if fqn in trainable else copy
-    return bound
-
-
-def _tied_groups(programs, mesh, groups, trainable: set) -> list:
-    """(FQN, process group) for each parameter this rank shares with other pipeline ranks.
-
-    ``new_group`` is collective over the whole world, so every rank walks every tied set for every
-    (dp, tp) index in the same order, keeping the groups it belongs to."""
-    pp = mesh.pp
-    ranks_of = {fqn: tuple(sorted({stage % pp for stage in stages}))
-                for fqn, stages in tied_parameters(programs).items() if fqn in trainable}
-    made = {}
-    for pp_ranks in sorted({r for r in ranks_of.values() if len(r) > 1}):
-        for dp_index in range(mesh.dp):
-            for tp_index in range(mesh.tp):
-                members = [mesh.rank_of(dp=dp_index, pp=r, tp=tp_index) for r in pp_ranks]
-                group = dist.new_group(members)
-                if groups.rank in members:
-                    made[pp_ranks] = group
-    mine = groups.axis_index("pp")
-    return [(fqn, made[r]) for fqn, r in ranks_of.items() if len(r) > 1 and mine in r]

@@ -1,0 +1,67 @@
+"""The dtype every node of a traced graph has at run time when the program computes in half precision.
+
+The analysis meta (``TENSOR``) holds the dtypes of the trace, made in fp32. A bf16/fp16 program
+(codegen/emit.py, ``insert_precision_casts``) reads every floating parameter through a cast, and
+the half-precision values then flow through the graph by torch's type promotion: the hidden
+state becomes bf16, while a tensor computed from fp32 buffers only (Llama's rotary cos/sin) or
+upcast on purpose stays fp32. A pipeline cut allocates its receive buffers from these dtypes
+before the step, so it needs the run-time ones, not the traced ones.
+
+``compute_dtypes(gm, dtype)`` runs the graph on fake tensors (no memory, no FLOPs) with the
+parameters given in ``dtype``, which is what the casts do, and returns node name -> dtype for each
+node producing a tensor. The dtypes do not depend on sizes, so the example's symbol values do.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from xirang.errors import XirangError
+from xirang.ir.facts import TensorInfo, evaluate
+from xirang.ir.meta_keys import ROLE, SYMBOLS, TENSOR
+
+
+_CHECKS_ONLY = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+class _DtypeInterpreter(fx.Interpreter):
+    """Runs the graph on fake tensors and records each tensor-producing node's dtype."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.found: dict[str, torch.dtype] = {}
+
+    def run_node(self, node):
+        if node.op == "call_function" and node.target in _CHECKS_ONLY:
+            return None  # checks the traced (fp32) dtype; the emitted program runs it on its own values
+        try:
+            value = super().run_node(node)
+        except Exception as error:  # noqa: BLE001 - any op can refuse; name the node it was
+            raise XirangError(f"cannot tell the run-time dtype of {node.name} ({node.target}) in half precision: "
+                              f"{type(error).__name__}: {error}", where=f"node {node.name}",
+                              hint="plan with precision='fp32' for this model") from error
+        if isinstance(value, torch.Tensor):
+            self.found[node.name] = value.dtype
+        return value
+
+
+def compute_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Node name -> dtype at run time when floating parameters are read in ``dtype`` (module docstring)."""
+    symbols = SYMBOLS.get(gm, {})
+    interpreter = _DtypeInterpreter(gm)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = [_fake_input(node, symbols, dtype) for node in gm.graph.nodes if node.op == "placeholder"]
+        interpreter.run(*inputs)
+    return interpreter.found
+
+
+def _fake_input(node, symbols: dict, dtype: torch.dtype):
+    val = node.meta.get("val")
+    info = TENSOR.get(node, None)
+    if not isinstance(val, torch.Tensor) or not isinstance(info, TensorInfo):
+        return val  # a non-tensor input (an int, None) is passed as traced
+    # The casts of codegen/emit.insert_precision_casts: floating parameters only (buffers stay).
+    cast = ROLE.get(node, None) == "parameter" and val.is_floating_point()
+    shape = tuple(evaluate(size, symbols) for size in info.shape)
+    return torch.empty(shape, dtype=dtype if cast else val.dtype)
