@@ -86,16 +86,22 @@ def reference(name: str, global_batch: int) -> dict:
     return {"steps": steps, "params": params}
 
 
-def assert_matches(got: dict, want: dict, label: str) -> None:
+def assert_matches(got: dict, want: dict, label: str) -> dict:
+    """Asserts every loss, gradient and final parameter within TOLERANCE; returns the worst of each."""
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step, ((loss, grads), (want_loss, want_grads)) in enumerate(zip(got["steps"], want["steps"])):
         assert abs(loss - want_loss) <= TOLERANCE, f"{label} step {step}: loss {loss} != {want_loss}"
+        worst["loss"] = max(worst["loss"], abs(loss - want_loss))
         assert set(grads) == set(want_grads), f"{label}: only one side has gradients of {set(want_grads) ^ set(grads)}"
         for fqn, grad in want_grads.items():
             error = (grads[fqn] - grad).abs().max().item()
             assert error <= TOLERANCE, f"{label} step {step}: gradient of {fqn} off by {error}"
+            worst["grad"] = max(worst["grad"], error)
     for fqn, param in want["params"].items():
         error = (got["params"][fqn] - param).abs().max().item()
         assert error <= TOLERANCE, f"{label}: parameter {fqn} off by {error} after {STEPS} steps"
+        worst["param"] = max(worst["param"], error)
+    return worst
 
 
 # --- single process: the split pass and the executor on one rank -----------------------------------
@@ -216,11 +222,14 @@ def _check_launch(results: list, configs: list) -> None:
         key = (name, global_batch)
         if key not in references:
             references[key] = reference(name, global_batch)
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         for rank, result in enumerate(results):
             where = f"{label} (dp={plan.mesh.dp}, pp={plan.mesh.pp}) rank {rank}"
-            assert_matches(result[label], references[key], where)
+            for kind, value in assert_matches(result[label], references[key], where).items():
+                worst[kind] = max(worst[kind], value)
             # Receives are posted one compute ahead of their consumer: two buffer sets suffice.
             assert result[label]["receive buffer sets"] == 2, (label, rank)
+        print(f"{label}: max |diff| loss {worst['loss']:.1e} grad {worst['grad']:.1e} param {worst['param']:.1e}")
         if plan.schedule == "1f1b":  # 1F1B: stage s holds at most p - s micro-batches
             pp = plan.mesh.pp
             for rank, result in enumerate(results):
