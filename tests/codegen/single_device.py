@@ -1,5 +1,6 @@
 """The single-device reference the multi-rank equivalence tests compare against: AdamW steps on the
-plain model, recording the loss and every gradient per step and the parameters after the last.
+plain model, recording the loss and every gradient per step and the parameters after the last; and
+the same loop on a compiled model inside a rank (``compiled_run``), gathering to full tensors.
 
 AdamW uses eps=1e-3 (see tests/codegen/test_equivalence.py: a gradient that is zero in exact
 arithmetic is rounding noise, which Adam's first step with a tiny eps would amplify to lr * sign).
@@ -25,3 +26,17 @@ def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False
         optimizer.step()
         optimizer.zero_grad()
     return {"steps": found, "params": {n: p.detach().clone() for n, p in named()}}
+
+
+def compiled_run(compiled, batch, steps: int) -> dict:
+    """``single_device_run``'s loop on a ``CompiledModel``/``PipelinedModel`` in a rank: the same
+    global batch per step, gradients and parameters gathered to full tensors (collective calls:
+    every rank runs this)."""
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
+    found = []
+    for step in range(steps):
+        loss = compiled.train_step(**batch(step))
+        found.append((loss.item(), compiled.full_gradients()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"steps": found, "params": compiled.full_state_dict()}

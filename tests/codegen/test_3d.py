@@ -33,7 +33,7 @@ from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.compose_3d import PipelinedModel, rank_pipeline_program
 from xirang.codegen.compute_dtypes import compute_dtypes
-from tests.codegen.single_device import single_device_run
+from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.launch import launch
 from xirang.codegen.pipeline_runtime import PipelineRuntime
 from xirang.codegen.process_groups import build_mesh_groups
@@ -79,14 +79,7 @@ def reference(name: str) -> dict:
 # --- what each rank runs ---------------------------------------------------------------------------
 
 def _train(compiled) -> dict:
-    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
-    steps = []
-    for step in range(STEPS):
-        loss = compiled.train_step(**batch(step))
-        steps.append((loss.item(), compiled.full_gradients()))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"steps": steps, "params": compiled.full_state_dict(), "local_bytes": compiled.local_param_bytes()}
+    return {**compiled_run(compiled, batch, STEPS), "local_bytes": compiled.local_param_bytes()}
 
 
 UNTIED = {"gpt2": "transformer.wpe.weight"}  # read by the first stage only: a key other stages ignore

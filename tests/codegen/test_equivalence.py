@@ -25,7 +25,7 @@ import xirang
 from examples.gpt import GPTConfig, build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.comm_counter import CommCounter
-from tests.codegen.single_device import single_device_run
+from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.launch import launch
 from xirang.ir.meta_keys import BLOCK, BLOCK_KINDS
 from xirang.ir.placement import Shard
@@ -68,14 +68,7 @@ def make_plan(name: str, dp: int, tp: int, *, global_batch=BATCH, micro_batch=No
 def _train(rank, world, name, plan):
     model = build(name)
     compiled = xirang.compile(model, world=world, example_kwargs=batch(0), plan=plan, device="a100-80g")
-    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
-    steps = []
-    for step in range(STEPS):
-        loss = compiled.train_step(**batch(step))
-        steps.append((loss.item(), compiled.full_gradients()))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"steps": steps, "params": compiled.full_state_dict(), "local_bytes": compiled.local_param_bytes()}
+    return {**compiled_run(compiled, batch, STEPS), "local_bytes": compiled.local_param_bytes()}
 
 
 def _communication(rank, world, plan):

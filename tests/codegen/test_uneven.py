@@ -21,7 +21,7 @@ import torch
 import xirang
 from examples.gpt import GPTConfig, build_gpt
 from xirang.codegen import shard_params
-from tests.codegen.single_device import single_device_run
+from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.launch import launch
 from xirang.codegen.padding import unshard
 from xirang.ir.placement import Shard
@@ -58,15 +58,7 @@ def make_plan(name: str, dp: int, tp: int):
 def _train(name, plan):
     compiled = xirang.compile(build(name), world=plan.mesh.dp * plan.mesh.tp, example_kwargs=batch(0),
                               plan=plan, device="a100-80g")
-    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
-    steps = []
-    for step in range(STEPS):
-        loss = compiled.train_step(**batch(step))
-        steps.append((loss.item(), compiled.full_gradients()))
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"steps": steps, "params": compiled.full_state_dict(),
-            "local": {n: tuple(p.shape) for n, p in compiled.named_parameters()}}
+    return {**compiled_run(compiled, batch, STEPS), "local": {n: tuple(p.shape) for n, p in compiled.named_parameters()}}
 
 
 def _rank_main(rank, world, jobs):
