@@ -1,15 +1,15 @@
 """The dtype every node of a traced graph has at run time when the program computes in half precision.
 
 The analysis meta (``TENSOR``) holds the dtypes of the trace, made in fp32. A bf16/fp16 program
-(codegen/emit.py, ``insert_precision_casts``) reads every floating parameter through a cast, and
-the half-precision values then flow through the graph by torch's type promotion: the hidden
-state becomes bf16, while a tensor computed from fp32 buffers only (Llama's rotary cos/sin) or
-upcast on purpose stays fp32. A pipeline cut allocates its receive buffers from these dtypes
-before the step, so it needs the run-time ones, not the traced ones.
+follows codegen/precision.py (parameters read through casts, mixed inputs of one-dtype ops
+unified), and the half-precision values then flow through the graph by torch's type promotion:
+the hidden state becomes bf16, while a tensor computed from fp32 buffers only (Llama's rotary
+cos/sin) or upcast on purpose stays fp32. A pipeline cut allocates its receive buffers from these
+dtypes before the step, so it needs the run-time ones, not the traced ones.
 
-``compute_dtypes(gm, dtype)`` runs the graph on fake tensors (no memory, no FLOPs) with the
-parameters given in ``dtype``, which is what the casts do, and returns node name -> dtype for each
-node producing a tensor. The dtypes do not depend on sizes, so the example's symbol values do.
+``compute_dtypes(gm, dtype)`` writes the same casts into a copy of the graph, runs it on fake
+tensors (no memory, no FLOPs) and returns node name -> dtype for each node of ``gm`` producing a
+tensor. The dtypes do not depend on sizes, so the example's symbol values do.
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from xirang.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
-from xirang.ir.meta_keys import ROLE, SYMBOLS, TENSOR
+from xirang.ir.meta_keys import SYMBOLS, TENSOR
+
+from .precision import insert_precision_casts
 
 
 _CHECKS_ONLY = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -49,19 +51,21 @@ class _DtypeInterpreter(fx.Interpreter):
 def compute_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """Node name -> dtype at run time when floating parameters are read in ``dtype`` (module docstring)."""
     symbols = SYMBOLS.get(gm, {})
-    interpreter = _DtypeInterpreter(gm)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node names and meta kept
+    insert_precision_casts(graph, dtype, fp32_loss=False)  # the traced graph returns every output
+    interpreter = _DtypeInterpreter(fx.GraphModule(gm, graph))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        inputs = [_fake_input(node, symbols, dtype) for node in gm.graph.nodes if node.op == "placeholder"]
+        inputs = [_fake_input(node, symbols) for node in gm.graph.nodes if node.op == "placeholder"]
         interpreter.run(*inputs)
-    return interpreter.found
+    names = {node.name for node in gm.graph.nodes}
+    return {name: found for name, found in interpreter.found.items() if name in names}
 
 
-def _fake_input(node, symbols: dict, dtype: torch.dtype):
+def _fake_input(node, symbols: dict):
     val = node.meta.get("val")
     info = TENSOR.get(node, None)
     if not isinstance(val, torch.Tensor) or not isinstance(info, TensorInfo):
         return val  # a non-tensor input (an int, None) is passed as traced
-    # The casts of codegen/emit.insert_precision_casts: floating parameters only (buffers stay).
-    cast = ROLE.get(node, None) == "parameter" and val.is_floating_point()
     shape = tuple(evaluate(size, symbols) for size in info.shape)
-    return torch.empty(shape, dtype=dtype if cast else val.dtype)
+    return torch.empty(shape, dtype=val.dtype)  # fp32 master weights: the graph's casts do the rest

@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.fx import Graph, GraphModule
+from torch.fx import GraphModule
 
 from xirang.errors import XirangError
-from xirang.ir.meta_keys import ROLE
 
+from .precision import insert_precision_casts
 from .rewrite_tp import rewrite_for_tp_rank
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,29 +32,6 @@ def check_emittable(plan) -> None:
     if plan.precision not in COMPUTE_DTYPES:
         raise XirangError(f"the plan computes in {plan.precision!r}, which no program is emitted for",
                           where="plan.precision", hint=f"re-plan with precision in {sorted(COMPUTE_DTYPES)}")
-
-
-def insert_precision_casts(graph: Graph, dtype: torch.dtype) -> None:
-    """Half-precision compute with fp32 master weights: every floating parameter is read through a
-    cast to ``dtype`` (autograd casts its gradient back to fp32, the dtype the optimizer updates),
-    and the loss is returned in fp32."""
-    if dtype == torch.float32:
-        return
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    anchor = placeholders[-1] if placeholders else None
-    for node in placeholders:
-        val = node.meta.get("val")
-        if ROLE.get(node, None) != "parameter" or not isinstance(val, torch.Tensor) or not val.is_floating_point():
-            continue
-        with graph.inserting_after(anchor):
-            cast = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype})
-        anchor = cast
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
-    output = next(n for n in graph.nodes if n.op == "output")
-    (loss,) = output.args[0]
-    with graph.inserting_before(output):
-        loss32 = graph.call_function(torch.ops.aten._to_copy.default, (loss,), {"dtype": torch.float32})
-    output.args = ((loss32,),)
 
 
 def emit_rank_program(gm, plan, *, rank: int, device="cpu", tp_group=None, counter=None) -> GraphModule:

@@ -1,0 +1,87 @@
+"""Half-precision programs: fp32 master weights, half-precision compute, an fp32 loss.
+
+The policy (what ``insert_precision_casts`` writes into a program when the plan's precision is
+bf16 or fp16) follows Megatron-LM: every floating parameter is read through a cast to the compute
+dtype, so activations, the residual stream and what crosses pipeline cuts are half precision;
+autograd casts each gradient back to fp32, the dtype the optimizer updates; the loss is returned
+in fp32.
+
+Models written for autocast also cast on their own, and the trace, made in fp32, keeps those casts
+as casts to float32: Llama's RMSNorm upcasts its input (and "casts back to the input's dtype",
+which the fp32 trace recorded as float32 too), GPT-2 casts its position embeddings, rotary
+embeddings are computed from fp32 buffers on purpose. Such an fp32 value then meets a
+half-precision weight in an op that needs one dtype (a matmul, a norm) and torch refuses. Where an
+op of ``ONE_DTYPE_OPS`` meets mixed floating dtypes at run time, its floating inputs are cast to the
+compute dtype first (``unify_float_dtypes``), the decision autocast makes for such ops; inputs that
+already agree are left alone, so an fp32 island the model keeps on purpose (the rotary angles,
+computed from fp32 buffers only) stays fp32.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph
+
+from xirang.ir.meta_keys import ROLE
+
+aten = torch.ops.aten
+# ops whose floating tensor inputs must share one dtype (elementwise ops promote instead)
+ONE_DTYPE_OPS = frozenset({
+    aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
+    aten.baddbmm.default, aten.addbmm.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+    aten.convolution.default, aten.scaled_dot_product_attention.default, aten.layer_norm.default,
+    aten.native_layer_norm.default, aten.group_norm.default, aten.batch_norm.default, aten.rms_norm.default})
+
+
+def unify_float_dtypes(tensors: tuple, dtype: torch.dtype) -> tuple:
+    """``tensors`` unchanged if their floating members share a dtype, else each floating one cast to
+    ``dtype`` (integers, booleans and non-tensors pass through: a boolean attention mask stays one)."""
+    floating = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if len(floating) <= 1:
+        return tuple(tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
+def insert_precision_casts(graph: Graph, dtype: torch.dtype, *, fp32_loss: bool = True) -> None:
+    """Write the module docstring's policy into ``graph`` (nothing for fp32). ``fp32_loss``: the
+    graph returns ``(loss,)`` (an emitted program), to be returned in fp32."""
+    if dtype == torch.float32:
+        return
+    _cast_parameters(graph, dtype)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in ONE_DTYPE_OPS:
+            _unify_inputs(graph, node, dtype)
+    if not fp32_loss:
+        return
+    output = next(n for n in graph.nodes if n.op == "output")
+    (loss,) = output.args[0]
+    with graph.inserting_before(output):
+        loss32 = graph.call_function(aten._to_copy.default, (loss,), {"dtype": torch.float32})
+    output.args = ((loss32,),)
+
+
+def _cast_parameters(graph: Graph, dtype: torch.dtype) -> None:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    for node in placeholders:
+        val = node.meta.get("val")
+        if ROLE.get(node, None) != "parameter" or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        with graph.inserting_after(anchor):
+            cast = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+        anchor = cast
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+
+
+def _unify_inputs(graph: Graph, node, dtype: torch.dtype) -> None:
+    """Route ``node``'s tensor-valued node arguments through one ``unify_float_dtypes`` call."""
+    inputs = [arg for arg in node.args if isinstance(arg, torch.fx.Node)]
+    inputs += [arg for arg in node.kwargs.values() if isinstance(arg, torch.fx.Node) and arg not in inputs]
+    if len(inputs) < 2:
+        return
+    with graph.inserting_before(node):
+        unified = graph.call_function(unify_float_dtypes, (tuple(inputs), dtype))
+        replacement = {arg: graph.call_function(operator.getitem, (unified, index)) for index, arg in enumerate(inputs)}
+    node.args = tuple(replacement.get(a, a) if isinstance(a, torch.fx.Node) else a for a in node.args)
+    node.kwargs = {k: replacement.get(v, v) if isinstance(v, torch.fx.Node) else v for k, v in node.kwargs.items()}
