@@ -3,39 +3,19 @@ with its title, axis, values and legend written where its layout says."""
 from __future__ import annotations
 
 import dataclasses
-import struct
-import zlib
 
 import pytest
 import torch
 
 import xirang
 from examples.gpt import build_gpt
+from tests.codegen.png_reader import read_png
 from xirang.codegen.memory_picture import (BAR, INK, LIMIT, OVER, PLOT_HEIGHT, SCALE, draw_memory, layout,
                                            write_memory_png)
 from xirang.codegen.png_canvas import Canvas, text_size
 from xirang.ir.plan_parts import Prediction
 
 GiB = 1024**3
-
-
-def read_png(data: bytes) -> tuple[int, int, bytes]:
-    """(width, height, RGB rows) of an 8-bit truecolour PNG with filter 0 rows, checking every CRC."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    position, chunks = 8, {}
-    while position < len(data):
-        (length,) = struct.unpack(">I", data[position:position + 4])
-        kind, body = data[position + 4:position + 8], data[position + 8:position + 8 + length]
-        (crc,) = struct.unpack(">I", data[position + 8 + length:position + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        position += 12 + length
-    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, colour, interlace) == (8, 2, 0) and b"IEND" in chunks
-    raw = zlib.decompress(chunks[b"IDAT"])
-    stride = 1 + 3 * width
-    assert len(raw) == height * stride and all(raw[r * stride] == 0 for r in range(height))
-    return width, height, b"".join(raw[r * stride + 1:(r + 1) * stride] for r in range(height))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +37,8 @@ def _column_height(width, rgb, x, colour, rows) -> int:
 
 def test_bars_are_proportional_to_memory_and_the_limit_is_drawn(plan_pp4, tmp_path):
     path = write_memory_png(plan_pp4, tmp_path / "mem.png")
-    width, height, rgb = read_png(path.read_bytes())
+    width, height, rows = read_png(path.read_bytes())
+    rgb = b"".join(rows)
     geometry = layout(plan_pp4)
     assert (width, height) == (geometry["width"], geometry["height"])
     plot = range(geometry["plot_top"], geometry["base"])
@@ -79,7 +60,8 @@ def test_a_zero_figure_draws_no_bar_and_a_small_one_keeps_a_pixel(plan_pp4, tmp_
     real = dataclasses.replace(plan_pp4, predicted=Prediction(
         step_seconds=1.0, tflops_per_device=1.0, memory_bytes_per_device=(0, 1024)))
     path = write_memory_png(real, tmp_path / "m.png")
-    width, _, rgb = read_png(path.read_bytes())
+    width, _, rows = read_png(path.read_bytes())
+    rgb = b"".join(rows)
     geometry = layout(real)
     plot = range(geometry["plot_top"], geometry["base"])
     (x0, _, x1, _), (x0b, _, x1b, _) = geometry["bars"]

@@ -1,13 +1,11 @@
 """Pipeline schedules as data: generators, checker, simulated timing, text and PNG renderings."""
 from __future__ import annotations
 
-import struct
-import zlib
 from fractions import Fraction
 
 import pytest
 
-from xirang.codegen.png_canvas import PNG_SIGNATURE
+from tests.codegen.png_reader import read_png
 from xirang.codegen.schedule_check import ScheduleError, check_schedule, max_in_flight
 from xirang.codegen.schedule_sim import TimedAction, idle_fractions, simulate, simulated_bubble
 from xirang.codegen.schedules import (GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Send,
@@ -236,26 +234,6 @@ def test_split_backward_fits_the_data():
 
 
 # --- PNG timeline --------------------------------------------------------------------------------
-
-
-def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
-    """Width, height and RGB rows of a PNG as written by png_canvas (8-bit RGB, filter 0)."""
-    assert data[:8] == PNG_SIGNATURE
-    position, chunks = 8, {}
-    while position < len(data):
-        length, kind = struct.unpack(">I4s", data[position:position + 8])
-        body = data[position + 8:position + 8 + length]
-        (crc,) = struct.unpack(">I", data[position + 8 + length:position + 12 + length])
-        assert crc == zlib.crc32(kind + body), f"bad CRC in chunk {kind}"
-        chunks[kind] = chunks.get(kind, b"") + body
-        position += 12 + length
-    width, height, depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, colour_type, interlace) == (8, 2, 0) and b"IEND" in chunks
-    raw = zlib.decompress(chunks[b"IDAT"])
-    stride = 1 + 3 * width
-    assert len(raw) == height * stride
-    assert all(raw[row * stride] == 0 for row in range(height))
-    return width, height, [raw[row * stride + 1:(row + 1) * stride] for row in range(height)]
 
 
 def pixel(rows, x, y):
