@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import xirang  # noqa: E402
 from published_configs import GPUS_PER_NODE, DEVICE, SEQ, load_rows, model_of  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
-from xirang.passes.cost_model import Efficiency  # noqa: E402
-from xirang.passes.plan_search import search_plan  # noqa: E402
-from xirang.passes.plan_splits import SplitPricer  # noqa: E402
+from xirang.passes.planning.cost_model import Efficiency  # noqa: E402
+from xirang.passes.planning.plan_search import search_plan  # noqa: E402
+from xirang.passes.planning.plan_splits import SplitPricer  # noqa: E402
 
 MATMUL = [0.50, 0.55, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85]
 MEMORY = [0.25, 0.30, 0.35, 0.40, 0.50, 0.60, 0.70, 0.80, 0.90]

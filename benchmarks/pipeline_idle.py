@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is a f
 
 
 def _rank_main(rank, world, plan, program, state, global_batch, seq, steps):
-    from xirang.codegen.pipeline_runtime import PipelineRuntime
+    from xirang.codegen.runtime.pipeline_runtime import PipelineRuntime
     runtime = PipelineRuntime(state, plan, program=program)
     optimizer = torch.optim.SGD(runtime.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
@@ -52,10 +52,10 @@ def main():
     args = parser.parse_args()
     import xirang
     from examples.gpt import GPTConfig, build_gpt
-    from xirang.codegen.launch import launch
-    from xirang.codegen.pipeline_runtime import build_pipeline_program
-    from xirang.codegen.schedule_sim import idle_fractions, simulated_bubble
-    from xirang.codegen.schedules import Forward, one_f_one_b
+    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.pipeline_runtime import build_pipeline_program
+    from xirang.codegen.runtime.schedule_sim import idle_fractions, simulated_bubble
+    from xirang.ir.schedules import Forward, one_f_one_b
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=512, seq_len=args.seq, hidden=args.hidden, heads=4, layers=args.p)

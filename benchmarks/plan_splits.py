@@ -32,7 +32,7 @@ def main():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from xirang.ir.world import World
-    from xirang.passes.plan_splits import SplitPricer
+    from xirang.passes.planning.plan_splits import SplitPricer
 
     config = LlamaConfig(num_hidden_layers=args.layers, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
                          intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096, use_cache=False)

@@ -8,8 +8,8 @@ import platform
 import random
 import time
 
-from xirang.passes.solve_splits import SplitEdge, SplitNode, SplitProblem, Strategy, solve_splits
-from xirang.passes.solve_stage_cuts import StageCutProblem, solve_stage_cuts
+from xirang.passes.planning.solve_splits import SplitEdge, SplitNode, SplitProblem, Strategy, solve_splits
+from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts
 
 
 def chain(n: int, strategies: int, seed: int = 7) -> SplitProblem:

@@ -19,10 +19,10 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule
 
-from xirang.errors import XirangError
+from xirang.ir.errors import XirangError
 
-from .precision import insert_precision_casts
-from .rewrite_tp import rewrite_for_tp_rank
+from xirang.passes.lowering.precision import insert_precision_casts
+from xirang.passes.lowering.rewrite_tp import rewrite_for_tp_rank
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 import sympy
 
-from .facts import BlockInfo, ByteCount, FlopCount, SourceLocation, TensorInfo
+from xirang.ir.facts import BlockInfo, ByteCount, FlopCount, SourceLocation, TensorInfo
 
 T = TypeVar("T")
 

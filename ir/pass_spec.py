@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .meta_keys import MetaKey
+from xirang.ir.meta_keys import MetaKey
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from .mesh import Mesh
-from .plan_checks import (REPLAN, PlanError, _at, _choice, _dumps, _first_difference, _int,  # noqa: F401
+from xirang.ir.mesh import Mesh
+from xirang.ir.plan_checks import (REPLAN, PlanError, _at, _choice, _dumps, _first_difference, _int,  # noqa: F401
                           _json_list, _keys, _of_type, _parsed, _seq, _str, _unique)  # PlanError is public here
-from .plan_parts import (COLLECTIVE_KINDS, Alternative, CollectiveChoice, Layout, NodeStrategy,  # noqa: F401
+from xirang.ir.plan_parts import (COLLECTIVE_KINDS, Alternative, CollectiveChoice, Layout, NodeStrategy,  # noqa: F401
                          Prediction, StagePlan)
-from .world import World
+from xirang.ir.world import World
 
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved")

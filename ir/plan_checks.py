@@ -6,19 +6,9 @@ import json
 import math
 from contextlib import contextmanager
 
+from xirang.ir.errors import PlanError
+
 REPLAN = "re-plan with xirang.plan(...) and save the new plan, or fix this field by hand"
-
-
-class PlanError(ValueError):
-    """A plan is inconsistent, malformed, or made for another model or world.
-
-    Same shape as ``xirang.XirangError``: ``what`` was wrong, ``where`` (the field), ``hint``.
-    """
-
-    def __init__(self, what: str, *, where: str = "", hint: str = ""):
-        self.what, self.where, self.hint = what, where, hint
-        lines = [what] + ([f"  where: {where}"] if where else []) + ([f"  what to do: {hint}"] if hint else [])
-        super().__init__("\n".join(lines))
 
 
 # --- checks shared by the dataclasses: each names the field and what would be valid --------------

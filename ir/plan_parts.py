@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Mapping
 
-from .mesh import AXES, Mesh
-from .placement import Partial, Placement, Replicate, Shard, placement_from_json
-from .plan_checks import (REPLAN, PlanError, _at, _choice, _float, _int, _json_list, _keys, _of_type,  # noqa: F401
+from xirang.ir.mesh import AXES, Mesh
+from xirang.ir.placement import Partial, Placement, Replicate, Shard, placement_from_json
+from xirang.ir.plan_checks import (REPLAN, PlanError, _at, _choice, _float, _int, _json_list, _keys, _of_type,  # noqa: F401
                           _seq, _str, _unique)
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Union
 
-from .device import DeviceSpec, device_spec
+from xirang.ir.device import DeviceSpec, device_spec
 
 DEFAULT_DEVICE = "a100-80g"
 DEVICES_PER_NODE = 8  # how an int device count is packed into nodes (see parse_world)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xirang.errors import PassFailure, PassOrderError
+from xirang.ir.errors import PassFailure, PassOrderError
 from xirang.ir.meta_keys import FLOPS, ROLE, TENSOR
 from xirang.ir.pass_spec import CompileContext, compiler_pass
 from xirang.pass_manager import PassManager
-from xirang.passes.parameters import count_parameters
-from xirang.passes.tensors import annotate_tensors
-from xirang.passes.trace import trace_model
+from xirang.passes.analysis.parameters import count_parameters
+from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis.trace import trace_model
 
 
 class TwoLinear(torch.nn.Module):

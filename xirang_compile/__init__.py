@@ -10,9 +10,9 @@ from xirang.ir.placement import Partial, Replicate, Shard
 from xirang.ir.plan import Plan, PlanError
 from xirang.ir.world import LinkSpec, NodeSpec, World, parse_world
 
-from .analyze import AnalysisReport, analyze
-from .errors import PassFailure, PassOrderError, TraceError, XirangError
-from .plan_api import plan
+from xirang.analyze import AnalysisReport, analyze
+from xirang.ir.errors import PassFailure, PassOrderError, TraceError, XirangError
+from xirang.plan_api import plan
 
 __all__ = [
     "analyze", "AnalysisReport", "plan",
@@ -21,8 +21,8 @@ __all__ = [
     "XirangError", "TraceError", "PassOrderError", "PassFailure",
 ]
 
-from xirang.codegen.launch import launch  # noqa: E402  (local CPU ranks for xirang.compile)
+from xirang.codegen.runtime.launch import launch  # noqa: E402  (local CPU ranks for xirang.compile)
 
-from .compile_api import compile  # noqa: E402,A001
+from xirang.compile_api import compile  # noqa: E402,A001
 
 __all__ += ["compile", "launch"]

@@ -10,8 +10,8 @@ from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, BYTES, FLOPS, 
                                  MODULE_TYPE, PARAM_COUNT, SYMBOLS, TRACE_INFO, UNIT, UNPRICED_OPS)
 from xirang.ir.pass_spec import CompileContext
 
-from .pass_manager import PassManager, PassTiming
-from .pipeline import ANALYSIS_PASSES
+from xirang.pass_manager import PassManager, PassTiming
+from xirang.pipeline import ANALYSIS_PASSES
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from xirang.ir.plan import PlanError
 
-from .errors import XirangError
+from xirang.ir.errors import XirangError
 
 
 def load_factory(spec: str):
@@ -69,7 +69,7 @@ def build(factory, batch: int | None, seq: int | None):
 
 
 def cmd_analyze(args) -> int:
-    from .analyze import analyze
+    from xirang.analyze import analyze
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
     report = analyze(model, example_kwargs=example_kwargs, fold_repeats=not args.no_fold, dump_dir=args.dump)
     if args.json:
@@ -87,11 +87,11 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan_api import plan as make_plan
+    from xirang.plan_api import plan as make_plan
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
                                                    "virtual_stages", "recompute", "precision")}
-    from .cli_progress import PlanProgressDisplay
+    from xirang.cli_progress import PlanProgressDisplay
     with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
         plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
                          device=args.device, progress=progress, **{k: v for k, v in pins.items() if v is not None})
@@ -110,12 +110,12 @@ def cmd_explain(args) -> int:
                           hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
     plan = Plan.load(args.plan)
     if args.json:  # for scripts: the same table as data, nothing else on stdout
-        from .explain import explain_data
+        from xirang.explain import explain_data
         print(json.dumps(explain_data(plan), indent=2))
     else:
         print(plan.explain())
     if args.picture:
-        from xirang.codegen.memory_picture import write_memory_png
+        from xirang.codegen.viz.memory_picture import write_memory_png
         path = write_memory_png(plan, args.picture)
         print(f"\nmemory picture: {path} (a bar per pipeline rank, red line: usable memory)",
               file=sys.stderr if args.json else sys.stdout)  # stdout stays parseable JSON
@@ -124,7 +124,7 @@ def cmd_explain(args) -> int:
 
 def cmd_launch(args) -> int:
     import subprocess
-    from xirang.codegen.launch import launch_command
+    from xirang.codegen.runtime.launch import launch_command
     if not Path(args.script).is_file():
         raise XirangError(f"script {args.script!r} does not exist", where=f"current directory {Path.cwd()}",
                           hint="give the path of a training script, e.g. examples/train_gpt.py")
@@ -138,7 +138,7 @@ def cmd_launch(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from xirang.demo import run_demo
     try:
         dp, tp, pp = (int(part) for part in args.mesh.lower().split("x"))
     except ValueError:
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
                                                           "the usable limit into PNG")
     explain.set_defaults(run=cmd_explain)
 
-    from .cli_inspect import cmd_inspect
+    from xirang.cli_inspect import cmd_inspect
     inspect_ = commands.add_parser("inspect", help="one rank of a saved plan: mesh place, stages, placements, "
                                                    "collectives and (with --model) its program")
     inspect_.add_argument("plan", help="plan.json written by `xirang plan --json`")
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     inspect_.add_argument("--json", action="store_true", help="print as JSON")
     inspect_.set_defaults(run=cmd_inspect)
 
-    from .cli_verify import cmd_run, cmd_verify
+    from xirang.cli_verify import cmd_run, cmd_verify
     for name, text, function in (
             ("run", "train a model on N local CPU ranks (random batches shaped like its example inputs)", cmd_run),
             ("verify", "train on N local ranks and on one device; compare loss, gradients and parameters",

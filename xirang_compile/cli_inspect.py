@@ -15,7 +15,7 @@ from xirang.ir.mesh import AXES
 from xirang.ir.plan import Plan
 from xirang.ir.plan_parts import Layout
 
-from .errors import XirangError
+from xirang.ir.errors import XirangError
 
 
 def load_plan(path: str) -> Plan:
@@ -45,10 +45,10 @@ def _replicated(strategy) -> bool:
 
 def _traced(plan: Plan, model_spec: str, batch, seq):
     """Trace the model and refuse a plan made for another one (Plan.check_matches names the field)."""
-    from xirang.passes.fingerprint import graph_fingerprint
+    from xirang.passes.analysis.fingerprint import graph_fingerprint
 
-    from .analyze import analyze
-    from .cli import build, load_factory
+    from xirang.analyze import analyze
+    from xirang.cli import build, load_factory
     model, example_kwargs = build(load_factory(model_spec), batch, seq)
     gm = analyze(model, example_kwargs=example_kwargs).graph_module
     plan.check_matches(graph_fingerprint(gm), plan.world)

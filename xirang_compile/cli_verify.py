@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from .errors import XirangError
+from xirang.ir.errors import XirangError
 
 MODEL_SEED, LR = 0, 1e-3
 # Adam's eps: some gradients are exactly zero in exact arithmetic (the bias of k in attention:
@@ -25,7 +25,7 @@ ADAM_EPS = 1e-3
 
 def _build(spec: str, batch):
     """The factory's model under a fixed seed (every rank and the reference get the same weights)."""
-    from .cli import build, load_factory
+    from xirang.cli import build, load_factory
     torch.manual_seed(MODEL_SEED)
     return build(load_factory(spec), batch, None)
 
@@ -72,7 +72,7 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
     """(plan, global batch) for ``world`` ranks: loaded from ``plan_path`` or planned here with ``pins``
     (tp=, pp=, dp= the user fixed)."""
     import xirang
-    from .cli_inspect import load_plan
+    from xirang.cli_inspect import load_plan
     if world < 1:
         raise XirangError(f"--world {world}: the number of ranks must be at least 1", where="--world",
                           hint="e.g. --world 2")
@@ -137,7 +137,7 @@ def _train_single(spec: str, global_batch: int, steps: int) -> dict:
 
 def cmd_run(args) -> int:
     import xirang
-    from xirang.codegen.launch import launch_command
+    from xirang.codegen.runtime.launch import launch_command
     if args.print_command:
         # the cluster path is a script under torchrun; examples/train_gpt.py is the worked one
         script_args = ["--global-batch", str(args.global_batch or 8), "--steps", str(args.steps)]

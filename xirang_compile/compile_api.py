@@ -1,6 +1,6 @@
 """``xirang.compile``: the model as one rank's training program under a plan.
 
-    # under torchrun, or inside xirang.codegen.launch.launch(fn, nprocs) ranks
+    # under torchrun, or inside xirang.codegen.runtime.launch.launch(fn, nprocs) ranks
     compiled = xirang.compile(model, world=8, example_kwargs=batch, global_batch=64, tp=2)
     optimizer = torch.optim.AdamW(compiled.parameters())
     loss = compiled.train_step(**batch); optimizer.step(); optimizer.zero_grad()
@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from xirang.codegen.compose_3d import PipelinedModel
+from xirang.codegen.runtime.compose_3d import PipelinedModel
 from xirang.codegen.emit import check_emittable
-from xirang.codegen.launch import ensure_distributed
-from xirang.codegen.process_groups import build_mesh_groups
-from xirang.codegen.runtime import CompiledModel
+from xirang.codegen.runtime.launch import ensure_distributed
+from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.runtime import CompiledModel
 from xirang.ir.plan import Plan
 from xirang.ir.world import World
-from xirang.passes.fingerprint import graph_fingerprint
+from xirang.passes.analysis.fingerprint import graph_fingerprint
 
-from .analyze import analyze
-from .errors import XirangError
-from .plan_api import _world, plan as make_plan
+from xirang.analyze import analyze
+from xirang.ir.errors import XirangError
+from xirang.plan_api import _world, plan as make_plan
 
 
 def compile(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None,  # noqa: A001

@@ -66,9 +66,9 @@ def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule:
              timeline: str | None = "demo_timeline.png", out=print) -> dict:
     """Plan, show, train on ``world`` local ranks and compare; returns the figures it printed."""
     import xirang
-    from xirang.codegen.schedule_sim import simulate
-    from xirang.codegen.schedules import build_schedule
-    from xirang.codegen.timeline import format_schedule, write_timeline_png
+    from xirang.codegen.runtime.schedule_sim import simulate
+    from xirang.ir.schedules import build_schedule
+    from xirang.codegen.viz.timeline import format_schedule, write_timeline_png
 
     started = time.perf_counter()
     out(f"Xirang demo: a {CONFIG.layers}-layer GPT (hidden {CONFIG.hidden}, vocab {CONFIG.vocab_size}) "

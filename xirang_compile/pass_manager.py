@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xirang.errors import PassFailure, PassOrderError, XirangError
+from xirang.ir.errors import PassFailure, PassOrderError, XirangError
 from xirang.ir.meta_keys import KEYS_BY_NAME, MetaKey
 from xirang.ir.pass_spec import Pass
 

@@ -4,14 +4,14 @@ The pass manager checks this order against what each pass requires and provides 
 """
 from __future__ import annotations
 
-from xirang.passes.blocks import find_blocks
-from xirang.passes.dependencies import build_dependencies
-from xirang.passes.flops import count_flops
-from xirang.passes.gradients import mark_requires_grad
-from xirang.passes.memory_traffic import count_bytes
-from xirang.passes.parameters import count_parameters
-from xirang.passes.tensors import annotate_tensors
-from xirang.passes.trace import trace_model
+from xirang.passes.analysis.blocks import find_blocks
+from xirang.passes.analysis.dependencies import build_dependencies
+from xirang.passes.analysis.flops import count_flops
+from xirang.passes.analysis.gradients import mark_requires_grad
+from xirang.passes.analysis.memory_traffic import count_bytes
+from xirang.passes.analysis.parameters import count_parameters
+from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis.trace import trace_model
 
 ANALYSIS_PASSES = [
     trace_model,          # model -> aten training graph on fake tensors; batch/seq symbolic

@@ -16,13 +16,13 @@ from typing import Callable, NamedTuple, Optional, Union
 from xirang.ir.device import DEVICE_PRESETS, DeviceSpec
 from xirang.ir.plan import PRECISIONS, Plan
 from xirang.ir.world import World, parse_world
-from xirang.passes.cost_model import Efficiency
-from xirang.passes.plan_search import search_plan
-from xirang.passes.plan_search_space import check_global_batch
+from xirang.passes.planning.cost_model import Efficiency
+from xirang.passes.planning.plan_search import search_plan
+from xirang.passes.planning.plan_search_space import check_global_batch
 
-from .analyze import analyze
-from .errors import XirangError
-from .plan_assemble import assemble_plan
+from xirang.analyze import analyze
+from xirang.ir.errors import XirangError
+from xirang.plan_assemble import assemble_plan
 
 MEMORY_FRACTION = 0.9  # of each device's memory the plan may use; see search_plan
 
@@ -69,7 +69,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     report_progress(PlanProgress("analyse", seconds, f"traced and analysed {report.total_params:,} parameters, "
                                                      f"{len(report.rows)} units in {seconds:.2f} s"))
 
-    from xirang.passes.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
+    from xirang.passes.planning.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
     pricer = SplitPricer(gm, world, efficiency=efficiency or Efficiency(), precision=precision)
     solved = []
 

@@ -13,12 +13,12 @@ from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, ROLE, TENSOR, UNIT
 from xirang.ir.placement import Shard, local_shape
 from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
 from xirang.ir.world import World
-from xirang.passes.cost_collectives import ALGORITHMS, collective_cost, group_topology
-from xirang.passes.fingerprint import graph_fingerprint
-from xirang.passes.plan_costs import CAUSES, GRAD_BYTES, Priced, bucket_elements
-from xirang.passes.plan_search import SearchResult
+from xirang.passes.planning.cost_collectives import ALGORITHMS, collective_cost, group_topology
+from xirang.passes.analysis.fingerprint import graph_fingerprint
+from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced, bucket_elements
+from xirang.passes.planning.plan_search import SearchResult
 
-from .explain import why_lost
+from xirang.explain import why_lost
 
 
 def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, precision: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from xirang.codegen.png_canvas import PNG_SIGNATURE
+from xirang.codegen.viz.png_canvas import PNG_SIGNATURE
 
 
 def read_png(data: bytes) -> tuple[int, int, list[bytes]]:

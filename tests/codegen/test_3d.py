@@ -32,13 +32,13 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
-from xirang.codegen.compose_3d import PipelinedModel, rank_pipeline_program
-from xirang.codegen.compute_dtypes import compute_dtypes
+from xirang.codegen.runtime.compose_3d import PipelinedModel, rank_pipeline_program
+from xirang.passes.lowering.compute_dtypes import compute_dtypes
 from tests.codegen.single_device import compiled_run, single_device_run
-from xirang.codegen.launch import launch
-from xirang.codegen.pipeline_runtime import PipelineRuntime
-from xirang.codegen.process_groups import build_mesh_groups
-from xirang.errors import XirangError
+from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.pipeline_runtime import PipelineRuntime
+from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 
 WORLD, GLOBAL_BATCH, SEQ, VOCAB_USED, STEPS, TOLERANCE = 8, 8, 16, 500, 3, 1e-5

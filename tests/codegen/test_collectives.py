@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xirang.codegen.collectives import (all_to_all, copy_to_group, gather_from_group,
+from xirang.codegen.ops.collectives import (all_to_all, copy_to_group, gather_from_group,
                                         reduce_from_group, reduce_scatter_to_group,
                                         scatter_to_group)
-from xirang.codegen.comm_counter import CommCounter
-from xirang.codegen.launch import launch
-from xirang.codegen.process_groups import build_mesh_groups
-from xirang.errors import XirangError
+from xirang.codegen.ops.comm_counter import CommCounter
+from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Shard, local_shape
 

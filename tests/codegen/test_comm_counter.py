@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from xirang.codegen.comm_counter import CommCounter, CommRecord
+from xirang.codegen.ops.comm_counter import CommCounter, CommRecord
 
 
 def test_sums_by_kind_and_reset():

@@ -20,7 +20,7 @@ import torch
 import xirang
 from examples.gpt import GPTConfig, build_gpt
 from xirang.codegen.emit import rank_source
-from xirang.errors import XirangError
+from xirang.ir.errors import XirangError
 from xirang.ir.plan import PlanError
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.comm_counter import CommCounter
-from xirang.codegen.grad_sync import GradientBuckets, assign_buckets
-from xirang.codegen.launch import launch
-from xirang.errors import XirangError
+from xirang.codegen.ops.comm_counter import CommCounter
+from xirang.codegen.runtime.grad_sync import GradientBuckets, assign_buckets
+from xirang.codegen.runtime.launch import launch
+from xirang.ir.errors import XirangError
 
 WORLD = 2
 WIDTHS = (8, 16, 16, 16, 16, 4)  # five Linear layers

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.launch import ensure_distributed, launch, launch_command
-from xirang.errors import XirangError
+from xirang.codegen.runtime.launch import ensure_distributed, launch, launch_command
+from xirang.ir.errors import XirangError
 
 
 def _report(rank, world, tag):

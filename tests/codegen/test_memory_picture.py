@@ -10,9 +10,9 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.codegen.png_reader import read_png
-from xirang.codegen.memory_picture import (BAR, INK, LIMIT, OVER, PLOT_HEIGHT, SCALE, draw_memory, layout,
+from xirang.codegen.viz.memory_picture import (BAR, INK, LIMIT, OVER, PLOT_HEIGHT, SCALE, draw_memory, layout,
                                            write_memory_png)
-from xirang.codegen.png_canvas import Canvas, text_size
+from xirang.codegen.viz.png_canvas import Canvas, text_size
 from xirang.ir.plan_parts import Prediction
 
 GiB = 1024**3

@@ -28,13 +28,13 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
-from xirang.codegen.launch import launch
-from xirang.codegen.pipeline_executor import LocalStage, PipelineExecutor
-from xirang.codegen.pipeline_runtime import PipelineRuntime, build_pipeline_program
-from xirang.codegen.schedule_sim import idle_fractions
-from xirang.codegen.schedules import Backward, BackwardInput, BackwardWeight, build_schedule
-from xirang.codegen.split_stages import split_stages, tied_parameters
-from xirang.errors import XirangError
+from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor
+from xirang.codegen.runtime.pipeline_runtime import PipelineRuntime, build_pipeline_program
+from xirang.codegen.runtime.schedule_sim import idle_fractions
+from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, build_schedule
+from xirang.passes.lowering.split_stages import split_stages, tied_parameters
+from xirang.ir.errors import XirangError
 from xirang.ir.meta_keys import PARAM_NAME, ROLE
 
 SEQ, VOCAB_USED, STEPS, TOLERANCE = 16, 500, 3, 1e-5

@@ -5,8 +5,8 @@ import string
 
 import pytest
 
-from xirang.codegen.font_5x7 import DROP, FONT_5X7, LINE_HEIGHT, printable
-from xirang.codegen.png_canvas import Canvas, text_size
+from xirang.codegen.viz.font_5x7 import DROP, FONT_5X7, LINE_HEIGHT, printable
+from xirang.codegen.viz.png_canvas import Canvas, text_size
 
 INK, PAPER = (0, 0, 0), (255, 255, 255)
 NEEDED = string.ascii_uppercase + string.ascii_lowercase + string.digits + " .,:;-+=/()%x*_<>[]'\""

@@ -6,13 +6,13 @@ from fractions import Fraction
 import pytest
 
 from tests.codegen.png_reader import read_png
-from xirang.codegen.schedule_check import ScheduleError, check_schedule, max_in_flight
-from xirang.codegen.schedule_sim import TimedAction, idle_fractions, simulate, simulated_bubble
-from xirang.codegen.schedules import (GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Send,
+from xirang.codegen.runtime.schedule_check import ScheduleError, check_schedule, max_in_flight
+from xirang.codegen.runtime.schedule_sim import TimedAction, idle_fractions, simulate, simulated_bubble
+from xirang.ir.schedules import (GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Send,
                                       build_schedule, gpipe, interleaved_one_f_one_b, is_compute, one_f_one_b,
                                       with_communication)
-from xirang.codegen.timeline import (IDLE, action_colour, format_schedule, render_timeline_png, timeline_layout)
-from xirang.passes.cost_model import SCHEDULES, bubble_share
+from xirang.codegen.viz.timeline import (IDLE, action_colour, format_schedule, render_timeline_png, timeline_layout)
+from xirang.passes.planning.cost_model import SCHEDULES, bubble_share
 
 GRID = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 INTERLEAVED_GRID = [(p, k * p, v) for p in range(1, 5) for k in (1, 2, 3) for v in (1, 2, 3)]

@@ -2,11 +2,11 @@
 found at the place the layout gives by drawing the same words alone and comparing the pixels."""
 from __future__ import annotations
 
-from xirang.codegen.png_canvas import Canvas, text_size
-from xirang.codegen.schedule_sim import simulate, simulated_bubble
-from xirang.codegen.schedules import (Backward, BackwardInput, BackwardWeight, Forward, interleaved_one_f_one_b,
+from xirang.codegen.viz.png_canvas import Canvas, text_size
+from xirang.codegen.runtime.schedule_sim import simulate, simulated_bubble
+from xirang.ir.schedules import (Backward, BackwardInput, BackwardWeight, Forward, interleaved_one_f_one_b,
                                       is_compute, one_f_one_b, with_communication)
-from xirang.codegen.timeline import (CAP, INK, KIND_COLOURS, LINE, MARGIN, SWATCH, TEXT, action_colour, axis_title,
+from xirang.codegen.viz.timeline import (CAP, INK, KIND_COLOURS, LINE, MARGIN, SWATCH, TEXT, action_colour, axis_title,
                                      legend_items, render_timeline, row_label, timeline_layout, timeline_title)
 
 

@@ -20,10 +20,10 @@ import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen import shard_params
+from xirang.codegen.runtime.runtime import shard_params
 from tests.codegen.single_device import compiled_run, single_device_run
-from xirang.codegen.launch import launch
-from xirang.codegen.padding import unshard
+from xirang.codegen.runtime.launch import launch
+from xirang.codegen.ops.padding import unshard
 from xirang.ir.placement import Shard
 
 VOCAB, BATCH, SEQ, STEPS, TOLERANCE = 1001, 8, 16, 3, 1e-5
@@ -140,7 +140,7 @@ def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
 @pytest.mark.parametrize("tp", (2, 4, 8))
 def test_plan_offers_the_padded_vocabulary(tp):
     """A replicated weight is not the only choice any more: the rules offer the padded split."""
-    from xirang.passes.sharding_rules import strategies_for
+    from xirang.passes.planning.sharding_rules import strategies_for
     gm = xirang.analyze(build("gpt"), example_kwargs=batch(0, 2)).graph_module
     loss = next(n for n in gm.graph.nodes if "cross_entropy" in str(n.target))
     fractions = {s.name: s.compute_fraction for s in strategies_for(loss, tp)}

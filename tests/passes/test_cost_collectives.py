@@ -10,7 +10,7 @@ import pytest
 
 from xirang.ir.mesh import Mesh
 from xirang.ir.world import World
-from xirang.passes.cost_collectives import (CollectiveCost, collective_cost, collective_costs,
+from xirang.passes.planning.cost_collectives import (CollectiveCost, collective_cost, collective_costs,
                                             group_topology)
 
 NODE = World.uniform(1, 8)

@@ -10,8 +10,8 @@ import pytest
 
 from xirang.ir.device import DEVICE_PRESETS
 from xirang.ir.world import World
-from xirang.passes.cost_collectives import collective_cost
-from xirang.passes.cost_model import (
+from xirang.passes.planning.cost_collectives import collective_cost
+from xirang.passes.planning.cost_model import (
     Efficiency, activation_bytes_in_flight, activation_bytes_per_layer, bubble_fraction,
     bubble_share, compute_time, exposed_comm_time, exposed_gradient_sync, megatron_flops,
     megatron_params, memory_per_device, model_state_bytes, pipeline_step_time, tp_traffic_per_layer)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import hf_gpt2, token_batch
 from xirang import analyze
-from xirang.passes.fingerprint import FINGERPRINT_CHARS, graph_fingerprint
+from xirang.passes.analysis.fingerprint import FINGERPRINT_CHARS, graph_fingerprint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -13,10 +13,10 @@ from xirang.ir.facts import evaluate
 from xirang.ir.meta_keys import FLOPS, symbol
 from xirang.ir.pass_spec import CompileContext
 from xirang.pass_manager import PassManager
-from xirang.passes.flops import count_flops, ops_without_flop_rule, total_flops
-from xirang.passes.gradients import mark_requires_grad
-from xirang.passes.tensors import annotate_tensors
-from xirang.passes.trace import trace_model
+from xirang.passes.analysis.flops import count_flops, ops_without_flop_rule, total_flops
+from xirang.passes.analysis.gradients import mark_requires_grad
+from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis.trace import trace_model
 
 B, S = symbol("batch"), symbol("seq")
 SIZES = {"batch": 3, "seq": 5}  # the example inputs below

@@ -13,10 +13,10 @@ from xirang.ir.facts import ByteCount, evaluate
 from xirang.ir.meta_keys import BYTES, symbol
 from xirang.ir.pass_spec import CompileContext
 from xirang.pass_manager import PassManager
-from xirang.passes.gradients import mark_requires_grad
-from xirang.passes.memory_traffic import count_bytes, total_bytes
-from xirang.passes.tensors import annotate_tensors
-from xirang.passes.trace import trace_model
+from xirang.passes.analysis.gradients import mark_requires_grad
+from xirang.passes.analysis.memory_traffic import count_bytes, total_bytes
+from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis.trace import trace_model
 
 B, S = symbol("batch"), symbol("seq")
 SIZES = {"batch": 3, "seq": 5}  # the example inputs below

@@ -5,14 +5,14 @@ import math
 
 import pytest
 
-from xirang.errors import XirangError
+from xirang.ir.errors import XirangError
 from xirang.ir.device import GiB, DeviceSpec
 from xirang.ir.world import World, parse_world
-from xirang.passes.cost_model import SCHEDULES
-from xirang.passes.plan_partition import UnitTable, fit_stages, least_memory_cuts
-from xirang.passes.plan_search import search_plan
-from xirang.passes.plan_search_space import Candidate, candidates, in_flight_by_rank
-from xirang.passes.unit_costs import TensorSplit, UnitCost
+from xirang.passes.planning.cost_model import SCHEDULES
+from xirang.passes.planning.plan_partition import UnitTable, fit_stages, least_memory_cuts
+from xirang.passes.planning.plan_search import search_plan
+from xirang.passes.planning.plan_search_space import Candidate, candidates, in_flight_by_rank
+from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 
 
 def unit(name, seconds=1.0, *, params=0, saved=0.0, selective=None, inputs=0.0, cut=0.0, flops=0.0):
@@ -204,7 +204,7 @@ def test_rank_zero_holds_what_the_cost_model_says(schedule, v):
 
 
 def test_fast_cuts_agree_with_the_exact_solver_on_uniform_sends():
-    from xirang.passes.solve_stage_cuts import StageCutProblem, solve_stage_cuts_dp
+    from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts_dp
     seconds = (0.5, 1.0, 1.0, 2.0, 1.0, 1.0, 0.2, 3.0, 1.0, 0.4)
     static, act = tuple(10.0 * (i % 3) for i in range(10)), tuple(float(i) for i in range(10))
     table = UnitTable(seconds, static, act, (0.1,) * 9)
@@ -228,7 +228,7 @@ def test_dp_sync_estimate_equals_the_bucket_by_bucket_price_at_an_even_rate():
     """Four units, each exactly one 40M-element bucket with equal backward: the closed form the
     search ranks by is exact. Comm-bound on 8 nodes (dp=8 over IB): about 4 all-reduces after the
     first bucket is ready; compute-bound (a slow backward): only the last bucket's."""
-    from xirang.passes.plan_costs import CandidatePricer
+    from xirang.passes.planning.plan_costs import CandidatePricer
     world = parse_world("8x1")
     c = Candidate(tp=1, pp=1, dp=8, micro_batch=1, num_micro_batches=1, schedule="1f1b", virtual_stages=1,
                   recompute="none")

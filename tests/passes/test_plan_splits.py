@@ -21,11 +21,11 @@ from xirang.ir.meta_keys import BLOCK, BYTES, FLOPS, PARAM_NAME, TENSOR, UNIT
 from xirang.ir.placement import Partial, Replicate, Shard
 from xirang.ir.plan_parts import NodeStrategy
 from xirang.ir.world import World
-from xirang.passes.cost_collectives import collective_cost
-from xirang.passes.cost_model import compute_time
-from xirang.passes.plan_splits import SplitPricer, price_units
-from xirang.passes.plan_splits_costs import Pricing
-from xirang.passes.plan_splits_problem import transition
+from xirang.passes.planning.cost_collectives import collective_cost
+from xirang.passes.planning.cost_model import compute_time
+from xirang.passes.planning.plan_splits import SplitPricer, price_units
+from xirang.passes.planning.plan_splits_costs import Pricing
+from xirang.passes.planning.plan_splits_problem import transition
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 R, P = Replicate(), Partial("sum")

@@ -18,10 +18,10 @@ from xirang.ir.meta_keys import symbol
 from xirang.ir.pass_spec import CompileContext
 from xirang.ir.placement import Partial, Replicate, Shard
 from xirang.pass_manager import PassManager
-from xirang.passes.sharding_rules import gradient_placements, ops_without_sharding_rule, strategies_for
-from xirang.passes.sharding_rules_views import info, reshape_groups
-from xirang.passes.tensors import annotate_tensors
-from xirang.passes.trace import trace_model
+from xirang.passes.planning.sharding_rules import gradient_placements, ops_without_sharding_rule, strategies_for
+from xirang.passes.planning.sharding_rules_views import info, reshape_groups
+from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis.trace import trace_model
 
 R, P = Replicate(), Partial("sum")
 B, S = symbol("batch"), symbol("seq")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xirang.passes.solve_splits import (SplitEdge, SplitNode, SplitProblem, Strategy, solve_splits,
+from xirang.passes.planning.solve_splits import (SplitEdge, SplitNode, SplitProblem, Strategy, solve_splits,
                                         solve_splits_exhaustive)
 
 SOLVERS = [solve_splits, solve_splits_exhaustive]

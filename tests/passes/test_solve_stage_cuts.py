@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xirang.passes.solve_stage_cuts import (StageCutProblem, solve_stage_cuts, solve_stage_cuts_dp,
+from xirang.passes.planning.solve_stage_cuts import (StageCutProblem, solve_stage_cuts, solve_stage_cuts_dp,
                                             solve_stage_cuts_exhaustive)
 
 SOLVERS = [lambda p: solve_stage_cuts(p, method="ilp"), solve_stage_cuts_dp, solve_stage_cuts_exhaustive]

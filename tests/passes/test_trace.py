@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import HF_MODELS, hf_gpt2, hf_llama, token_batch
-from xirang.errors import TraceError
+from xirang.ir.errors import TraceError
 from xirang.ir.meta_keys import (MODULE_PATH, PARAM_ALIASES, PARAM_NAME, ROLE, SOURCE, SYMBOLS, TENSOR,
                                  TRACE_INFO, symbol)
 from xirang.ir.pass_spec import CompileContext
 from xirang.pass_manager import PassManager
-from xirang.passes.tensors import annotate_tensors
-from xirang.passes.trace import trace_model
+from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis.trace import trace_model
 
 
 def traced(model, fold=True, **inputs):

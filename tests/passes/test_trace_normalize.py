@@ -11,8 +11,8 @@ from torch import nn
 import xirang
 from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama, token_batch
-from xirang.passes.fingerprint import graph_fingerprint
-from xirang.passes.trace_normalize import canonical_names
+from xirang.passes.analysis.fingerprint import graph_fingerprint
+from xirang.passes.analysis.trace_normalize import canonical_names
 
 
 def traced(build, device):

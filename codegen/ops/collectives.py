@@ -1,0 +1,260 @@
+"""Autograd-aware collectives on one process group, each named after what it does forward/backward.
+
+Every collective here is a small ``torch.autograd.Function`` whose backward is the dual of its
+forward, so a rewritten graph can call them like ordinary ops and ``loss.backward()`` (or
+``torch.autograd.grad``) produces the right gradients on every rank (Megatron-LM, Shoeybi et al.
+2019, section 3, the f and g operators; the picotron layout of one class per collective):
+
+    copy_to_group            identity         | all-reduce (sum)     Megatron "f"
+    reduce_from_group        all-reduce (sum) | identity             Megatron "g"
+    gather_from_group        all-gather dim   | take the local slice
+    scatter_to_group         take the slice   | all-gather dim
+    reduce_scatter_to_group  reduce-scatter   | all-gather dim
+    all_to_all               Shard(gather_dim) -> Shard(scatter_dim) | the reverse
+
+``group`` is a ``torch.distributed`` process group, or ``None`` meaning *this rank alone* (a mesh
+axis of size 1, or a one-rank world without ``init_process_group``): then every collective is the
+identity. This deliberately differs from ``torch.distributed``, where ``None`` is the world group.
+
+Uneven dims follow ``xirang.ir.placement.local_shape``: a sharded dim of n elements on k ranks
+holds ceil(n / k) per rank, padded with zeros at the end of the full tensor. Functions that produce
+a full dim take its true size (``full_size``) and strip the padding; functions that shard pad first.
+Padding is sent like data and counted as such by a ``CommCounter``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from xirang.codegen.ops.comm_counter import CommCounter, record_call
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _pad_to_multiple(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """Zero-pad dim ``dim`` at its end up to a multiple of ``k`` (local_shape's ceiling split)."""
+    extra = -x.shape[dim] % k
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]  # F.pad lists dims last-first
+    return F.pad(x, pad)
+
+
+def _local_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
+    k = group_size(group)
+    padded = _pad_to_multiple(full, dim, k)
+    return padded.chunk(k, dim=dim)[group_rank(group)].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group, counter, label) -> torch.Tensor:
+    out = x.contiguous().clone()  # never reduce into a tensor autograd or the caller still holds
+    record_call(counter, "all_reduce", out.nbytes, group_size(group), label)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tensor:
+    """Concatenate every rank's (equal-shaped) ``x`` along ``dim``, padding included."""
+    k = group_size(group)
+    # The flat collective gathers along dim 0: move ``dim`` first, gather, move it back.
+    local = x.movedim(dim, 0).contiguous()
+    out = local.new_empty((k * local.shape[0],) + tuple(local.shape[1:]))
+    record_call(counter, "all_gather", out.nbytes, k, label)
+    _all_gather_single(out, local, group)
+    return out.movedim(0, dim)
+
+
+def _all_gather_single(out, local, group):
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (old name deprecated).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local, group=group)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's slice of ``dim`` (``x`` already padded)."""
+    k = group_size(group)
+    full = x.movedim(dim, 0).contiguous()
+    out = full.new_empty((full.shape[0] // k,) + tuple(full.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        scatter(out, full, group=group)
+        emulated = False
+    except (RuntimeError, NotImplementedError):
+        # Older gloo builds have no reduce_scatter on CPU. Every rank runs the same build, so they
+        # all fail here before communicating and fall back together: all-reduce, keep our slice
+        # (k/2 times the ring traffic of a real reduce-scatter; fine for CPU development runs).
+        summed = full.clone()
+        dist.all_reduce(summed, group=group)
+        out = summed.chunk(k, dim=0)[group_rank(group)].contiguous()
+        emulated = True
+    record_call(counter, "reduce_scatter", full.nbytes, k, label, emulated)
+    return out.movedim(0, dim)
+
+
+class CopyToGroup(torch.autograd.Function):
+    """Forward: identity (input replicated on the group). Backward: all-reduce the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        ctx.group, ctx.counter = group, counter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, ctx.counter, "copy_to_group.backward"), None, None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """Forward: all-reduce (sum of partials). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter):
+        return _all_reduce(x, group, counter, "reduce_from_group.forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class GatherFromGroup(torch.autograd.Function):
+    """Forward: all-gather along ``dim``, strip to ``full_size``. Backward: take the local slice."""
+
+    @staticmethod
+    def forward(ctx, x, dim, full_size, group, counter):
+        ctx.dim, ctx.group = dim, group
+        out = _all_gather(x, dim, group, counter, "gather_from_group.forward")
+        return out.narrow(dim, 0, full_size) if full_size is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _local_slice(grad, ctx.dim, ctx.group), None, None, None, None
+
+
+class ScatterToGroup(torch.autograd.Function):
+    """Forward: pad and take the local slice of ``dim``. Backward: all-gather, strip padding."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, counter):
+        ctx.dim, ctx.size, ctx.group, ctx.counter = dim, x.shape[dim], group, counter
+        return _local_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _all_gather(grad, ctx.dim, ctx.group, ctx.counter, "scatter_to_group.backward")
+        return full.narrow(ctx.dim, 0, ctx.size), None, None, None
+
+
+class ReduceScatterToGroup(torch.autograd.Function):
+    """Forward: pad ``dim``, reduce-scatter (sum). Backward: all-gather, strip padding."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, counter):
+        ctx.dim, ctx.size, ctx.group, ctx.counter = dim, x.shape[dim], group, counter
+        padded = _pad_to_multiple(x, dim, group_size(group))
+        return _reduce_scatter(padded, dim, group, counter, "reduce_scatter_to_group.forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _all_gather(grad, ctx.dim, ctx.group, ctx.counter,
+                           "reduce_scatter_to_group.backward")
+        return full.narrow(ctx.dim, 0, ctx.size), None, None, None
+
+
+def _all_to_all(x, scatter_dim, gather_dim, gather_size, group, counter, label):
+    """Split padded ``scatter_dim`` into k chunks, chunk i to rank i; concat received on
+    ``gather_dim`` and strip it to ``gather_size``."""
+    k = group_size(group)
+    chunks = _pad_to_multiple(x, scatter_dim, k).chunk(k, dim=scatter_dim)
+    send = torch.stack(chunks).contiguous()  # [k, ...]: the flat op splits dim 0 evenly
+    recv = torch.empty_like(send)
+    record_call(counter, "all_to_all", send.nbytes, k, label)
+    dist.all_to_all_single(recv, send, group=group)
+    out = torch.cat(recv.unbind(0), dim=gather_dim)
+    return out.narrow(gather_dim, 0, gather_size) if gather_size is not None else out
+
+
+class AllToAll(torch.autograd.Function):
+    """Forward: Shard(gather_dim) -> Shard(scatter_dim). Backward: the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, gather_size, group, counter):
+        ctx.args = (gather_dim, scatter_dim, x.shape[scatter_dim], group, counter)
+        return _all_to_all(x, scatter_dim, gather_dim, gather_size, group, counter,
+                           "all_to_all.forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, *ctx.args, "all_to_all.backward"), None, None, None, None, None
+
+
+# --- the functional API the rewritten graphs call ----------------------------------------------
+
+def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
+    if not -x.dim() <= dim < x.dim():  # a 0-dim tensor has no dim to split or gather
+        raise IndexError(f"{name}: dim {dim} is out of range for a tensor of shape "
+                         f"{tuple(x.shape)} (valid dims {-x.dim()}..{x.dim() - 1}; "
+                         f"a 0-dim tensor cannot be sharded, reshape it to 1-d)")
+    return dim % x.dim()
+
+
+def _check_full_size(x, dim, full_size, k, name) -> None:
+    """A dim of ``full_size`` on k ranks is held as ceil(full_size / k) per rank (local_shape)."""
+    if full_size is not None and -(-full_size // k) != x.shape[dim]:
+        raise ValueError(f"{name}: a dim of {full_size} elements on {k} ranks is held as "
+                         f"ceil({full_size}/{k}) = {-(-full_size // k)} per rank, but this "
+                         f"rank's input has {x.shape[dim]} along dim {dim} (shape "
+                         f"{tuple(x.shape)}); pass the true full size of that dim")
+
+
+def copy_to_group(x, group, *, counter: Optional[CommCounter] = None):
+    return x if group_size(group) == 1 else CopyToGroup.apply(x, group, counter)
+
+
+def reduce_from_group(x, group, *, counter: Optional[CommCounter] = None):
+    return x if group_size(group) == 1 else ReduceFromGroup.apply(x, group, counter)
+
+
+def gather_from_group(x, group, dim: int, *, full_size: Optional[int] = None,
+                      counter: Optional[CommCounter] = None):
+    """All-gather ``x`` (this rank's padded shard of ``dim``); ``full_size`` strips padding."""
+    dim = _norm_dim(x, dim, "gather_from_group")
+    _check_full_size(x, dim, full_size, group_size(group), "gather_from_group")
+    if group_size(group) == 1:
+        return x  # one rank holds the whole dim: ceil(n / 1) = n, no padding to strip
+    return GatherFromGroup.apply(x, dim, full_size, group, counter)
+
+
+def scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None):
+    """This rank's slice of replicated ``x`` along ``dim`` (padded at the end if uneven)."""
+    dim = _norm_dim(x, dim, "scatter_to_group")
+    return x if group_size(group) == 1 else ScatterToGroup.apply(x, dim, group, counter)
+
+
+def reduce_scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None):
+    """Sum partial ``x`` over the group, keep this rank's (padded) slice of ``dim``."""
+    dim = _norm_dim(x, dim, "reduce_scatter_to_group")
+    return x if group_size(group) == 1 else ReduceScatterToGroup.apply(x, dim, group, counter)
+
+
+def all_to_all(x, group, *, scatter_dim: int, gather_dim: int, gather_size: Optional[int] = None,
+               counter: Optional[CommCounter] = None):
+    """Re-shard from ``gather_dim`` to ``scatter_dim`` (e.g. sequence to heads in Ulysses
+    attention); ``gather_size`` is the true length of ``gather_dim`` once gathered."""
+    scatter_dim = _norm_dim(x, scatter_dim, "all_to_all")
+    gather_dim = _norm_dim(x, gather_dim, "all_to_all")
+    if scatter_dim == gather_dim:
+        raise ValueError(f"all_to_all: scatter_dim and gather_dim are both {scatter_dim}; "
+                         f"an exchange between one dim and itself moves nothing, use the tensor")
+    _check_full_size(x, gather_dim, gather_size, group_size(group), "all_to_all")
+    if group_size(group) == 1:
+        return x
+    return AllToAll.apply(x, scatter_dim, gather_dim, gather_size, group, counter)

@@ -1,0 +1,201 @@
+"""Data-parallel gradient averaging in buckets, overlapped with the backward pass.
+
+Gradients become ready in reverse forward order, so the last layers' gradients are complete while
+the backward still runs through the first layers. Grouping parameters into buckets of about
+``bucket_bytes`` and all-reducing each bucket asynchronously the moment its last gradient lands
+hides most of the communication behind the rest of the backward (PyTorch DDP, Li et al. 2020,
+sections 3.2.3 and 4.2: 25 MiB buckets, launched in a fixed order). Only the last micro-batch of
+an accumulated step communicates; earlier ones run under ``no_sync()``.
+
+Buckets are launched strictly in bucket order, even if a later bucket happens to fill first: all
+ranks must issue their all-reduces on the dp group in the same order, and bucket order is the one
+order every rank knows in advance.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from xirang.ir.errors import XirangError
+
+from xirang.codegen.ops.collectives import group_size
+from xirang.codegen.ops.comm_counter import CommCounter, record_call
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list:
+    """Indices of ``params`` (forward order) per bucket, in the order the buckets become ready.
+
+    Walks the parameters in reverse (gradient-ready) order, one open bucket per dtype and device
+    (a flat buffer has one of each); a bucket closes when the next parameter would take it past
+    ``bucket_bytes``. A parameter larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    closed, open_by_key = [], {}
+    for index in reversed(range(len(params))):
+        param = params[index]
+        size = param.numel() * param.element_size()
+        key = (param.dtype, param.device)
+        bucket = open_by_key.setdefault(key, [[], 0])
+        if bucket[0] and bucket[1] + size > bucket_bytes:
+            closed.append(bucket[0])
+            bucket = open_by_key[key] = [[], 0]
+        bucket[0].append(index)
+        bucket[1] += size
+    closed.extend(members for members, _ in open_by_key.values() if members)
+    # A bucket is ready when its earliest-in-forward parameter (its last in backward) is.
+    closed.sort(key=lambda members: -min(members))
+    return closed
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    params: list
+    ready: set = field(default_factory=set)  # id() of params whose gradient arrived this step
+    buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients
+    handle: Optional[object] = None          # torch.distributed Work of the async all-reduce
+
+
+class GradientBuckets:
+    """Average the gradients of ``params_in_order`` over the dp ``group`` as backward produces them.
+
+    ``params_in_order``: parameters in forward (layer) order; those without ``requires_grad`` are
+    skipped, repeats (tied weights) counted once. ``group``: the dp process group, or ``None`` for
+    a single dp rank (the bucket machinery still runs, without the collective). ``reduce_dtype``:
+    reduce in e.g. ``torch.bfloat16`` and cast back to the gradient dtype (half the bytes, at the
+    cost of rounding; each rank's gradient is divided by the group size before the reduction, so
+    the half-precision sum stays in range). ``event_log``: a list that receives
+    ``("launch" | "wait" | "backward_done", bucket index or None, time.perf_counter())``.
+
+    Per step: backward (hooks launch buckets), then ``wait()``, then the optimizer step.
+    """
+
+    def __init__(self, params_in_order, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 reduce_dtype: Optional[torch.dtype] = None, event_log: Optional[list] = None,
+                 counter: Optional[CommCounter] = None):
+        if bucket_bytes <= 0:
+            raise ValueError(f"GradientBuckets: bucket_bytes must be positive, got {bucket_bytes}")
+        params, self._position = [], {}  # position in params_in_order, for error messages
+        for position, param in enumerate(params_in_order):
+            if param.requires_grad and id(param) not in self._position:
+                self._position[id(param)] = position
+                params.append(param)
+        self.group, self.reduce_dtype = group, reduce_dtype
+        self.event_log, self.counter = event_log, counter
+        self.buckets = [_Bucket(i, [params[j] for j in members])
+                        for i, members in enumerate(assign_buckets(params, bucket_bytes))]
+        self.sync = True
+        self._next = 0  # the next bucket to launch; buckets go out in index order only
+        self._callback_queued = False
+        self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(bucket))
+                       for bucket in self.buckets for param in bucket.params]
+
+    def _log(self, event: str, bucket: Optional[int]) -> None:
+        if self.event_log is not None:
+            self.event_log.append((event, bucket, time.perf_counter()))
+
+    def _hook_for(self, bucket: _Bucket):
+        def hook(param):
+            self._grad_ready(bucket, param)
+        return hook
+
+    def _grad_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
+        if not self.sync:
+            return
+        if bucket.index < self._next:
+            raise XirangError(
+                f"a gradient of shape {tuple(param.shape)} arrived after its bucket "
+                f"{bucket.index} was already all-reduced",
+                where="GradientBuckets (data-parallel gradient sync)",
+                hint="call wait() after each synchronised backward, and run the backward of "
+                     "earlier micro-batches inside no_sync()")
+        bucket.ready.add(id(param))
+        self._queue_backward_done()
+        while self._next < len(self.buckets):
+            nxt = self.buckets[self._next]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+            self._next += 1
+
+    def _queue_backward_done(self) -> None:
+        # The autograd engine runs queued callbacks once the whole backward graph is done (DDP
+        # uses the same hook point); logging there shows which launches overlapped the backward.
+        if self.event_log is None or self._callback_queued:
+            return
+        self._callback_queued = True
+
+        def done():
+            self._callback_queued = False
+            self._log("backward_done", None)
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        world = group_size(self.group)
+        grads = [param.grad.reshape(-1) for param in bucket.params]
+        flat = torch.cat(grads)
+        if self.reduce_dtype is not None:
+            flat = flat.to(self.reduce_dtype)
+        flat.div_(world)  # divide first: an average, and a half-precision sum that cannot overflow
+        bucket.buffer = flat
+        if world > 1:
+            record_call(self.counter, "all_reduce", flat.nbytes, world,
+                        f"grad bucket {bucket.index}")
+            bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._log("launch", bucket.index)
+
+    def wait(self) -> None:
+        """Wait for every bucket's all-reduce and write the averages into ``param.grad``."""
+        if not self.sync:
+            return  # a no_sync micro-batch: gradients just accumulate locally
+        if self._next < len(self.buckets):
+            missing = [f"#{self._position[id(p)]} shape {tuple(p.shape)} (bucket {b.index})"
+                       for b in self.buckets[self._next:] for p in b.params if id(p) not in b.ready]
+            raise XirangError(
+                f"wait() found {len(missing)} parameter(s) without a gradient this step, so their "
+                f"buckets were never all-reduced (#: position in params_in_order): "
+                f"{', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else ""),
+                where="GradientBuckets.wait (data-parallel gradient sync)",
+                hint="run the synchronised backward before wait(); leave parameters the loss does "
+                     "not use out of params_in_order (the other dp ranks are now waiting on this "
+                     "one)")
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            self._log("wait", bucket.index)
+            offset = 0
+            for param in bucket.params:
+                count = param.numel()
+                param.grad.copy_(bucket.buffer[offset:offset + count].view(param.grad.shape))
+                offset += count
+            bucket.ready.clear()
+            bucket.buffer = bucket.handle = None
+        self._next = 0
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (earlier micro-batches); the next synced backward reduces
+        the accumulated sum."""
+        previous, self.sync = self.sync, False
+        try:
+            yield self
+        finally:
+            self.sync = previous
+
+    @property
+    def bucket_params(self) -> tuple:
+        """The parameters of each bucket, in launch order."""
+        return tuple(tuple(bucket.params) for bucket in self.buckets)
+
+    def remove(self) -> None:
+        """Detach the gradient hooks (the parameters go back to plain local gradients)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,273 @@
+"""Start ranks: a local launcher for CPU development and tests, and the torchrun command otherwise.
+
+``launch(fn, nprocs)`` starts ``nprocs`` processes on this machine (forks of a forkserver that has
+torch and Xirang imported, see _start_context), each one rank of a fresh
+``torch.distributed`` world (gloo by default), runs ``fn(rank, world_size, *args)`` in each and
+returns their results in rank order. Failure is the interesting part: a rank that raises, dies
+(``os._exit``, a signal) or hangs must not leave the parent, or the other ranks, waiting forever.
+So each rank reports through its own pipe, the parent waits on all pipes with one deadline, a
+pipe that closes without a result means that rank died, and on the first failure every other
+rank is terminated. The process-group timeout bounds how long a collective inside a rank waits
+for a peer that is gone, so the survivors fail too instead of hanging until they are killed.
+
+Real runs, on GPUs or several nodes, go through torch's own launcher; ``launch_command`` spells
+its command line and ``ensure_distributed`` joins the world it sets up, or says how to start one.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shlex
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from xirang.ir.errors import XirangError
+
+# After the first failure, how long to keep listening for the others before reporting: a peer
+# that dies usually makes its neighbours fail in a collective within milliseconds, and listing
+# them together (root cause first) beats a report that shows only whichever pipe was read first.
+_GRACE_S = 0.5
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank, world, port, backend, pg_timeout_s, threads, environment, payload, conn):
+    """Body of one spawned rank: join the world, run fn, send back ("ok", bytes) or an error.
+
+    ``payload`` is ``pickle.dumps((fn, args))`` made by the parent: unpickling it here, inside the
+    try, makes an error (or a hang) while rebuilding the arguments this rank's reported failure or
+    the launch deadline's business, instead of blocking the parent inside ``Process.start``."""
+    os.environ.clear()  # the forkserver's environment is from its start: use the parent's of now
+    os.environ.update(environment)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # Ranks share this machine's cores; torch's default (all cores each) oversubscribes them.
+    torch.set_num_threads(threads)
+    initialised = False
+    try:
+        fn, args = pickle.loads(payload)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        initialised = True
+        # Pickle here, not in a queue's feeder thread, so an unpicklable result is this rank's
+        # reported error rather than a silently missing result.
+        message = ("ok", pickle.dumps(fn(rank, world, *args)))
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
+        # time.time() is comparable across the local ranks: the parent lists the earliest first.
+        message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
+    # Report before tearing down: destroying the group resets the peers' connections, and their
+    # errors must not reach the parent before this rank's own.
+    conn.send_bytes(pickle.dumps(message))
+    conn.close()
+    if initialised:
+        dist.destroy_process_group()
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "closed its result pipe without a result and is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"was killed by signal {-code} (exit code {code})"
+    return f"exited with code {code} before returning a result (see its stderr)"
+
+
+def _fn_name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gloo",
+           timeout_s: float = 60.0, pg_timeout_s: Optional[float] = None) -> list:
+    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned local ranks; results in rank order.
+
+    ``fn``, ``args`` and each result must be picklable (``fn`` defined at module top level).
+    ``timeout_s`` bounds the whole run, start-up included; ``pg_timeout_s`` (default
+    ``timeout_s``) is the process-group timeout after which a collective waiting on a missing
+    peer raises inside its rank. Any failing rank raises ``XirangError`` naming it.
+    """
+    where = f"launch({_fn_name(fn)}, nprocs={nprocs}, backend={backend!r})"
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise XirangError(f"nprocs must be a positive int, got {nprocs!r}", where=where,
+                          hint="pass the number of ranks the mesh needs (dp * pp * tp)")
+    try:
+        payload = pickle.dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise XirangError(f"fn or args cannot be sent to a spawned rank: {exc}", where=where,
+                          hint="define fn at the top level of an importable module (no lambda or "
+                               "nested function) and pass only picklable args") from exc
+    pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    ctx, port = _start_context(), free_port()
+    environment = dict(os.environ)
+
+    procs, readers, failures = [], {}, None
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank in range(nprocs):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, name=f"xirang-rank-{rank}",
+                               args=(rank, nprocs, port, backend, pg_timeout_s, threads, environment, payload, writer))
+            proc.start()
+            writer.close()  # only the child holds the writer, so its death reads as EOF here
+            procs.append(proc)
+            readers[reader] = rank
+        results, failures = _collect(procs, readers, deadline)
+    finally:
+        # On success the ranks are only tearing down their process groups: let them finish.
+        _stop_all(procs, wait_s=2.0 if failures == [] else 0.0)
+        for reader in readers:
+            reader.close()
+    if failures:
+        raise _launch_error(failures, nprocs, timeout_s, where)
+    return [results[rank] for rank in range(nprocs)]
+
+
+# Modules every rank imports. A forkserver imports them once; each rank is then a fork of it, so
+# starting 8 ranks costs milliseconds instead of 8 fresh interpreters importing torch (seconds on
+# 2 cores). The server is started by the first launch and serves every later one in this process.
+_PRELOAD = ["torch", "torch.distributed", "xirang", "xirang.codegen.runtime.launch", "xirang.codegen.runtime.runtime",
+            "xirang.codegen.runtime.pipeline_runtime", "xirang.codegen.runtime.compose_3d"]
+
+
+def _start_context():
+    """The forkserver context where the platform has one (Linux, macOS), else spawn. A fork of the
+    server is a clean child: it never ran torch ops or joined a process group, and it takes this
+    process's sys.path, working directory and (in _rank_main) environment like a spawned one."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD + (["transformers"] if "transformers" in sys.modules else []))
+    return ctx
+
+
+def _collect(procs, readers, deadline):
+    """Read each rank's message until all arrived, one failed (plus a grace), or the deadline.
+
+    Failures come back root cause first: ranks that died (exit, signal) before ranks that raised,
+    since a rank gone silent makes its peers raise in their next collective, never the reverse;
+    among ranks that raised, the earliest first.
+    """
+    results, failures, pending, grace_end = {}, [], dict(readers), None
+    while pending:
+        now = time.monotonic()
+        if grace_end is not None:
+            deadline = min(deadline, grace_end)
+        if now >= deadline:
+            break
+        for conn in wait(list(pending), timeout=deadline - now):
+            rank = pending.pop(conn)
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                procs[rank].join(timeout=5)
+                failures.append(((0, 0.0), rank, _describe_exit(procs[rank].exitcode)))
+                continue
+            if message[0] == "ok":
+                results[rank] = pickle.loads(message[1])
+            else:
+                failures.append(((1, message[3]), rank, f"raised {message[1]}\n{message[2]}"))
+        if failures and grace_end is None:
+            grace_end = time.monotonic() + _GRACE_S
+    if not failures:
+        return results, [(rank, None) for rank in sorted(pending.values())]  # deadline passed
+    return results, [(rank, text) for _, rank, text in sorted(failures, key=lambda f: f[0])]
+
+
+def _stop_all(procs, wait_s: float) -> None:
+    end = time.monotonic() + wait_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, end - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _launch_error(failures, nprocs, timeout_s, where) -> XirangError:
+    if all(text is None for _, text in failures):
+        ranks = ", ".join(str(rank) for rank, _ in failures)
+        return XirangError(
+            f"rank(s) {ranks} of {nprocs} did not finish within {timeout_s} s and were terminated",
+            where=where,
+            hint="a rank may be waiting in a collective its peers never call (check that every "
+                 "rank issues the same collectives in the same order), or raise timeout_s")
+    lines = [f"rank {rank} {text}" for rank, text in failures if text is not None]
+    first = failures[0][0]
+    return XirangError(
+        f"rank {first} of {nprocs} failed; the other ranks were terminated.\n" + "\n".join(lines),
+        where=where,
+        hint=f"fix the error of rank {first} first: ranks listed after it often failed only "
+             f"because a peer stopped answering")
+
+
+def launch_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list:
+    """argv that runs ``script`` on ``nprocs`` local ranks with torch's launcher (torchrun)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nprocs), str(script), *map(str, script_args)]
+
+
+def ensure_distributed(world_size: int, *, backend: Optional[str] = None,
+                       timeout_s: float = 1800.0, script: Optional[str] = None,
+                       script_args: Optional[Sequence[str]] = None) -> tuple:
+    """Inside a rank: join the world torchrun set up and return ``(rank, world_size)``.
+
+    A one-rank program needs no process group and gets ``(0, 1)``. A program asking for more
+    ranks outside a distributed launch gets an ``XirangError`` with the exact command to run it.
+    """
+    script = script if script is not None else (sys.argv[0] or "<your script>")
+    script_args = list(sys.argv[1:] if script_args is None else script_args)
+    command = shlex.join(launch_command(script, world_size, script_args))
+    if dist.is_available() and dist.is_initialized():
+        current = dist.get_world_size()
+        _check_world(current, world_size, script, command)
+        return dist.get_rank(), current
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is None or "RANK" not in os.environ:
+        if world_size == 1:
+            return 0, 1
+        raise XirangError(
+            f"this program needs {world_size} ranks but runs as a single process: "
+            f"RANK and WORLD_SIZE are not set, so it was not started by a distributed launcher",
+            where=script,
+            hint=f"launch it with:\n    {command}\n  (on several nodes replace --standalone with "
+                 f"--nnodes and --rdzv-endpoint; for CPU ranks from Python use "
+                 f"xirang.codegen.runtime.launch.launch(fn, {world_size}))")
+    _check_world(int(env_world), world_size, script, command)
+    if world_size == 1:
+        return 0, 1
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), world_size
+
+
+def _check_world(actual: int, wanted: int, script: str, command: str) -> None:
+    if actual != wanted:
+        raise XirangError(
+            f"this program needs {wanted} ranks but was launched with {actual}",
+            where=script,
+            hint=f"launch it with:\n    {command}\n  or plan for a mesh of {actual} ranks")

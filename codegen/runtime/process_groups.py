@@ -1,0 +1,97 @@
+"""The dp, pp and tp process groups of one rank, built from a Mesh.
+
+``torch.distributed.new_group`` is collective over the *whole* world: every rank must call it for
+every group, members or not, in the same order, or the ranks pair the wrong rendezvous and hang.
+``Mesh.groups(axis)`` fixes that order (axes outermost to innermost, groups by lowest rank), and
+``build_mesh_groups`` walks it identically on every rank, keeping the handles of the groups this
+rank is in.
+
+An axis of size 1 gets no process group: its "group" is ``None``, which the collectives in
+``collectives.py`` and ``grad_sync.py`` treat as "this rank alone", i.e. identity. Note that this
+is NOT ``torch.distributed``'s meaning of ``group=None`` (the default world group); never hand a
+``None`` from here straight to a ``torch.distributed`` call. A world of one rank needs no
+``init_process_group`` at all: every axis has size 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from xirang.ir.errors import XirangError
+from xirang.ir.mesh import AXES, Mesh
+
+
+@dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity
+class MeshGroups:
+    """This rank's place on the mesh and its three process groups (``None`` on a size-1 axis)."""
+
+    mesh: Mesh
+    rank: int
+    coords: dict          # {"dp": i, "pp": j, "tp": k} of ``rank``
+    dp_ranks: tuple       # global ranks of this rank's dp group, in dp order
+    pp_ranks: tuple
+    tp_ranks: tuple
+    dp: Optional[object]  # torch.distributed.ProcessGroup, or None where the axis has size 1
+    pp: Optional[object]
+    tp: Optional[object]
+
+    def group(self, axis: str):
+        """The process group along mesh axis ``axis`` (``None``: size 1, collectives are identity).
+        """
+        self.mesh.axis_size(axis)  # names the valid axes on a typo
+        return getattr(self, axis)
+
+    def ranks(self, axis: str) -> tuple:
+        self.mesh.axis_size(axis)
+        return getattr(self, f"{axis}_ranks")
+
+    def axis_size(self, axis: str) -> int:
+        return self.mesh.axis_size(axis)
+
+    def axis_index(self, axis: str) -> int:
+        """This rank's position along ``axis`` (its rank inside that axis's group)."""
+        self.mesh.axis_size(axis)
+        return self.coords[axis]
+
+
+def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
+    """Create the dp, pp and tp groups of ``mesh``; call it on every rank, at the same point.
+
+    ``rank`` defaults to ``torch.distributed.get_rank()`` (0 for a one-rank mesh without a
+    process group). The default process group must already be initialised with exactly
+    ``mesh.size`` ranks when the mesh has more than one.
+    """
+    where = f"build_mesh_groups(mesh {mesh})"
+    initialised = dist.is_available() and dist.is_initialized()
+    if mesh.size > 1:
+        if not initialised:
+            raise XirangError(
+                f"mesh {mesh} has {mesh.size} ranks but torch.distributed is not initialised",
+                where=where,
+                hint="run the program under torchrun (see xirang.codegen.runtime.launch.launch_command) "
+                     "or xirang.codegen.runtime.launch.launch, which initialise the process group")
+        world = dist.get_world_size()
+        if world != mesh.size:
+            raise XirangError(
+                f"mesh {mesh} needs {mesh.size} ranks but the process group has {world}",
+                where=where,
+                hint=f"launch exactly {mesh.size} ranks (--nproc-per-node times nodes), "
+                     f"or plan for a mesh whose dp * pp * tp is {world}")
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    coords = mesh.coords(rank)  # range-checks rank
+
+    handles = {}
+    for axis in AXES:
+        if mesh.axis_size(axis) == 1:
+            continue  # every rank skips the same axes, so the new_group order still agrees
+        for members in mesh.groups(axis):
+            group = dist.new_group(list(members))
+            if rank in members:
+                handles[axis] = group
+    return MeshGroups(mesh=mesh, rank=rank, coords=coords,
+                      dp_ranks=mesh.group("dp", rank), pp_ranks=mesh.group("pp", rank),
+                      tp_ranks=mesh.group("tp", rank), dp=handles.get("dp"),
+                      pp=handles.get("pp"), tp=handles.get("tp"))

@@ -1,0 +1,341 @@
+"""Count the bytes each node reads, writes, and keeps alive for the backward pass.
+
+Each op has a row in ``TRAFFIC_RULES``: which bytes autograd saves for its backward, and, where the
+default is wrong, what it reads and writes. The defaults: an op reads every tensor input in full
+and writes its outputs. Views and aliases (``ALIAS_OPS``) move no bytes. All sizes are sympy
+expressions in the batch/seq symbols.
+
+What "saved" counts, and why:
+- Only activations. A saved parameter, buffer or constant (or a view of one) costs nothing extra:
+  it is resident anyway, so it is left out.
+- Only what the gradients actually needed require: ``mm(a, b)`` keeps ``b`` to compute ``da`` and
+  ``a`` to compute ``db`` (the autograd formulas in torch's derivatives.yaml), and nothing when the
+  output needs no gradient.
+- Attention is priced as the fused (flash / memory-efficient) kernels save it: q, k, v, the output
+  and the float32 logsumexp, never the (seq x seq) score matrix.
+- Per node. A tensor two ops both save (e.g. a LayerNorm output fed to separate q, k and v Linears)
+  is counted at each, so a sum over nodes is an upper bound; a liveness pass can dedupe by producer.
+Ops with no row: the default read/write, and saved = every activation input when the output needs a
+gradient (an over-estimate, the safe side for memory); ``ops_without_traffic_rule`` lists them.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy
+import torch
+from torch.fx import Node
+
+from xirang.ir.facts import ByteCount, TensorInfo
+from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR
+from xirang.ir.pass_spec import compiler_pass
+
+from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+ZERO = sympy.Integer(0)
+STAT_BYTES = 4  # mean/rstd/logsumexp statistics are kept in float32 (the accumulation type)
+
+# Ops whose output aliases an input's storage: nothing is read or written. ``reshape`` copies when
+# its input is not contiguous (e.g. after a transpose); that copy is not priced here.
+ALIAS_OPS = frozenset({
+    operator.getitem, aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.t,
+    aten.permute, aten.expand, aten.expand_as, aten.squeeze, aten.unsqueeze, aten.slice, aten.select,
+    aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.flatten, aten.unflatten,
+    aten.alias, aten.detach, aten.view_as, aten.narrow, aten.as_strided, aten.sym_size,
+    aten.sym_numel, aten.sym_stride, aten.lift_fresh_copy,
+})
+
+
+# --- sizes of a node's tensors ----------------------------------------------------------------
+
+def tensors(node) -> tuple[TensorInfo, ...]:
+    """The TensorInfo(s) a node produces (empty for SymInts, None, non-nodes)."""
+    if not isinstance(node, Node):
+        return ()
+    info = TENSOR.get(node, None)
+    if isinstance(info, TensorInfo):
+        return (info,)
+    if isinstance(info, tuple):
+        return tuple(i for i in info if isinstance(i, TensorInfo))
+    return ()
+
+
+def nbytes(node) -> sympy.Expr:
+    return sympy.Add(*(t.nbytes for t in tensors(node)))
+
+
+def arg(node: Node, index: int, name: str, default=None):
+    """Argument ``index`` (positional) or ``name`` (keyword) of a call."""
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def needs_grad(value) -> bool:
+    return isinstance(value, Node) and REQUIRES_GRAD.get(value, False)
+
+
+def is_persistent(value) -> bool:
+    """A parameter, buffer or constant, or a view of one: memory that is resident anyway."""
+    while isinstance(value, Node):
+        if value.op == "get_attr":
+            return True
+        if value.op == "placeholder":
+            return ROLE.get(value, "input") in ("parameter", "buffer", "constant")
+        if op_packet(value) not in ALIAS_OPS or not value.args:
+            return False
+        value = value.args[0]
+    return False
+
+
+def activation_bytes(value) -> sympy.Expr:
+    return ZERO if is_persistent(value) else nbytes(value)
+
+
+# --- what each op saves for its backward ------------------------------------------------------
+
+def _nothing(node):
+    return ZERO
+
+
+def _saves_inputs(*indices) -> Callable:
+    """The op keeps these inputs (when its output needs a gradient): gelu, silu, log, ..."""
+    def saved(node):
+        if not REQUIRES_GRAD.get(node, False):
+            return ZERO
+        return sympy.Add(*(activation_bytes(node.args[i]) for i in indices if i < len(node.args)))
+    return saved
+
+
+def _saves_output(node):
+    """The op keeps its own result: sigmoid, tanh, relu, exp, softmax, ..."""
+    return nbytes(node) if REQUIRES_GRAD.get(node, False) else ZERO
+
+
+def _saves_for_each_other(a: int, b: int) -> Callable:
+    """Products keep each operand for the other's gradient: d(a@b)/da needs b, d/db needs a."""
+    def saved(node):
+        x, y = arg(node, a, ""), arg(node, b, "")
+        return (activation_bytes(x) if needs_grad(y) else ZERO) + \
+            (activation_bytes(y) if needs_grad(x) else ZERO)
+    return saved
+
+
+def _saves_divisor(node):
+    """a / b: da needs b; db needs a and b."""
+    x, y = node.args[0], node.args[1]
+    if not (needs_grad(x) or needs_grad(y)):
+        return ZERO
+    return activation_bytes(y) + (activation_bytes(x) if needs_grad(y) else ZERO)
+
+
+def _norm_rows(node) -> sympy.Expr:
+    normalized = arg(node, 1, "normalized_shape", ())
+    (out, *_) = tensors(node)
+    return out.numel / sympy.Mul(*normalized) if normalized else out.numel
+
+
+def _layer_norm_saves(node):
+    """Input, plus a float32 mean and rstd per normalized row."""
+    if not REQUIRES_GRAD.get(node, False):
+        return ZERO
+    return activation_bytes(node.args[0]) + 2 * STAT_BYTES * _norm_rows(node)
+
+
+def _rms_norm_saves(node):
+    """Input, plus a float32 rstd per normalized row."""
+    if not REQUIRES_GRAD.get(node, False):
+        return ZERO
+    return activation_bytes(node.args[0]) + STAT_BYTES * _norm_rows(node)
+
+
+def _logsumexp_bytes(node) -> sympy.Expr:
+    query = tensors(node.args[0])[0]
+    return STAT_BYTES * query.numel / query.shape[-1]  # one per (batch, head, query position)
+
+
+def _attention_saves(node):
+    """Fused attention keeps q, k, v, the output, the logsumexp and any mask (and a tiny RNG state)."""
+    if not REQUIRES_GRAD.get(node, False):
+        return ZERO
+    mask = arg(node, 3, "attn_mask") if node.target.overloadpacket is aten.scaled_dot_product_attention \
+        else node.kwargs.get("attn_mask")
+    operands = sympy.Add(*(activation_bytes(node.args[i]) for i in range(3)))
+    return operands + tensors(node)[0].nbytes + _logsumexp_bytes(node) + activation_bytes(mask)
+
+
+def _dropout_active(node) -> bool:
+    p, train = arg(node, 1, "p", 0.5), arg(node, 2, "train", True)
+    return not (isinstance(p, (int, float)) and p == 0) and train is not False
+
+
+def _mask_bytes(node) -> sympy.Expr:
+    return tensors(node)[0].numel if _dropout_active(node) else ZERO  # one byte (bool) per element
+
+
+def _dropout_saves(node):
+    return _mask_bytes(node) if REQUIRES_GRAD.get(node, False) else ZERO
+
+
+def _dropout_alias(node) -> bool:
+    return not _dropout_active(node)  # p == 0 or eval: aten.dropout returns its input
+
+
+def _cross_entropy_saves(node):
+    """The log-probabilities (logits-sized) and the integer targets."""
+    if not REQUIRES_GRAD.get(node, False):
+        return ZERO
+    return nbytes(node.args[0]) + nbytes(node.args[1])
+
+
+def _cross_entropy_log_probs(node):
+    return nbytes(node.args[0])  # log_softmax writes a logits-sized intermediate
+
+
+def _embedding_saves(node):
+    """The indices, to scatter the output gradient into the table rows."""
+    return nbytes(node.args[1]) if needs_grad(node.args[0]) else ZERO
+
+
+def _embedding_reads(node):
+    """The indices and only the rows they select, not the whole table."""
+    return nbytes(node.args[1]) + nbytes(node)
+
+
+def _index_saves(node):
+    """aten.index(self, [index tensors]) keeps the index tensors."""
+    if not REQUIRES_GRAD.get(node, False):
+        return ZERO
+    return sympy.Add(*(nbytes(i) for i in node.args[1] if isinstance(i, Node)))
+
+
+def _same_dtype(node) -> bool:
+    """aten.to to the dtype a tensor already has returns the tensor itself."""
+    source, result = tensors(node.args[0]), tensors(node)
+    return bool(source and result) and source[0].dtype == result[0].dtype
+
+
+def _saves_indices(index: int) -> Callable:
+    def saved(node):
+        return nbytes(node.args[index]) if REQUIRES_GRAD.get(node, False) else ZERO
+    return saved
+
+
+@dataclass(frozen=True)
+class TrafficRule:
+    """Bytes one op moves; a field left None takes the default (all inputs read, outputs written)."""
+
+    saved: Callable[[Node], sympy.Expr] = _nothing
+    read: Callable[[Node], sympy.Expr] | None = None
+    extra_written: Callable[[Node], sympy.Expr] | None = None  # intermediates besides the outputs
+    is_alias: Callable[[Node], bool] | None = None  # when true the node moves nothing
+
+
+_PRODUCT = TrafficRule(saved=_saves_for_each_other(0, 1))
+_BIASED_PRODUCT = TrafficRule(saved=_saves_for_each_other(1, 2))  # addmm/baddbmm(bias, a, b)
+_MOVE = TrafficRule()  # reads and writes, saves nothing: add, cat, clone, casts, ...
+_INPUT = TrafficRule(saved=_saves_inputs(0))
+_OUTPUT = TrafficRule(saved=_saves_output)
+_ATTENTION = TrafficRule(saved=_attention_saves, extra_written=_logsumexp_bytes)
+
+TRAFFIC_RULES: dict[object, TrafficRule] = {
+    # products
+    aten.linear: _PRODUCT, aten.mm: _PRODUCT, aten.bmm: _PRODUCT, aten.matmul: _PRODUCT,
+    aten.addmm: _BIASED_PRODUCT, aten.baddbmm: _BIASED_PRODUCT,
+    aten.conv1d: _PRODUCT, aten.conv2d: _PRODUCT, aten.conv3d: _PRODUCT, aten.convolution: _PRODUCT,
+    aten.conv_transpose1d: _PRODUCT, aten.conv_transpose2d: _PRODUCT, aten.conv_transpose3d: _PRODUCT,
+    aten.mul: _PRODUCT,
+    aten.div: TrafficRule(saved=_saves_divisor),
+    # attention (fused kernels)
+    aten.scaled_dot_product_attention: _ATTENTION,
+    aten._scaled_dot_product_flash_attention: _ATTENTION,
+    aten._scaled_dot_product_efficient_attention: _ATTENTION,
+    aten._scaled_dot_product_flash_attention_for_cpu: _ATTENTION,
+    # normalisation
+    aten.layer_norm: TrafficRule(saved=_layer_norm_saves),
+    aten.native_layer_norm: TrafficRule(saved=_layer_norm_saves),
+    aten.rms_norm: TrafficRule(saved=_rms_norm_saves),
+    # activations that keep their input
+    aten.gelu: _INPUT, aten.silu: _INPUT, aten.log: _INPUT, aten.pow: _INPUT, aten.square: _INPUT,
+    aten.sin: _INPUT, aten.cos: _INPUT, aten.abs: _INPUT, aten.erf: _INPUT,
+    aten.clamp: _INPUT, aten.hardtanh: _INPUT, aten.leaky_relu: _INPUT,
+    # ... and those that keep their output
+    aten.relu: _OUTPUT, aten.sigmoid: _OUTPUT, aten.tanh: _OUTPUT, aten.exp: _OUTPUT,
+    aten.sqrt: _OUTPUT, aten.rsqrt: _OUTPUT, aten.reciprocal: _OUTPUT,
+    aten.softmax: _OUTPUT, aten._softmax: _OUTPUT, aten.log_softmax: _OUTPUT,
+    aten._log_softmax: _OUTPUT,
+    # no saved state
+    aten.add: _MOVE, aten.sub: _MOVE, aten.rsub: _MOVE, aten.neg: _MOVE, aten.sum: _MOVE,
+    aten.mean: _MOVE, aten.cat: _MOVE, aten.stack: _MOVE, aten.clone: _MOVE, aten.contiguous: _MOVE,
+    aten.to: TrafficRule(is_alias=_same_dtype), aten._to_copy: _MOVE, aten.copy: _MOVE, aten.type_as: _MOVE,
+    aten.arange: _MOVE, aten.zeros: _MOVE, aten.ones: _MOVE, aten.full: _MOVE, aten.empty: _MOVE,
+    aten.zeros_like: _MOVE, aten.ones_like: _MOVE, aten.full_like: _MOVE, aten.empty_like: _MOVE,
+    aten.scalar_tensor: _MOVE, aten.eq: _MOVE, aten.ne: _MOVE, aten.lt: _MOVE, aten.gt: _MOVE,
+    aten.le: _MOVE, aten.ge: _MOVE, aten.tril: _MOVE, aten.triu: _MOVE, aten.new_ones: _MOVE,
+    aten.new_zeros: _MOVE, aten.new_full: _MOVE, aten.new_empty: _MOVE, aten.pad: _MOVE,
+    aten.constant_pad_nd: _MOVE, aten.cumsum: _MOVE, aten.diff: _MOVE, aten.bitwise_and: _MOVE,
+    aten.bitwise_or: _MOVE, aten.bitwise_not: _MOVE, aten.logical_and: _MOVE, aten.logical_or: _MOVE,
+    aten.logical_not: _MOVE, aten.__and__: _MOVE, aten.__or__: _MOVE,
+    aten._assert_tensor_metadata: TrafficRule(read=lambda node: ZERO),  # a check: touches no data
+    # masks and indices
+    aten.dropout: TrafficRule(saved=_dropout_saves, extra_written=_mask_bytes, is_alias=_dropout_alias),
+    aten.where: TrafficRule(saved=_saves_indices(0)),
+    aten.masked_fill: TrafficRule(saved=_saves_indices(1)),
+    aten.embedding: TrafficRule(saved=_embedding_saves, read=_embedding_reads),
+    aten.index_select: TrafficRule(saved=_saves_indices(2)),
+    aten.gather: TrafficRule(saved=_saves_indices(2)),
+    aten.index: TrafficRule(saved=_index_saves),
+    # loss
+    aten.cross_entropy_loss: TrafficRule(saved=_cross_entropy_saves, extra_written=_cross_entropy_log_probs),
+}
+
+
+@compiler_pass(requires=(TENSOR, REQUIRES_GRAD, ROLE), provides=(BYTES,))
+def count_bytes(gm, ctx):
+    """Record the bytes each node reads, writes and saves for backward, as sympy expressions."""
+    for node in gm.graph.nodes:
+        BYTES.set(node, node_bytes(node))
+    unknown = ops_without_traffic_rule(gm)
+    if unknown:
+        log.warning("count_bytes: no rule for %s; priced as read-all, write-all, save-all-inputs",
+                    ", ".join(f"{op} (x{len(names)})" for op, names in unknown.items()))
+    return gm
+
+
+def node_bytes(node: Node) -> ByteCount:
+    """Bytes read, written and saved for backward by one node."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return ByteCount(read=ZERO, written=ZERO, saved_for_backward=ZERO)
+    packet = op_packet(node)
+    rule = TRAFFIC_RULES.get(packet)
+    if packet in ALIAS_OPS or (rule is not None and rule.is_alias is not None and rule.is_alias(node)):
+        return ByteCount(read=ZERO, written=ZERO, saved_for_backward=ZERO)
+    read = sympy.Add(*(nbytes(i) for i in node.all_input_nodes))
+    written = nbytes(node)
+    if rule is None:  # unknown op: assume every activation input is kept (see module docstring)
+        saved = sympy.Add(*(activation_bytes(i) for i in node.all_input_nodes)) \
+            if REQUIRES_GRAD.get(node, False) else ZERO
+        return ByteCount(read=read, written=written, saved_for_backward=saved)
+    if rule.read is not None:
+        read = rule.read(node)
+    if rule.extra_written is not None:
+        written = written + rule.extra_written(node)
+    return ByteCount(read=read, written=written, saved_for_backward=rule.saved(node))
+
+
+def ops_without_traffic_rule(gm) -> dict[str, list[str]]:
+    """Op name -> names of the nodes that call an op ``TRAFFIC_RULES`` has no row for."""
+    return ops_missing_from(gm, in_any(ALIAS_OPS, TRAFFIC_RULES))
+
+
+def total_bytes(gm) -> ByteCount:
+    """Sum of every node's ByteCount (saved bytes: an upper bound, see the module docstring)."""
+    counts = [BYTES.get(n) for n in gm.graph.nodes if BYTES.has(n)]
+    return ByteCount(read=sympy.Add(*(c.read for c in counts)),
+                     written=sympy.Add(*(c.written for c in counts)),
+                     saved_for_backward=sympy.Add(*(c.saved_for_backward for c in counts)))

@@ -1,0 +1,71 @@
+"""The dtype every node of a traced graph has at run time when the program computes in half precision.
+
+The analysis meta (``TENSOR``) holds the dtypes of the trace, made in fp32. A bf16/fp16 program
+follows codegen/precision.py (parameters read through casts, mixed inputs of one-dtype ops
+unified), and the half-precision values then flow through the graph by torch's type promotion:
+the hidden state becomes bf16, while a tensor computed from fp32 buffers only (Llama's rotary
+cos/sin) or upcast on purpose stays fp32. A pipeline cut allocates its receive buffers from these
+dtypes before the step, so it needs the run-time ones, not the traced ones.
+
+``compute_dtypes(gm, dtype)`` writes the same casts into a copy of the graph, runs it on fake
+tensors (no memory, no FLOPs) and returns node name -> dtype for each node of ``gm`` producing a
+tensor. The dtypes do not depend on sizes, so the example's symbol values do.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from xirang.ir.errors import XirangError
+from xirang.ir.facts import TensorInfo, evaluate
+from xirang.ir.meta_keys import SYMBOLS, TENSOR
+
+from xirang.passes.lowering.precision import insert_precision_casts
+
+
+_CHECKS_ONLY = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+class _DtypeInterpreter(fx.Interpreter):
+    """Runs the graph on fake tensors and records each tensor-producing node's dtype."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.found: dict[str, torch.dtype] = {}
+
+    def run_node(self, node):
+        if node.op == "call_function" and node.target in _CHECKS_ONLY:
+            return None  # checks the traced (fp32) dtype; the emitted program runs it on its own values
+        try:
+            value = super().run_node(node)
+        except Exception as error:  # noqa: BLE001 - any op can refuse; name the node it was
+            raise XirangError(f"cannot tell the run-time dtype of {node.name} ({node.target}) in half precision: "
+                              f"{type(error).__name__}: {error}", where=f"node {node.name}",
+                              hint="plan with precision='fp32' for this model") from error
+        if isinstance(value, torch.Tensor):
+            self.found[node.name] = value.dtype
+        return value
+
+
+def compute_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Node name -> dtype at run time when floating parameters are read in ``dtype`` (module docstring)."""
+    symbols = SYMBOLS.get(gm, {})
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node names and meta kept
+    insert_precision_casts(graph, dtype, fp32_loss=False)  # the traced graph returns every output
+    interpreter = _DtypeInterpreter(fx.GraphModule(gm, graph))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = [_fake_input(node, symbols) for node in gm.graph.nodes if node.op == "placeholder"]
+        interpreter.run(*inputs)
+    names = {node.name for node in gm.graph.nodes}
+    return {name: found for name, found in interpreter.found.items() if name in names}
+
+
+def _fake_input(node, symbols: dict):
+    val = node.meta.get("val")
+    info = TENSOR.get(node, None)
+    if not isinstance(val, torch.Tensor) or not isinstance(info, TensorInfo):
+        return val  # a non-tensor input (an int, None) is passed as traced
+    shape = tuple(evaluate(size, symbols) for size in info.shape)
+    return torch.empty(shape, dtype=val.dtype)  # fp32 master weights: the graph's casts do the rest

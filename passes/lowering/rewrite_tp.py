@@ -1,0 +1,215 @@
+"""Rewrite the traced graph into one tp rank's program: local tensors, collectives on the edges.
+
+Every node keeps its name and op; what changes, from the plan's tp placements:
+
+- an edge whose producer's output layout differs from the layout the consumer reads gets the
+  collective that converts it (``reshard``): Partial -> R all-reduce (Megatron's g), S -> R
+  all-gather, R -> S local slice, Partial -> S reduce-scatter, S(i) -> S(j) all-to-all,
+  R -> Partial(sum) "tp rank 0 keeps it, the others zero it" (a row-parallel bias);
+- where the consumer's strategy makes the gradient of an R input Partial (its output is split, so
+  each rank back-propagates only its share, ``sharding_rules.gradient_placements``), the consumer
+  reads the value through ``copy_to_group`` (Megatron's f: identity forward, all-reduce backward).
+  All such consumers of one producer share one f, so the partial gradients are summed first and
+  all-reduced once (the plan's ``<producer>.grad`` collective); consumers whose gradient is
+  already R read the value directly, their full gradients added after the all-reduce;
+- sizes on sharded dims become local (``local_sizes``);
+- vocabulary-parallel embedding and cross-entropy call ``codegen/vocab_parallel``.
+
+Collectives are call_function nodes on the functions of ``collectives.py`` / ``local_ops.py``; the
+process group and the communication counter are module attributes of the emitted GraphModule
+(``tp_group = self.tp_group``, ``comm_counter = self.comm_counter``) so the program is one
+readable function and the same code runs with any group object (None: this rank alone).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from xirang.ir.errors import XirangError
+from xirang.ir.meta_keys import PARAM_NAME, REQUIRES_GRAD, ROLE
+from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.passes.planning.sharding_rules import Strategy, gradient_placements
+
+from xirang.codegen.ops import collectives, local_ops
+from xirang.passes.lowering.local_sizes import localise_sizes, output_placement
+from xirang.passes.lowering.vocab_calls import VOCAB_PARALLEL_OPS, vocab_parallel_call
+
+R = Replicate()
+SKIPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)  # trace-time checks of fake tensors
+
+
+class TpRewriter:
+    """Builds the program of tp rank ``tp_rank`` of ``tp_size`` from ``gm`` and ``placements``."""
+
+    def __init__(self, gm, placements, *, tp_rank: int, tp_size: int, device: torch.device):
+        self.gm, self.placements = gm, placements
+        self.tp_rank, self.tp_size, self.device = tp_rank, tp_size, device
+        self.graph = Graph()
+        self.env: dict[Node, Node] = {}
+        self.resharded: dict[tuple, Node] = {}  # (producer, placement, via f) -> node read
+        self._attrs: dict[str, Node] = {}
+
+    # --- attributes of the emitted module --------------------------------------------------------
+
+    def attr(self, name: str) -> Node:
+        if name not in self._attrs:
+            self._attrs[name] = self.graph.get_attr(name)
+        return self._attrs[name]
+
+    def call(self, fn, args: tuple, kwargs: Optional[dict] = None) -> Node:
+        """A call to ``fn``, named after it (``reduce_from_group_3``) so the program reads as calls."""
+        return self.graph.call_function(fn, args, kwargs or {})
+
+    def comm(self) -> dict:
+        return {"counter": self.attr("comm_counter")}
+
+    # --- the walk --------------------------------------------------------------------------------
+
+    def run(self) -> Graph:
+        nodes = list(self.gm.graph.nodes)
+        for node in nodes:
+            if node.op == "placeholder":
+                new = self.graph.placeholder(node.name)
+                for key in (ROLE, PARAM_NAME):
+                    if key.has(node):
+                        key.set(new, key.get(node))
+                if isinstance(node.meta.get("val"), torch.Tensor):
+                    new.meta["val"] = node.meta["val"]  # full (global) fake tensor: shapes for shard maps
+                self.env[node] = new
+        for node in nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                self._output(node)
+            elif node.op == "call_function":
+                if node.target in SKIPPED_OPS:
+                    continue
+                self.env[node] = self._call(node)
+            else:
+                raise XirangError(f"unexpected {node.op} node {node.name} in the traced graph",
+                                  where=f"node {node.name}", hint="report this model; traced graphs hold "
+                                                                  "placeholders, call_function and output")
+        return self.graph
+
+    def _call(self, node: Node) -> Node:
+        strategy = self.placements[node.name]
+        reads = self._inputs(node, strategy)
+        args = torch.fx.node.map_arg(node.args, lambda v: reads[v])
+        kwargs = {k: self._device(v) for k, v in torch.fx.node.map_arg(node.kwargs, lambda v: reads[v]).items()}
+        first = next((reads_p for v, reads_p in zip(node.all_input_nodes, strategy.inputs) if _is_tensor(v)), None)
+        if node.target in VOCAB_PARALLEL_OPS and strategy.strategy == "vocab_parallel" and self.tp_size > 1:
+            return vocab_parallel_call(self, node, args, kwargs)
+        args = localise_sizes(node, args, output_placement(strategy.outputs),
+                              first.tp if first is not None else None, self.tp_size, self._sym_local)
+        new = self.graph.create_node("call_function", node.target, args, kwargs, name=node.name)
+        return new
+
+    def _output(self, node: Node) -> None:
+        """Return the loss only: the first output (HF models also return logits), made R."""
+        values = node.args[0]
+        loss = values[0] if isinstance(values, (tuple, list)) else values
+        strategy = self.placements.get(node.name)
+        position = node.all_input_nodes.index(loss)
+        wanted = strategy.inputs[position].tp if strategy is not None else R
+        if wanted != R:
+            raise XirangError(f"the plan reads the loss {loss.name} as {wanted}, not replicated",
+                              where="plan.placements['output']", hint="re-plan: the loss must be replicated")
+        self.graph.output((self.reshard(loss, R),))
+
+    # --- edges -----------------------------------------------------------------------------------
+
+    def _inputs(self, node: Node, strategy) -> dict:
+        grads = gradient_placements(Strategy(strategy.strategy, tuple(x.tp for x in strategy.inputs),
+                                             tuple(x.tp for x in strategy.outputs) or R, 1.0))
+        reads = {}
+        for value, layout, grad in zip(node.all_input_nodes, strategy.inputs, grads):
+            if not _is_tensor(value):
+                reads[value] = self.env[value]
+                continue
+            via_f = (layout.tp == R and isinstance(grad, Partial) and REQUIRES_GRAD.get(value, False)
+                     and self.tp_size > 1)
+            reads[value] = self.reshard(value, layout.tp, via_f=via_f)
+        return reads
+
+    def produced(self, value: Node):
+        """The tp placement ``value``'s output has (element ``i`` for ``getitem(multi, i)``)."""
+        strategy = self.placements[value.name]
+        return strategy.outputs[0].tp if strategy.outputs else R
+
+    def reshard(self, value: Node, wanted, *, via_f: bool = False) -> Node:
+        """The node holding ``value`` in placement ``wanted`` (collectives added once per producer)."""
+        key = (value, wanted, via_f)
+        if key in self.resharded:
+            return self.resharded[key]
+        if via_f:
+            found = self.call(collectives.copy_to_group, (self.reshard(value, wanted), self.attr("tp_group")),
+                              self.comm())
+        else:
+            found = self._convert(value, self.env[value], self.produced(value), wanted)
+        self.resharded[key] = found
+        return found
+
+    def _convert(self, value: Node, x: Node, have, wanted) -> Node:
+        """``x`` (holding ``value`` as ``have``) converted to ``wanted``."""
+        if have == wanted or self.tp_size == 1:
+            return x
+        group = self.attr("tp_group")
+        full = _full_shape(value)
+        if isinstance(have, Partial) and have.op != "sum" or isinstance(wanted, Partial) and wanted.op != "sum":
+            raise XirangError(f"no conversion from {have} to {wanted} for {value.name}",
+                              where=f"node {value.name}", hint="re-plan: only Partial(sum) is supported")
+        if isinstance(have, Partial) and wanted == R:
+            return self.call(collectives.reduce_from_group, (x, group), self.comm())
+        if isinstance(have, Shard) and wanted == R:
+            if have.chunks > 1:
+                return self.call(local_ops.gather_chunks, (x, group, have.dim, have.chunks), self.comm())
+            size = full[have.dim] if have.dim < len(full) and isinstance(full[have.dim], int) else None
+            return self.call(collectives.gather_from_group, (x, group, have.dim),
+                             {"full_size": size, **self.comm()})
+        if have == R and isinstance(wanted, Shard):
+            if wanted.chunks > 1:
+                return self.call(local_ops.scatter_chunks, (x, group, wanted.dim, wanted.chunks), self.comm())
+            return self.call(collectives.scatter_to_group, (x, group, wanted.dim), self.comm())
+        if isinstance(have, Partial) and isinstance(wanted, Shard) and wanted.chunks == 1:
+            return self.call(collectives.reduce_scatter_to_group, (x, group, wanted.dim), self.comm())
+        if isinstance(have, Shard) and isinstance(wanted, Shard) and have.chunks == wanted.chunks == 1:
+            size = full[have.dim] if isinstance(full[have.dim], int) else None
+            return self.call(collectives.all_to_all, (x, group),
+                             {"scatter_dim": wanted.dim, "gather_dim": have.dim, "gather_size": size,
+                              **self.comm()})
+        if have == R and isinstance(wanted, Partial):
+            return self.call(local_ops.partial_from_replicate, (x, self.tp_rank == 0), {})
+        # anything else goes through R: S -> Partial, chunked S -> another S, ...
+        return self._convert(value, self.reshard(value, R), R, wanted)
+
+    # --- small helpers ---------------------------------------------------------------------------
+
+    def _sym_local(self, size: Node) -> Node:
+        key = ("local_size", size)
+        if key not in self.resharded:
+            self.resharded[key] = self.call(local_ops.local_size, (self.env[size], self.tp_size))
+        return self.resharded[key]
+
+    def _device(self, value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return self.device  # the trace ran on the meta device; the program runs on the real one
+        return value
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, Node) and isinstance(value.meta.get("val"), torch.Tensor)
+
+
+def _full_shape(value: Node) -> tuple:
+    val = value.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    return tuple(int(s) if isinstance(s, int) or (hasattr(s, "node") and s.node.is_constant()) else s
+                 for s in shape)
+
+
+def rewrite_for_tp_rank(gm, placements, *, tp_rank: int, tp_size: int, device) -> Graph:
+    """The program graph of tp rank ``tp_rank``: see the module docstring."""
+    return TpRewriter(gm, placements, tp_rank=tp_rank, tp_size=tp_size, device=torch.device(device)).run()
+

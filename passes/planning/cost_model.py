@@ -1,0 +1,271 @@
+"""The cost terms of a plan besides collectives: compute, pipeline bubble, gradient-sync overlap,
+memory per device, and the closed-form Megatron figures used to check them.
+
+Sources, cited at each term: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", SC'21 (bubble, step FLOPs, parameters, tp traffic); Korthikanti et
+al., "Reducing Activation Recomputation in Large Transformer Models", 2022 (activation memory);
+Rajbhandari et al., "ZeRO", SC'20 (model states). Collectives are priced in ``cost_collectives``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Sequence
+
+from xirang.ir.device import DeviceSpec
+from xirang.ir.world import World
+
+from xirang.passes.planning.cost_collectives import collective_cost
+
+# --- compute -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet peaks a kernel reaches; a calibration fits them.
+
+    The defaults are fitted to the five published Megatron-LM runs on A100-80GB
+    (../shared/reference/published_configs.json) by ``benchmarks/fit_efficiency.py``: the pair
+    (matmul, memory) on a grid whose worst |predicted / published - 1| TFLOP/s is smallest, which
+    was 4.8% (each row predicted with the pair fitted to the other four: worst 10.6%).
+
+    - ``matmul``: tensor-core matmuls (and fused attention) at training sizes: 0.7 of peak.
+    - ``memory``: of the HBM datasheet bandwidth for memory-bound ops. The fit gives 0.35, well
+      below what one streaming kernel reaches (80-90%): it lumps what the roofline leaves out of
+      unfused elementwise work (kernel launches, several passes where the graph shows one, the
+      optimizer step), which matters most for small hidden sizes and seq² attention tensors.
+    - ``other``: FLOPs of non-matmul ops, which run on CUDA cores at 1/8-1/16 of the tensor-core
+      rate (A100: 39 vs 312 TFLOP/s bf16); these ops are nearly always memory-bound anyway.
+    """
+
+    matmul: float = 0.7
+    other: float = 0.1
+    memory: float = 0.35
+
+    def __post_init__(self):
+        for name in ("matmul", "other", "memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"Efficiency.{name} must be a fraction in (0, 1], got {value!r}")
+
+
+def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
+                 efficiency: Efficiency = Efficiency(), is_matmul: bool = True) -> float:
+    """Roofline (Williams et al. 2009): the larger of FLOPs at the achievable peak and bytes moved
+    at the achievable memory bandwidth."""
+    rate = efficiency.matmul if is_matmul else efficiency.other
+    return max(flops / (device.peak(dtype) * rate),
+               nbytes / (device.memory_bandwidth * efficiency.memory))
+
+
+# --- pipeline schedules --------------------------------------------------------------------------
+# p stages, m micro-batches per step, v model chunks per device (interleaved only). Times are those
+# of one device's whole share of the layers for one micro-batch, forward plus backward.
+
+
+@dataclass(frozen=True)
+class ScheduleModel:
+    """One pipeline schedule as data: its bubble and the activations stage 0 keeps in flight."""
+
+    name: str
+    bubble: Callable[[int, int, int], float]     # (p, m, v) -> idle time / ideal time
+    in_flight: Callable[[int, int, int], float]  # (p, m, v) -> micro-batches stage 0 holds
+    source: str
+
+
+SCHEDULES: MappingProxyType = MappingProxyType({
+    "gpipe": ScheduleModel(
+        "gpipe", lambda p, m, v: (p - 1) / m, lambda p, m, v: m,
+        "Huang et al. 2019: all m forwards run before any backward, so every activation is kept"),
+    "1f1b": ScheduleModel(
+        "1f1b", lambda p, m, v: (p - 1) / m, lambda p, m, v: min(p, m),
+        "Narayanan et al. 2021 sec. 2.2.1 (PipeDream-Flush): stage 0 warms up p micro-batches"),
+    "interleaved": ScheduleModel(
+        "interleaved", lambda p, m, v: (p - 1) / (v * m), lambda p, m, v: min(m, p + (p - 1) / v),
+        "Narayanan et al. 2021 sec. 2.2.2; in flight p·(1 + (p-1)/(p·v)) per Korthikanti et al. "
+        "2022 sec. 4.2.3 (Megatron's warm-up of 2(p-1) + (v-1)p + 1 chunks of 1/v of the layers)"),
+})
+
+
+def schedule_model(schedule: str, p: int, m: int, v: int = 1) -> ScheduleModel:
+    """The ScheduleModel of ``schedule``, after checking (p, m, v) suit it."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{schedule}: {name} must be a positive int, got {value!r}")
+    if schedule != "interleaved" and v != 1:
+        raise ValueError(f"{schedule}: v={v} model chunks per device needs the 'interleaved' schedule")
+    if schedule == "interleaved" and p > 1 and m % p:
+        raise ValueError(f"interleaved: m={m} micro-batches must be a multiple of p={p} stages "
+                         f"(Megatron-LM's requirement); pick m in {p}, {2 * p}, ...")
+    return SCHEDULES[schedule]
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle time relative to the ideal (bubble-free) step time: (p-1)/m for GPipe and 1F1B,
+    (p-1)/(v·m) interleaved (Narayanan et al. 2021, eq. 1 and sec. 2.2.2). p=4, m=8: 3/8."""
+    return schedule_model(schedule, p, m, v).bubble(p, m, v)
+
+
+def bubble_share(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of the actual step time: b/(1+b) for b = bubble_fraction, i.e.
+    (p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(v·m+p-1) interleaved. p=4, m=8: 3/11."""
+    bubble = bubble_fraction(schedule, p, m, v)
+    return bubble / (1 + bubble)
+
+
+def pipeline_step_time(schedule: str, p: int, m: int, t_micro_batch: float, v: int = 1) -> float:
+    """Step time = m·t·(1 + bubble_fraction): (m + p - 1)·t for GPipe and 1F1B, (m + (p-1)/v)·t
+    interleaved, with t the forward+backward time of one micro-batch on one device (all its v
+    chunks). Assumes balanced stages and free point-to-point sends (add those separately)."""
+    return m * t_micro_batch * (1 + bubble_fraction(schedule, p, m, v))
+
+
+# --- data-parallel gradient sync overlapped with the backward -----------------------------------
+
+
+def exposed_comm_time(comm_seconds: Sequence[float], backward_seconds: Sequence[float]) -> float:
+    """Communication left on the critical path after the backward ends.
+
+    Bucket i is ready once the backward of buckets 0..i is done (buckets in the order backward
+    fills them, last layers first, as in PyTorch DDP; Li et al. 2020); all-reduces run one after
+    another on one stream. So the last bucket never overlaps, and exposed =
+    max(0, end of the last all-reduce - total backward time). Contention between the all-reduce
+    and the backward kernels is not modelled.
+    """
+    if len(comm_seconds) != len(backward_seconds):
+        raise ValueError(f"one backward time per bucket: {len(comm_seconds)} buckets, "
+                         f"{len(backward_seconds)} backward times")
+    ready = comm_free = 0.0
+    for comm, backward in zip(comm_seconds, backward_seconds):
+        ready += backward
+        comm_free = max(comm_free, ready) + comm
+    return max(0.0, comm_free - ready)
+
+
+def exposed_gradient_sync(bucket_bytes: Sequence[float], backward_seconds: Sequence[float],
+                          group: tuple[int, ...], world: World) -> float:
+    """``exposed_comm_time`` with each bucket all-reduced on the dp ``group`` at its cheapest."""
+    comm = [collective_cost("all_reduce", nbytes, group, world).seconds for nbytes in bucket_bytes]
+    return exposed_comm_time(comm, backward_seconds)
+
+
+# --- memory per device ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer states on one device."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+# Mixed-precision Adam (Rajbhandari et al. 2020, sec. 3.1): fp16/bf16 parameter 2 + gradient 2,
+# fp32 master copy, momentum and variance 4 + 4 + 4 = 12: 16 bytes per parameter.
+PARAM_BYTES, GRAD_BYTES, ADAM_STATE_BYTES = 2, 2, 12
+
+
+def model_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) -> ModelStateBytes:
+    """Model states of ``num_params`` parameters (those on this device, after tp and pp) under
+    mixed-precision Adam; ZeRO stage 1 shards optimizer states over ``dp``, stage 2 gradients
+    too, stage 3 parameters too (Rajbhandari et al. 2020, fig. 1)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
+    return ModelStateBytes(params=PARAM_BYTES * num_params / (dp if zero_stage >= 3 else 1),
+                           grads=GRAD_BYTES * num_params / (dp if zero_stage >= 2 else 1),
+                           optimizer=ADAM_STATE_BYTES * num_params / (dp if zero_stage >= 1 else 1))
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, *,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for its backward, 16-bit activations
+    (Korthikanti et al. 2022, eqs. 1-2 and table 2), per micro-batch:
+
+    - none:      s·b·h·(10 + 24/t + 5·a·s/(h·t)); at t=1 this is s·b·h·(34 + 5·a·s/h);
+                 with sequence parallel s·b·h·(34/t + 5·a·s/(h·t)).
+    - selective: the same without the attention-score term 5·a·s/(h·t), which is recomputed.
+    - full:      only the layer input, 2·s·b·h; with sequence parallel that input is the
+                 sequence shard Megatron checkpoints, 2·s·b·h/t.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {recompute!r}; known: {', '.join(RECOMPUTE_MODES)}")
+    if sequence_parallel and t == 1:
+        sequence_parallel = False  # nothing to shard: both formulas agree at t = 1
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    linear = 34 / t if sequence_parallel else 10 + 24 / t
+    attention = 5 * a * s / (h * t) if recompute == "none" else 0
+    return sbh * (linear + attention)
+
+
+def activation_bytes_in_flight(bytes_per_layer: float, layers_per_device: int, schedule: str,
+                               p: int, m: int, v: int = 1) -> float:
+    """Activations stage 0 (the fullest) holds at its peak: one micro-batch of all its layers times
+    the schedule's micro-batches in flight (m GPipe, min(p, m) 1F1B, p + (p-1)/v interleaved)."""
+    in_flight = schedule_model(schedule, p, m, v).in_flight(p, m, v)
+    return bytes_per_layer * layers_per_device * in_flight
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Peak bytes on one device: model states plus activations in flight."""
+
+    states: ModelStateBytes
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.states.total + self.activations
+
+
+def memory_per_device(num_params: float, bytes_per_layer: float, layers_per_device: int,
+                      schedule: str, p: int, m: int, v: int = 1, *, dp: int = 1,
+                      zero_stage: int = 0) -> DeviceMemory:
+    """``model_state_bytes`` plus ``activation_bytes_in_flight`` (no allocator fragmentation,
+    workspace or temporary buffers: leave headroom when comparing with device memory)."""
+    return DeviceMemory(model_state_bytes(num_params, dp=dp, zero_stage=zero_stage),
+                        activation_bytes_in_flight(bytes_per_layer, layers_per_device,
+                                                   schedule, p, m, v))
+
+
+# --- Megatron closed forms (Narayanan et al. 2021, sec. 5.1 and appendix) ------------------------
+
+
+def megatron_params(l: int, h: int, V: int, s: int) -> float:
+    """GPT parameters: P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))
+    = 12·l·h² (attention and MLP weights) + 13·l·h (biases, norms) + (V+s)·h (embeddings)."""
+    return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+def megatron_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = True) -> float:
+    """FLOPs of one training iteration of global batch B.
+
+    Forward is 24·B·s·l·h²·(1 + s/(6h)) plus 2·B·s·h·V for the logits; backward is twice the
+    forward; full recompute runs the layers' forward once more (not the logits):
+    with recompute 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)),
+    without        72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    """
+    if recompute:
+        return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def tp_traffic_per_layer(b: int, s: int, h: int, t: int, bytes_per_element: int = 2) -> float:
+    """Bytes each device sends for tensor parallelism per layer and micro-batch, forward plus
+    backward: two all-reduces of b·s·h each way, a ring moving 2(t-1)/t of it per device,
+    8·b·s·h·(t-1)/t elements (Narayanan et al. 2021 sec. 3.3). Full recompute repeats the
+    forward's two all-reduces, which this figure, like the paper's, leaves out."""
+    return 8 * b * s * h * (t - 1) / t * bytes_per_element

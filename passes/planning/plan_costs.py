@@ -1,0 +1,272 @@
+"""Price one candidate configuration from the per-unit costs of its tensor split (no graph, no torch).
+
+Terms, each with its source:
+- Stage time: its units' ``UnitCost.seconds(recompute)`` plus, at its outgoing cut, one forward
+  activation and one backward gradient of ``cut_bytes_after`` sent point to point. Both sends are
+  charged to the stage before the cut so the cut problem stays linear (``solve_stage_cuts``); every
+  cut is priced on the slowest link between neighbouring pipeline ranks, so the fast cuts and the
+  exact solver see the same problem.
+- Step time: ``pipeline_step_time`` (Narayanan et al. 2021, eq. 1 and sec. 2.2.2) of the slowest
+  device (the sum of its v chunks when interleaved), plus the data-parallel gradient all-reduce
+  left after the last micro-batch's backward (``exposed_comm_time``; Li et al. 2020).
+- Memory per device: 16 B per local parameter (``model_state_bytes``, mixed-precision Adam;
+  Rajbhandari et al. 2020) + activations × micro-batches in flight on that pipeline rank
+  (``in_flight_by_rank``) + the recompute working set: the largest block's activations that
+  recompute rebuilds during its backward (Korthikanti et al. 2022).
+- Recompute applies to blocks only; segments (embedding, head, loss) keep their activations, as
+  Megatron-LM checkpoints transformer layers only.
+- TFLOP/s per device counts hardware FLOPs as Megatron-LM does: model FLOPs plus the forward run
+  again by full recompute (Narayanan et al. 2021, sec. 5.1).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from xirang.ir.world import World
+
+from xirang.passes.planning.cost_collectives import collective_cost
+from xirang.passes.planning.cost_model import exposed_comm_time, model_state_bytes, pipeline_step_time
+from xirang.passes.planning.plan_partition import Bounds, UnitTable
+from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
+from xirang.passes.planning.unit_costs import TensorSplit
+
+STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
+GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed")
+
+
+def bucket_elements(dp: int) -> int:
+    """Gradient elements per all-reduce bucket: Megatron-LM's default max(40M, 1M·dp) (core DDP),
+    large enough that the per-bucket latency of a ring over many nodes stays small."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A candidate with its stage cuts and what the cost model predicts for it."""
+
+    candidate: Candidate
+    bounds: Bounds  # units of each stage (half-open), pp·v stages; stage i runs on pp rank i % pp
+    step_seconds: float
+    breakdown: Mapping[str, float]  # seconds per step by cause, summing to step_seconds
+    memory_per_rank: tuple[float, ...]  # peak bytes on a device of each pp rank
+    usable_per_rank: tuple[float, ...]  # bytes the plan may use there (memory_fraction of it)
+    tflops_per_device: float
+    exact: bool = False  # cuts and gradient buckets priced exactly (else the search's fast estimate)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return all(need <= have for need, have in zip(self.memory_per_rank, self.usable_per_rank))
+
+
+@dataclass(frozen=True)
+class _Units:
+    """Numbers of one (tp, micro-batch, recompute), independent of the mesh, with prefix sums."""
+
+    names: tuple[str, ...]
+    seconds: tuple[float, ...]
+    compute: tuple[float, ...]  # local compute, recompute included
+    tp_comm: tuple[float, ...]  # tensor-parallel collectives, recompute's included
+    backward: tuple[float, ...]  # what the last micro-batch's backward takes, recompute included
+    static: tuple[float, ...]
+    activation: tuple[float, ...]
+    cut_bytes: tuple[float, ...]
+    grads: list  # prefix sums of local parameter elements
+    backward_prefix: list
+    transient: float  # recompute working set
+    flops: float  # hardware FLOPs of one micro-batch, the whole model
+
+    def __post_init__(self):  # totals the search reads once per candidate
+        object.__setattr__(self, "totals", (math.fsum(self.seconds), max(self.seconds),
+                                            math.fsum(self.static), math.fsum(self.activation)))
+
+
+def _unit_numbers(split: TensorSplit, recompute: str) -> _Units:
+    units = split.units
+    modes = [recompute if u.name.startswith("block:") else "none" for u in units]
+    compute = [u.forward_seconds + u.backward_seconds
+               + {"none": 0.0, "selective": u.selective_recompute_seconds, "full": u.forward_seconds}[mode]
+               for u, mode in zip(units, modes)]
+    tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds
+               for u, mode in zip(units, modes)]
+    backward = [u.seconds(mode) - u.forward_seconds - u.tp_comm_forward_seconds for u, mode in zip(units, modes)]
+    blocks = [u for u, mode in zip(units, modes) if mode != "none"]
+    prefix = lambda xs: list(itertools.accumulate(xs, initial=0.0))  # noqa: E731
+    return _Units(
+        names=tuple(u.name for u in units), seconds=tuple(u.seconds(m) for u, m in zip(units, modes)),
+        compute=tuple(compute), tp_comm=tuple(tp_comm), backward=tuple(backward),
+        static=tuple(u.params_local * STATE_BYTES_PER_PARAM for u in units),
+        activation=tuple(u.activation_bytes(m) for u, m in zip(units, modes)),
+        cut_bytes=tuple(u.cut_bytes_after for u in units[:-1]),
+        grads=prefix(u.params_local for u in units), backward_prefix=prefix(backward),
+        transient=max((u.saved_bytes - u.activation_bytes(recompute) for u in blocks), default=0.0),
+        flops=math.fsum(u.model_flops + (u.model_forward_flops if m == "full" else 0.0)
+                        for u, m in zip(units, modes)))
+
+
+class CandidatePricer:
+    """Prices candidates of one model on one World; caches everything shared between candidates."""
+
+    def __init__(self, splits: Mapping[tuple[int, int], TensorSplit], world: World, *, global_batch: int,
+                 precision: str = "bf16", memory_fraction: float = 0.9):
+        self.splits, self.world, self.global_batch = splits, world, global_batch
+        self.grad_bytes, self.memory_fraction = GRAD_BYTES[precision], memory_fraction
+        self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
+
+    # --- cached pieces ---------------------------------------------------------------------------
+    def units(self, c: Candidate) -> _Units:
+        key = (c.tp, c.micro_batch, c.recompute)
+        if key not in self._units:
+            self._units[key] = _unit_numbers(self.splits[key[:2]], c.recompute)
+        return self._units[key]
+
+    def table(self, c: Candidate) -> UnitTable:
+        pair = self._slowest_pair(c)
+        key = (c.tp, c.micro_batch, c.recompute, pair)
+        if key not in self._tables:
+            n = self.units(c)
+            cuts = tuple(2 * self._cost("send", nbytes, pair) for nbytes in n.cut_bytes)
+            self._tables[key] = UnitTable(n.seconds, n.static, n.activation, cuts)
+        return self._tables[key]
+
+    def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
+        """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
+        key = (c.pp, c.tp, c.schedule == "interleaved")
+        if key not in self._pairs:
+            ranks = [r * c.tp for r in range(c.pp)]  # rank_of(dp=0, pp=r, tp=0): tp innermost
+            pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[2] else [])
+            crossing = [pair for pair in pairs if not self.world.same_node(*pair)]
+            self._pairs[key] = (crossing or pairs or [(0,)])[0]
+        return self._pairs[key]
+
+    def _cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+        key = (kind, nbytes, group)
+        if key not in self._costs:
+            self._costs[key] = collective_cost(kind, nbytes, group, self.world).seconds
+        return self._costs[key]
+
+    def dp_group(self, c: Candidate, rank: int) -> tuple[int, ...]:
+        """The dp group of pipeline rank ``rank`` (tp index 0); in a world of identical nodes every
+        pipeline rank's group has the same shape, so rank 0's stands for all."""
+        rank = 0 if self.world.uniform_nodes else rank
+        key = ("dp", c.dp, c.pp, c.tp, rank)
+        if key not in self._pairs:
+            self._pairs[key] = c.mesh.group("dp", rank * c.tp)
+        return self._pairs[key]
+
+    def usable(self, c: Candidate) -> tuple[float, ...]:
+        """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
+        key = (c.dp, c.pp, c.tp)
+        if key not in self._usable:
+            if self.world.uniform_nodes:
+                least = [self.world.nodes[0].device.memory_bytes] * c.pp
+            else:
+                mesh = c.mesh
+                least = [min(self.world.device_of(mesh.rank_of(dp=d, pp=r, tp=t)).memory_bytes
+                             for d in range(c.dp) for t in range(c.tp)) for r in range(c.pp)]
+            self._usable[key] = tuple(self.memory_fraction * b for b in least)
+        return self._usable[key]
+
+    def in_flight(self, c: Candidate) -> list[float]:
+        """Micro-batches in flight of each of the pp·v stages (stage i runs on pp rank i % pp)."""
+        by_rank = in_flight_by_rank(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages)
+        return [by_rank[i % c.pp] for i in range(c.stages)]
+
+    def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
+        """Memory caps of the pp·v stages: the rank's usable bytes less the recompute working set,
+        divided among its chunks when ``per_chunk`` (a conservative split for interleaving)."""
+        usable, transient = self.usable(c), self.units(c).transient
+        share = c.virtual_stages if per_chunk else 1
+        return [(usable[i % c.pp] - transient) / share for i in range(c.stages)]
+
+    # --- estimates -----------------------------------------------------------------------------
+    def lower_bound(self, c: Candidate) -> float:
+        """A step time no cut can beat: perfectly balanced stages, no sends, no exposed dp sync."""
+        total, longest, _, _ = self.units(c).totals
+        device = max(longest, total / c.pp)  # the busiest device holds at least the mean share
+        return pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages)
+
+    def memory_lower_bound(self, c: Candidate) -> float:
+        """Bytes the average pipeline rank needs at least, so the fullest one too."""
+        n = self.units(c)
+        _, _, static, activation = n.totals
+        fewest = min(in_flight_by_rank(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages))
+        return (static + activation * fewest) / c.pp + n.transient
+
+    def price(self, c: Candidate, bounds: Bounds, *, exact: bool = False, notes=()) -> Priced:
+        """Step time, breakdown, memory and TFLOP/s of ``c`` cut at ``bounds``. ``exact`` prices the
+        dp sync bucket by bucket; otherwise by a closed form for gradients produced at an even rate."""
+        n, table = self.units(c), self.table(c)
+        v, m = c.virtual_stages, c.num_micro_batches
+        ranks = [[bounds[i] for i in range(r, c.stages, c.pp)] for r in range(c.pp)]
+        # A device runs all its chunks for every micro-batch, so the busiest device (the sum of its
+        # v chunks, not v times the slowest chunk) sets the pace of the pipeline.
+        rank_times = [math.fsum(table.stage_time(a, b) for a, b in stages) for stages in ranks]
+        worst = max(range(c.pp), key=rank_times.__getitem__)
+        compute = math.fsum(math.fsum(n.compute[a:b]) for a, b in ranks[worst])
+        tp_comm = math.fsum(math.fsum(n.tp_comm[a:b]) for a, b in ranks[worst])
+        send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
+        t_device = rank_times[worst]
+        pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v)
+        sync = self._exposed_exact if exact else self._exposed_estimate
+        dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
+        breakdown = {"compute": m * compute, "tp_comm": m * tp_comm,
+                     "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": m * send,
+                     "dp_exposed": dp_exposed}
+        step = pipeline + dp_exposed
+        in_flight = in_flight_by_rank(c.schedule, c.pp, m, v)
+        memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
+                       for r, stages in enumerate(ranks))
+        flops = n.flops * self.global_batch / c.micro_batch
+        return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
+                      flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes))
+
+    def _rank_grads(self, c: Candidate, stages: Sequence[tuple[int, int]]) -> tuple[float, float]:
+        n = self.units(c)
+        grads = math.fsum(n.grads[b] - n.grads[a] for a, b in stages) * self.grad_bytes
+        return grads, math.fsum(n.backward_prefix[b] - n.backward_prefix[a] for a, b in stages)
+
+    def _exposed_estimate(self, c: Candidate, rank: int, stages) -> float:
+        """Buckets of equal size filled at an even rate: the all-reduce queue ends either after the
+        last bucket (ready when the backward ends) or after all buckets queued behind the first,
+        whichever is later (the maximum of ``exposed_comm_time``'s recurrence, which is linear in
+        the bucket index here)."""
+        grads, backward = self._rank_grads(c, stages)
+        if grads <= 0:
+            return 0.0
+        cap, group = bucket_elements(c.dp) * self.grad_bytes, self.dp_group(c, rank)
+        full, rest = divmod(grads, cap)
+        last = self._cost("all_reduce", rest or cap, group)
+        count = full + (rest > 0)
+        total = (count - 1) * self._cost("all_reduce", cap, group) + last
+        return max(last, backward * min(1.0, cap / grads) + total - backward)
+
+    def _exposed_exact(self, c: Candidate, rank: int, stages) -> float:
+        """Buckets filled in backward order (last unit first), a unit's gradients arriving evenly
+        over its backward; all-reduces queued on one stream (``exposed_comm_time``)."""
+        n, cap = self.units(c), bucket_elements(c.dp) * self.grad_bytes
+        group = self.dp_group(c, rank)
+        comm, backward, filled, elapsed = [], [], 0.0, 0.0
+        for u in reversed([u for a, b in stages for u in range(a, b)]):
+            left = (n.grads[u + 1] - n.grads[u]) * self.grad_bytes
+            rate = n.backward[u] / left if left else 0.0
+            elapsed += 0.0 if left else n.backward[u]
+            while left > 0:
+                room = cap - filled
+                if left < room:
+                    filled, elapsed, left = filled + left, elapsed + left * rate, 0.0
+                    break
+                comm.append(self._cost("all_reduce", cap, group))
+                backward.append(elapsed + room * rate)
+                left, filled, elapsed = left - room, 0.0, 0.0
+        if filled:
+            comm.append(self._cost("all_reduce", filled, group))
+            backward.append(elapsed)
+        elif elapsed:  # backward of units with no parameters after the last bucket is ready
+            comm.append(0.0)
+            backward.append(elapsed)
+        return exposed_comm_time(comm, backward)

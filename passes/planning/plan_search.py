@@ -1,0 +1,250 @@
+"""Degree search: choose (dp, tp, pp), micro-batch, schedule and recompute with the fastest predicted
+step that fits device memory, reading only per-unit costs (``TensorSplit``) from a ``price`` callable.
+
+    price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None) -> TensorSplit
+
+is called once per (tp, micro-batch) the candidates need (``SplitPricer.price`` in the compiler; a
+function returning hand-made costs in tests). Then, with no further solves:
+
+1. every candidate gets a lower bound on its step (balanced stages, no sends, no dp sync) and a
+   lower bound on its memory (the average pipeline rank);
+2. candidates are priced in order of that bound with the fast cuts of ``plan_partition`` (exact up
+   to a bisection tolerance when cut sends cost the same everywhere) and a closed-form dp sync,
+   until the bound passes the ``alternatives + 1``-th best step found; the rest cannot enter the
+   table and are never cut;
+3. the best few (``exact_top``, and every one the plan will show) are re-cut with the exact
+   ``solve_stage_cuts`` (ILP or DP: exact for GPipe and 1F1B; for interleaved, exact under a
+   per-chunk share 1/v of device memory, so the fast cut is kept where that share is too strict)
+   and their dp sync priced bucket by bucket; the winner is the fastest of them. A candidate the
+   fast pass pruned is not revisited, though its exact price could differ from the estimate by
+   the dp-sync approximation (small: the two agree when gradients arrive at an even rate).
+
+Costs of each term are in ``plan_costs``; the candidate rules in ``plan_search_space``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from xirang.ir.errors import XirangError
+from xirang.ir.world import World
+
+from xirang.passes.planning.plan_costs import CandidatePricer, Priced
+from xirang.passes.planning.plan_partition import fit_stages, least_memory_cuts
+from xirang.passes.planning.plan_search_space import Candidate, candidates, check_global_batch, tp_degrees
+from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts
+from xirang.passes.planning.unit_costs import TensorSplit
+
+PriceFn = Callable[..., TensorSplit]
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The winner, its tensor split, the candidates worth showing next to it, and the effort spent."""
+
+    best: Priced
+    split: TensorSplit
+    alternatives: tuple[Priced, ...]  # fastest others that fit, then faster ones that do not
+    candidates: int  # configurations enumerated
+    priced: int  # configurations cut and priced (the rest were pruned by their lower bound)
+    splits_priced: int  # (tp, micro-batch) pairs the price callable solved
+    price_seconds: float  # time spent in the price callable
+    search_seconds: float  # the rest of the search
+
+
+def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, precision: str = "bf16",
+                memory_fraction: float = 0.9, alternatives: int = 5, exact_top: int = 6,
+                **pins) -> SearchResult:
+    """The fastest candidate that fits, with ``alternatives`` others to compare (see module doc).
+
+    ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute) fix a choice. Device
+    memory usable by the plan is ``memory_fraction`` of each device's: the rest is headroom for
+    what the cost model leaves out (CUDA context and kernels' workspace, NCCL buffers, allocator
+    fragmentation), about 8 GiB of an 80 GiB device at the default 0.9.
+    """
+    check_global_batch(global_batch)
+    if not 0 < memory_fraction <= 1:
+        raise XirangError(f"memory_fraction={memory_fraction!r} must be in (0, 1]", where="memory_fraction=",
+                          hint="0.9 leaves 10% of device memory as headroom")
+    started, clock = time.perf_counter(), _Clock(price, seq)
+    first = clock.split(_first_tp(world, pins.get("tp")), pins.get("micro_batch") or 1)
+    has_blocks = any(u.name.startswith("block:") for u in first.units)
+    todo = candidates(world, len(first.units), global_batch, has_blocks=has_blocks, pins=pins)
+    for c in todo:
+        clock.split(c.tp, c.micro_batch)
+    pricer = CandidatePricer(clock.splits, world, global_batch=global_batch, precision=precision,
+                             memory_fraction=memory_fraction)
+    fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
+    if not fitting:
+        raise _nothing_fits(pricer, todo, world, memory_fraction)
+    # the table shows the best per mesh and schedule; with few of those (pins), other b, v, recompute
+    keyed = {p.candidate for p in fitting}
+    extra = [p for p in everything if p.candidate not in keyed][:max(alternatives + 1 - len(fitting), 0)]
+    top = sorted((_exact(pricer, p) for p in fitting[:max(exact_top, alternatives + 1)] + extra), key=_rank)
+    best = top[0]
+    shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
+    shown = top[1:max(alternatives - len(shown_failing), 0) + 1] + shown_failing
+    return SearchResult(best, clock.splits[(best.candidate.tp, best.candidate.micro_batch)],
+                        tuple(shown[:alternatives]), len(todo), priced, len(clock.splits), clock.seconds,
+                        time.perf_counter() - started - clock.seconds)
+
+
+class _Clock:
+    """Calls ``price`` once per (tp, micro-batch), timing it."""
+
+    def __init__(self, price: PriceFn, seq: int):
+        self.price, self.seq, self.splits, self.seconds = price, seq, {}, 0.0
+
+    def split(self, tp: int, micro_batch: int) -> TensorSplit:
+        key = (tp, micro_batch)
+        if key not in self.splits:
+            start = time.perf_counter()
+            self.splits[key] = self.price(tp, tuple(range(tp)), micro_batch, self.seq)
+            self.seconds += time.perf_counter() - start
+        return self.splits[key]
+
+
+def _first_tp(world: World, pinned) -> int:
+    """The tp of the first split (priced to learn the units): the pinned one when it is valid."""
+    return pinned if pinned in tp_degrees(world) and world.size % pinned == 0 else 1
+
+
+def _key(p: Priced) -> tuple:
+    """Candidates shown side by side differ in mesh or schedule, not only in b, v or recompute."""
+    c = p.candidate
+    return (c.dp, c.pp, c.tp, c.schedule)
+
+
+def _rank(p: Priced) -> tuple:
+    return (p.step_seconds, p.candidate)
+
+
+def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
+    """Price candidates by increasing lower bound until none left can enter the best ``keep``
+    (distinct by ``_key``). Returns the fitting and the failing best per key, the candidates the
+    memory bound ruled out unpriced (with their step bounds), every fitting candidate priced, and
+    how many were priced."""
+    bests: dict[tuple, Priced] = {}
+    failing: dict[tuple, Priced] = {}
+    skipped: list[tuple[float, Candidate]] = []
+    everything: list[Priced] = []  # every fitting candidate priced
+    threshold, priced = math.inf, 0
+    for bound, c in sorted((pricer.lower_bound(c), c) for c in todo):
+        if bound >= threshold:
+            break
+        if pricer.memory_lower_bound(c) > max(pricer.usable(c)):
+            skipped.append((bound, c))  # the average pipeline rank already overflows: no cut fits
+            continue
+        priced += 1
+        p = _fast_price(pricer, c)
+        if p.fits:
+            everything.append(p)
+        table, key = (bests, _key(p)) if p.fits else (failing, (_key(p), c.recompute))
+        if key not in table or _rank(p) < _rank(table[key]):
+            table[key] = p
+        if p.fits and len(bests) >= keep:
+            threshold = sorted(q.step_seconds for q in bests.values())[keep - 1]
+    return (sorted(bests.values(), key=_rank), sorted(failing.values(), key=_rank), skipped,
+            sorted(everything, key=_rank), priced)
+
+
+def _faster_but_too_big(pricer: CandidatePricer, failing: list[Priced], skipped, step: float,
+                        count: int = 2) -> list[Priced]:
+    """Up to ``count`` configurations faster than ``step`` that do not fit, those closest to fitting
+    first: they show what the memory limit cost. Each keeps the step of its fastest cut and the
+    memory of its leanest (what it needs at least). The same mesh with less recompute is the
+    clearest such case, so recompute modes are told apart here. Of the candidates the memory bound
+    skipped, the few closest to fitting by that bound are cut for time alone."""
+    def overflow(p: Priced) -> float:
+        return max(need / have for need, have in zip(p.memory_per_rank, p.usable_per_rank))
+
+    def leanest(p: Priced) -> Priced:
+        c = p.candidate
+        lean = pricer.price(c, least_memory_cuts(pricer.table(c), c.stages, pricer.in_flight(c)))
+        return p if lean.fits else replace(p, memory_per_rank=lean.memory_per_rank)
+
+    near = sorted((pricer.memory_lower_bound(c) / max(pricer.usable(c)), c) for bound, c in skipped if bound < step)
+    pool = failing + [pricer.price(c, _time_cuts(pricer, c)) for _, c in near[:4 * count]]
+    pool = sorted((p for p in pool if p.step_seconds < step), key=lambda p: (overflow(p), _rank(p)))
+    found: dict[tuple, Priced] = {}
+    for p in sorted(map(leanest, pool[:4 * count]), key=lambda p: (overflow(p), _rank(p))):
+        same = (p.step_seconds, p.memory_per_rank)  # a recompute mode that changes nothing says nothing new
+        if all((q.step_seconds, q.memory_per_rank) != same for q in found.values()):
+            found.setdefault((_key(p), p.candidate.recompute), p)
+    return list(found.values())[:count]
+
+
+def _time_cuts(pricer: CandidatePricer, c: Candidate):
+    """The fastest cuts with memory ignored."""
+    return fit_stages(pricer.table(c), c.stages, [math.inf] * c.stages, pricer.in_flight(c))
+
+
+def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
+    """Fast cuts: within memory for GPipe/1F1B; interleaved first for time alone, then, if a rank
+    overflows, within a per-chunk share of memory. Cuts for time alone when nothing fits."""
+    interleaved = c.schedule == "interleaved"
+    if interleaved:
+        p = pricer.price(c, _time_cuts(pricer, c))
+        if p.fits:
+            return p
+    bounds = fit_stages(pricer.table(c), c.stages, pricer.stage_caps(c, per_chunk=interleaved), pricer.in_flight(c))
+    if bounds is None:
+        return p if interleaved else pricer.price(c, _time_cuts(pricer, c))
+    return pricer.price(c, bounds)
+
+
+SOLVERS = {"cbc": "an ILP (CBC)", "dp": "dynamic programming", "single-stage": "no cut: one stage"}
+
+
+def _exact(pricer: CandidatePricer, fast: Priced) -> Priced:
+    """Re-cut with ``solve_stage_cuts`` and price the dp sync bucket by bucket; keep the fast cut
+    when the exact one is no faster (or, interleaved, when its per-chunk memory share is too strict)."""
+    c, table = fast.candidate, pricer.table(fast.candidate)
+    interleaved = c.schedule == "interleaved"
+    problem = StageCutProblem(
+        compute=table.seconds, memory=table.static_bytes, boundary_comm=table.cut_seconds, stages=c.stages,
+        capacities=[max(cap, 0.0) for cap in pricer.stage_caps(c, per_chunk=interleaved)],
+        activation_memory=table.activation_bytes, in_flight=pricer.in_flight(c),
+        unit_names=pricer.units(c).names)
+    kept = pricer.price(c, fast.bounds, exact=True, notes=(
+        "stage cuts by bisection with a greedy check (fast path; the exact solver gave none faster)",))
+    try:
+        solution = solve_stage_cuts(problem)
+    except ValueError:  # interleaved only: the per-chunk share rejects what per-device memory allows
+        return pricer.price(c, fast.bounds, exact=True, notes=(
+            "stage cuts by bisection: the exact solver's per-chunk memory share (1/v of the device) is "
+            "stricter than the per-device check the fast cuts passed",))
+    exact = pricer.price(c, solution.bounds, exact=True,
+                         notes=(f"stage cuts exact: solve_stage_cuts by {SOLVERS[solution.solver]}",))
+    return exact if exact.step_seconds <= kept.step_seconds else kept
+
+
+def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
+                  memory_fraction: float) -> XirangError:
+    """The error when no candidate fits: the least memory any of them needs, and what was tried."""
+    leanest, need, rank = None, math.inf, 0
+    # the least memory a candidate needs is at least its average rank's: stop once that is too much
+    for floor, c in sorted((pricer.memory_lower_bound(c), c) for c in todo):
+        if floor >= need:
+            break
+        memory = pricer.price(c, least_memory_cuts(pricer.table(c), c.stages, pricer.in_flight(c))).memory_per_rank
+        worst = max(range(c.pp), key=memory.__getitem__)
+        if memory[worst] < need:
+            leanest, need, rank = c, memory[worst], worst
+    device = world.device_of(rank * leanest.tp)
+    tried = {name: sorted({getattr(c, name) for c in todo}, key=str)
+             for name in ("micro_batch", "schedule", "recompute")}
+    meshes = sorted({(c.dp, c.pp, c.tp) for c in todo})
+    return XirangError(
+        f"no plan fits device memory: the leanest configuration tried, {leanest.label()}, needs "
+        f"{need / GiB:.1f} GiB on a device of pipeline rank {rank} (model states at 16 B per parameter, "
+        f"activations in flight, recompute working set), but a {device.name} has {device.memory_bytes / GiB:.1f} "
+        f"GiB, of which the plan may use {memory_fraction:.0%} ({memory_fraction * device.memory_bytes / GiB:.1f} GiB)",
+        where=f"{world.describe()}; tried {len(todo)} configurations: meshes (dp, pp, tp) "
+              f"{', '.join(map(str, meshes[:12]))}{', ...' if len(meshes) > 12 else ''}; micro-batches "
+              f"{tried['micro_batch']}; schedules {tried['schedule']}; recompute {tried['recompute']}",
+        hint=f"use devices with at least {need / memory_fraction / GiB:.1f} GiB each, more devices "
+             f"(more pipeline or tensor parallelism), or a smaller model or sequence")

@@ -1,0 +1,233 @@
+"""The configurations the degree search may try: mesh degrees, micro-batch, schedule, recompute.
+
+A candidate is one choice of (dp, tp, pp), micro-batch size b, pipeline schedule (with v model
+chunks per device when interleaved) and recompute mode. The rules, so a reader can argue with them:
+
+- dp·tp·pp = world size, and tp divides the devices of every node: tp is innermost in the mesh
+  (``ir/mesh.py``), so its groups, whose all-reduces run in every layer, then ride NVLink
+  (Narayanan et al. 2021, takeaway #1).
+- pp ≤ units of the condensed block graph (a stage holds at least one unit), and pp·v ≤ units.
+- b divides global_batch / dp; m = global_batch / (dp·b) micro-batches per step and dp rank.
+  Unless b is pinned, b ≤ ``MAX_MICRO_BATCH``: larger micro-batches gain little once matmuls are
+  big enough, and each distinct b costs one tensor-split solve.
+- "interleaved" needs pp > 1 and m a multiple of pp (Megatron-LM's requirement). With one stage
+  every schedule is plain gradient accumulation, so only "1f1b" is listed unless pinned.
+- Recompute modes apply to blocks only; a model without blocks is offered "none" unless pinned.
+
+Any of these choices can be pinned; a pin no candidate satisfies fails with what was wrong and
+the values that would work, given the other pins. No torch here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import reduce
+from typing import Iterator, Optional
+
+from xirang.ir.errors import XirangError
+from xirang.ir.mesh import Mesh
+from xirang.ir.world import World
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RECOMPUTE_MODES = ("none", "selective", "full")
+MAX_MICRO_BATCH = 16
+PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute")
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One configuration to price. ``virtual_stages`` is 1 except for "interleaved"."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_micro_batches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: pp ranks times model chunks per rank."""
+        return self.pp * self.virtual_stages
+
+    def label(self) -> str:
+        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full'."""
+        v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.micro_batch} m={self.num_micro_batches} "
+                f"{self.schedule}{v} recompute={self.recompute}")
+
+
+def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, ...]:
+    """Micro-batches of activations pipeline rank r holds at its peak, for r = 0..p-1.
+
+    - GPipe: all m forwards run before any backward (Huang et al. 2019).
+    - 1F1B: rank r warms up p - r micro-batches (Narayanan et al. 2021, sec. 2.2.1).
+    - Interleaved: Megatron-LM warms rank r up with 2(p-r-1) + (v-1)p chunks and holds one more in
+      the steady state, each chunk 1/v of the rank's layers: p + (p-1-2r)/v micro-batches of all its
+      layers, p + (p-1)/v on rank 0 (Korthikanti et al. 2022, sec. 4.2.3). Each chunk of a rank is
+      charged that rank's figure, exact when its chunks keep equal activations.
+    Never more than m: a rank cannot hold micro-batches the step does not have.
+    """
+    if schedule == "gpipe":
+        return (float(m),) * p
+    if schedule == "1f1b":
+        return tuple(float(min(p - r, m)) for r in range(p))
+    if schedule == "interleaved":
+        return tuple(float(min(m, p + (p - 1 - 2 * r) / v)) for r in range(p))
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(world: World) -> list[int]:
+    """tp values whose groups stay inside a node: divisors of every node's device count."""
+    return divisors(reduce(math.gcd, (node.devices for node in world.nodes)))
+
+
+def check_global_batch(global_batch) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise XirangError(f"global_batch={global_batch!r} must be a positive int (samples per optimizer step)",
+                          where="global_batch=", hint="pass e.g. global_batch=1024")
+
+
+def candidates(world: World, units: int, global_batch: int, *, has_blocks: bool = True,
+               pins: Optional[dict] = None) -> list[Candidate]:
+    """Every candidate satisfying the rules and the pins (``PIN_NAMES`` -> value, None = free).
+
+    Raises XirangError when a pin is malformed or no candidate satisfies all the pins at once.
+    """
+    pins = {name: value for name, value in (pins or {}).items() if value is not None}
+    _check_pin_values(pins)
+    found = list(_space(world, units, global_batch, has_blocks, pins))
+    if not found:
+        raise _no_candidate_error(world, units, global_batch, has_blocks, pins)
+    return found
+
+
+def _meshes(world: World, units: int, pins: dict) -> Iterator[tuple[int, int, int]]:
+    """(tp, pp, dp) triples the world allows, before the batch is considered."""
+    for tp in tp_degrees(world):
+        if world.size % tp or pins.get("tp", tp) != tp:
+            continue
+        for pp in divisors(world.size // tp):
+            dp = world.size // (tp * pp)
+            if pp <= units and pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
+                yield tp, pp, dp
+
+
+def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: dict,
+           cap_micro_batch: bool = True) -> Iterator[Candidate]:
+    pinned_b, pinned_rc = pins.get("micro_batch"), pins.get("recompute")
+    modes = (pinned_rc,) if pinned_rc else RECOMPUTE_MODES if has_blocks else ("none",)
+    for tp, pp, dp in _meshes(world, units, pins):
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        limit = per_rank if pinned_b is not None or not cap_micro_batch else MAX_MICRO_BATCH
+        for b in divisors(per_rank):
+            if b > limit or pins.get("micro_batch", b) != b:
+                continue
+            m = per_rank // b
+            for schedule, v in _schedules(pp, m, units, pins):
+                for recompute in modes:
+                    yield Candidate(tp, pp, dp, b, m, schedule, v, recompute)
+
+
+def _schedules(pp: int, m: int, units: int, pins: dict) -> Iterator[tuple[str, int]]:
+    wanted, v_pin = pins.get("schedule"), pins.get("virtual_stages")
+    if wanted is None and v_pin is not None and v_pin > 1:
+        wanted = "interleaved"
+    plain = ("1f1b", "gpipe") if pp > 1 or wanted is not None else ("1f1b",)
+    for schedule in plain:
+        if wanted in (None, schedule) and v_pin in (None, 1):
+            yield schedule, 1
+    if wanted in (None, "interleaved") and pp > 1 and m % pp == 0:
+        for v in range(2, units // pp + 1):
+            if v_pin in (None, v):
+                yield "interleaved", v
+
+
+def _check_pin_values(pins: dict) -> None:
+    for name, value in pins.items():
+        if name not in PIN_NAMES:
+            raise XirangError(f"unknown planning choice {name!r}", hint=f"pin one of: {', '.join(PIN_NAMES)}")
+        if name == "schedule":
+            if value not in SCHEDULES:
+                raise XirangError(f"schedule={value!r} is not a pipeline schedule Xirang knows",
+                                  where="schedule=", hint=f"use one of: {', '.join(SCHEDULES)}")
+        elif name == "recompute":
+            if value not in RECOMPUTE_MODES:
+                raise XirangError(f"recompute={value!r} is not a recompute mode", where="recompute=",
+                                  hint=f"use one of: {', '.join(RECOMPUTE_MODES)}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise XirangError(f"{name}={value!r} must be a positive int", where=f"{name}=",
+                              hint=f"pass a positive int, or leave {name} unset to let the planner choose")
+    if pins.get("schedule") == "interleaved" and pins.get("virtual_stages") == 1:
+        raise XirangError("schedule='interleaved' with virtual_stages=1 is plain 1F1B",
+                          where="virtual_stages=", hint="use virtual_stages >= 2, or schedule='1f1b'")
+    if pins.get("schedule") in ("1f1b", "gpipe") and pins.get("virtual_stages", 1) != 1:
+        raise XirangError(f"virtual_stages={pins['virtual_stages']} needs schedule 'interleaved', not "
+                          f"{pins['schedule']!r}", where="virtual_stages=",
+                          hint="set schedule='interleaved', or drop virtual_stages")
+
+
+def _no_candidate_error(world: World, units: int, global_batch: int, has_blocks: bool,
+                        pins: dict) -> XirangError:
+    """Name the pins no candidate satisfies, with the values each could take given the others."""
+    dps = sorted({dp for _, _, dp in _meshes(world, units, pins)})
+    if dps and not any(global_batch % dp == 0 for dp in dps):
+        return XirangError(
+            f"global_batch {global_batch} is not divisible by any data-parallel degree this world allows: "
+            f"dp in {{{', '.join(map(str, dps))}}} (dp = {world.size} devices / (tp x pp), tp within a node, "
+            f"pp at most {units} units)", where=f"global_batch={global_batch}" + (f", {_fmt(pins)}" if pins else ""),
+            hint=f"use a global_batch that is a multiple of {dps[0]}, e.g. {dps[0] * max(1, global_batch // dps[0])}")
+    reasons, hints = [], []
+    for name, value in pins.items():
+        others = {k: v for k, v in pins.items() if k != name}
+        valid = sorted({getattr(c, name) for c in _space(world, units, global_batch, has_blocks, others,
+                                                         cap_micro_batch=False)}, key=_order)
+        if value not in valid:
+            reasons.append(f"{name}={value!r}" + _why(name, value, world, units, global_batch))
+            shown = ", ".join(str(v) for v in valid[:24]) + (", ..." if len(valid) > 24 else "")
+            given = f" given {_fmt(others)}" if others else ""
+            hints.append(f"{name} in {{{shown or 'none'}}}{given}")
+    if not reasons:  # each pin is possible alone but not together (cannot happen with these rules)
+        reasons.append(f"the pins {_fmt(pins)} exclude each other")
+    return XirangError(f"no configuration of {world.size} devices and global batch {global_batch} satisfies "
+                       + "; ".join(reasons), where=_fmt(pins) or "the planner's rules",
+                       hint="use " + "; ".join(hints) if hints else "unpin some choices")
+
+
+def _why(name: str, value, world: World, units: int, global_batch: int) -> str:
+    per_node = reduce(math.gcd, (node.devices for node in world.nodes))
+    if name == "tp" and per_node % value:
+        return f" (tp groups must stay inside a node and {value} does not divide {per_node} devices per node)"
+    if name in ("tp", "pp", "dp") and world.size % value:
+        return f" (does not divide the {world.size} devices)"
+    if name == "pp" and value > units:
+        return f" (more stages than the {units} units of the model: every stage needs one)"
+    if name == "dp" and global_batch % value:
+        return f" (does not divide global_batch {global_batch})"
+    if name == "micro_batch":
+        return f" (must divide global_batch / dp = {global_batch} / dp)"
+    if name == "virtual_stages":
+        return f" (needs pp > 1, pp·v <= {units} units, and micro-batches a multiple of pp)"
+    if name == "schedule" and value == "interleaved":
+        return " (needs pp > 1 and micro-batches per step a multiple of pp)"
+    return ""
+
+
+def _order(value):
+    return (0, value, "") if isinstance(value, int) else (1, 0, str(value))
+
+
+def _fmt(pins: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in pins.items())

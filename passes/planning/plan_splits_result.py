@@ -1,0 +1,181 @@
+"""Turn a solved split problem into a ``TensorSplit``: per-unit costs, a NodeStrategy for every node of
+the graph (blocks stamped from their representative), and the tp collectives of each representative.
+
+How to read ``TensorSplit.collectives`` (``CollectiveChoice.node``):
+
+- ``"<consumer>"``: forward, reshards one input of ``<consumer>`` just before it runs (the input whose
+  producer's output layout differs from the consumer's input layout in ``placements``), or a
+  collective the op issues itself (vocabulary-parallel cross-entropy).
+- ``"<producer>.out"``: forward, makes ``<producer>``'s output Replicate where it leaves its block or
+  is the loss.
+- ``"<producer>.grad"`` (``"<producer>[i].grad"`` for element i of a multi-output op): backward,
+  turns the summed gradient of ``<producer>``'s output into the layout its backward needs
+  (Megatron's f: the all-reduce of the gradient of a column-parallel linear's input).
+- ``"<consumer>.grad:<producer>"``: backward, turns the gradient ``<consumer>`` sends to its input
+  ``<producer>`` into the layout the gradients of that input are summed in, before the sum.
+
+Only the representative block of each kind and the segments are listed: the other blocks of a kind
+run the same collectives at the same nodes of their own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.fx import Node
+
+from xirang.ir.meta_keys import PARAM_COUNT, ROLE, TENSOR
+from xirang.ir.placement import Shard
+from xirang.ir.plan_parts import CollectiveChoice, Layout, NodeStrategy
+from xirang.passes.planning.unit_costs import UnitCost
+
+from xirang.passes.planning.plan_splits_costs import NodeFacts, Pricing, local_fraction
+from xirang.passes.planning.plan_splits_graph import SplitGraph
+from xirang.passes.planning.plan_splits_problem import R, TpProblem, element
+
+
+@dataclass
+class _Sums:
+    forward: float = 0.0
+    backward: float = 0.0
+    comm_forward: float = 0.0
+    comm_backward: float = 0.0
+    params: int = 0
+    saved: float = 0.0
+    core_saved: float = 0.0
+    core_inputs: float = 0.0
+    recompute: float = 0.0
+
+
+class Assembly:
+    """One solution's numbers, placements and collectives."""
+
+    def __init__(self, graph: SplitGraph, problem: TpProblem, choice: dict, pricing: Pricing,
+                 facts: dict[Node, NodeFacts]):
+        self.graph, self.problem, self.pricing, self.facts = graph, problem, pricing, facts
+        self.chosen = {d.name: d.options[choice[d.name]] for d in problem.decisions}
+        self.choice = choice
+        self._layouts: dict = {}
+
+    # --- layouts ---------------------------------------------------------------------------------
+
+    def placement_of(self, node: Node, index: int | None = None):
+        """The tp placement a node's output (element ``index``) has under the solution."""
+        decision = self.problem.of_node.get(self.graph.rep_of.get(node, node))
+        return R if decision is None else element(self.chosen[decision.name].output, index) or R
+
+    def local_bytes(self, node: Node, count: int, size: float, whole: bool = False) -> float:
+        placement = R if whole else self.placement_of(node)
+        return self.pricing.values[count] * size * local_fraction(placement, self.pricing.tp)
+
+    def layout(self, placement) -> Layout:
+        if placement not in self._layouts:
+            self._layouts[placement] = Layout(tp=placement)
+        return self._layouts[placement]
+
+    def _read(self, node: Node, value: Node):
+        """The layout ``node`` reads ``value`` in without resharding (Replicate across a block's edge)."""
+        if node.op != "output" and self.graph.place(node) != self.graph.place(value):
+            return R
+        index = node.args[1] if node.op == "call_function" and isinstance(TENSOR.get(value, None), tuple) \
+            and len(node.args) > 1 and isinstance(node.args[1], int) else None
+        return self.placement_of(value, index)
+
+    def node_strategy(self, node: Node) -> NodeStrategy:
+        decision = self.problem.of_node.get(node)
+        if node.op == "output":
+            required = set(self.graph.required_outputs)
+            return NodeStrategy("output", tuple(self.layout(R if v in required else self._read(node, v))
+                                                for v in node.all_input_nodes), ())
+        if decision is None:  # no tensor, or a placeholder several groups share: replicated
+            inputs = tuple(self.layout(self._read(node, v)) for v in node.all_input_nodes)
+            return NodeStrategy("replicate", inputs, (self.layout(R),))
+        strategy = self.chosen[decision.name]
+        inputs = tuple(self.layout(p if p is not None else self._read(node, v))
+                       for v, p in zip(node.all_input_nodes, strategy.inputs))
+        outputs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+        return NodeStrategy(strategy.name, inputs, tuple(self.layout(p) for p in outputs))
+
+    def placements(self) -> dict[str, NodeStrategy]:
+        """Every node in graph order; a block's nodes share their representative's NodeStrategy."""
+        own = {}
+        found = {}
+        for node in self.graph.nodes:
+            rep = self.graph.rep_of.get(node, node)
+            if rep not in own:
+                own[rep] = self.node_strategy(rep)
+            found[node.name] = own[rep]
+        return found
+
+    # --- costs -----------------------------------------------------------------------------------
+
+    def sums(self) -> tuple[dict[str, _Sums], list[CollectiveChoice]]:
+        """Per-unit totals of the representative units and segments, and their collectives."""
+        sums: dict[str, _Sums] = {}
+        collectives: list[CollectiveChoice] = []
+        pricing, tp = self.pricing, self.pricing.tp
+        core = {d.node for d in self.problem.decisions if d.node is not None and self.facts[d.node].core}
+        for decision in self.problem.decisions:
+            if decision.node is None:
+                continue
+            facts, strategy = self.facts[decision.node], self.chosen[decision.name]
+            unit = sums.setdefault(decision.unit, _Sums())
+            seconds = pricing.compute(facts, strategy.compute_fraction)
+            share = pricing.forward_share(facts)
+            unit.forward += seconds * share
+            unit.backward += seconds * (1 - share)
+            for kind, cost in pricing.op_collectives(strategy):
+                unit.comm_forward += cost.seconds
+                if cost.algorithm != "none":
+                    collectives.append(CollectiveChoice(decision.name, "tp", kind, cost.algorithm,
+                                                        round(cost.nbytes)))
+            saved = pricing.saved(facts, strategy)
+            unit.saved += saved
+            if decision.node in core:
+                unit.core_saved += saved
+                unit.recompute += seconds * share
+                inputs = decision.node.all_input_nodes
+                unit.core_inputs += sum(self.local_bytes(inputs[k], count, size) for k, count, size
+                                        in facts.activations if inputs[k] not in core)
+            if facts.params:
+                unit.params += facts.params // tp if isinstance(strategy.output, Shard) else facts.params
+        for (rows, cols), link in self.problem.links.items():
+            for term in link.terms[self.choice[rows]][self.choice[cols]]:
+                cost = pricing.term(term)
+                unit = sums.setdefault(term.unit, _Sums())
+                if term.direction == "forward":
+                    unit.comm_forward += cost.seconds
+                else:
+                    unit.comm_backward += cost.seconds
+                if cost.algorithm != "none":
+                    collectives.append(CollectiveChoice(term.label, "tp", term.kind, cost.algorithm,
+                                                        round(cost.nbytes)))
+        return sums, collectives
+
+    def units(self, sums: dict[str, _Sums], crossing: list, entering: dict, flops: dict) -> list[UnitCost]:
+        """UnitCost per unit of the condensed graph, in execution order."""
+        graph, values = self.graph, self.pricing.values
+        cut = [0.0] * len(graph.units)
+        for node, count, size, whole, first, last in crossing:
+            local = self.local_bytes(node, count, size, whole)
+            for i in range(first, last):
+                cut[i] += local
+        shared: dict[str, int] = {}
+        for node in graph.nodes:
+            if node.op == "placeholder" and graph.owner.get(node) is None and ROLE.get(node, None) == "parameter":
+                unit = graph.unit_of.get(node)
+                shared[unit] = shared.get(unit, 0) + PARAM_COUNT.get(node, 0)
+        found = []
+        for i, unit in enumerate(graph.units):
+            own = sums.get(graph.rep_unit.get(unit, unit), _Sums())
+            forward_flops, total_flops = flops[unit]
+            kind = graph.kind_of_unit.get(unit, unit)
+            found.append(UnitCost(
+                name=unit, kind=kind, forward_seconds=own.forward, backward_seconds=own.backward,
+                tp_comm_forward_seconds=own.comm_forward, tp_comm_backward_seconds=own.comm_backward,
+                params_local=own.params + shared.get(unit, 0), saved_bytes=own.saved,
+                selective_saved_bytes=max(0.0, own.saved - own.core_saved + own.core_inputs),
+                selective_recompute_seconds=own.recompute,
+                input_bytes=sum(self.local_bytes(*tensor) for tensor in entering.get(unit, ())),
+                cut_bytes_after=cut[i] if i < len(graph.units) - 1 else 0.0,
+                model_flops=values[total_flops], model_forward_flops=values[forward_flops]))
+        return found
