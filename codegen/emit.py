@@ -1,62 +1,76 @@
-"""Emit one rank's program: the traced graph rewritten for its tp rank, with precision casts, as a
-GraphModule whose Python source is deterministic (byte-identical across runs and processes, so
-golden files catch every unintended change).
+"""Emission: a lowered graph as the ``Program`` one rank runs.
 
-The program's signature is the traced graph's: local parameters and buffers (by placeholder
-name), then the model's inputs; it returns ``(loss,)``. Process group and communication counter
-are module attributes (``self.tp_group``, ``self.comm_counter``): the same source runs with any
-group object, and ``code(rank)`` can be printed for ranks this process does not run.
+The lowering passes (xirang_compile/pipeline.py: ``LOWERING_PASSES``) leave on the graph everything a
+rank needs: the stage modules (``STAGE_MODULES``, each a GraphModule whose Python source is
+deterministic, byte-identical across runs and processes, so golden files catch every unintended
+change) and on each state placeholder the shard this rank binds (``PARAM_SHARD``). ``emit_program``
+collects them into a picklable ``Program``: a rank built elsewhere can be sent to launched ranks.
 
-Data parallelism adds nothing to the program: dp ranks run the same program on their share of
-the batch, and their gradients are averaged outside it (codegen/grad_sync). Pipeline parallelism
-(pp > 1) cuts this program into stages afterwards (codegen/compose_3d.py, which also restores
-the analysis meta the split reads on the program's nodes).
+The process group and communication counter are module attributes of every stage
+(``self.tp_group``, ``self.comm_counter``), ``None`` until ``attach`` points them at this process's:
+the same source runs with any group object, and ``code(rank)`` can be printed for ranks this
+process does not run. Data parallelism adds nothing to a program: dp ranks run the same program on
+their share of the batch, and their gradients are averaged by the runtime (codegen/runtime).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-from torch.fx import GraphModule
-
 from xirang.ir.errors import XirangError
+from xirang.ir.meta_keys import PARAM_ALIASES, PARAM_NAME, PARAM_SHARD, ROLE, STAGE_MODULES, SYMBOL_DIMS, SYMBOLS
+from xirang.passes.lowering.precision import COMPUTE_DTYPES
 
-from xirang.passes.lowering.precision import insert_precision_casts
-from xirang.passes.lowering.rewrite_tp import rewrite_for_tp_rank
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+@dataclass(frozen=True)
+class Program:
+    """Everything a rank runs, picklable: its stage modules and how to bind and feed them."""
+
+    stages: tuple  # StageModule per plan stage (passes/lowering/split_stages.py)
+    symbols: dict  # size symbol -> value the stages were built for (batch = one micro-batch)
+    batch_dims: dict  # user input name -> {dim: symbol}
+    inputs: tuple  # user input names the stages read
+    aliases: dict  # FQN -> every FQN bound to that tensor (tied weights)
+    trainable: frozenset  # FQNs of parameters (buffers and constants are bound but not trained)
+    shards: dict = field(default_factory=dict)  # FQN -> ParamShard (this rank's tp placement)
 
 
 def check_emittable(plan) -> None:
-    """Refuse what this emitter cannot run yet, before any rank builds anything."""
+    """Refuse what no program is emitted for, before any rank builds anything."""
     if plan.precision not in COMPUTE_DTYPES:
         raise XirangError(f"the plan computes in {plan.precision!r}, which no program is emitted for",
                           where="plan.precision", hint=f"re-plan with precision in {sorted(COMPUTE_DTYPES)}")
 
 
-def emit_rank_program(gm, plan, *, rank: int, device="cpu", tp_group=None, counter=None) -> GraphModule:
-    """The GraphModule global rank ``rank`` runs under ``plan`` (see the module docstring)."""
-    check_emittable(plan)
-    coords = plan.mesh.coords(rank)
-    graph = rewrite_for_tp_rank(gm, plan.placements, tp_rank=coords["tp"], tp_size=plan.mesh.tp, device=device)
-    insert_precision_casts(graph, COMPUTE_DTYPES[plan.precision])
-    graph.eliminate_dead_code()
-    graph.lint()
-    root = torch.nn.Module()
-    root.tp_group, root.comm_counter = tp_group, counter
-    return GraphModule(root, graph, class_name=f"Rank{rank}Program")
+def emit_program(gm, plan) -> Program:
+    """The ``Program`` of a graph the lowering passes ran on (see the module docstring)."""
+    stages = STAGE_MODULES.get(gm)
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    shards = {PARAM_SHARD.get(n).name: PARAM_SHARD.get(n) for n in placeholders if PARAM_SHARD.has(n)}
+    return Program(
+        stages=stages, symbols={**SYMBOLS.get(gm, {}), "batch": plan.micro_batch},
+        batch_dims={name: dict(dims) for name, dims in SYMBOL_DIMS.get(gm, {}).items()},
+        inputs=tuple(dict.fromkeys(name for stage in stages for name in stage.user_inputs)),
+        aliases={PARAM_NAME.get(n): tuple(PARAM_ALIASES.get(n, (PARAM_NAME.get(n),)))
+                 for n in placeholders if PARAM_NAME.get(n, None) is not None},
+        trainable=frozenset(PARAM_NAME.get(n) for n in placeholders if ROLE.get(n, None) == "parameter"),
+        shards=shards)
 
 
-def rank_source(gm, plan, rank: int, device="cpu") -> str:
-    """Python source of rank ``rank``'s program, with a header naming the rank and its mesh place."""
-    program = emit_rank_program(gm, plan, rank=rank, device=device)
-    coords = plan.mesh.coords(rank)
-    header = (f"# Xirang program of rank {rank}: mesh {plan.mesh}, dp {coords['dp']} pp {coords['pp']} "
-              f"tp {coords['tp']}, precision {plan.precision}\n")
-    return header + program.code.lstrip("\n")
-
-
-def attach(program: GraphModule, *, tp_group=None, counter: Optional[object] = None) -> GraphModule:
-    """Point a program at this process's live tp group and counter."""
-    program.tp_group, program.comm_counter = tp_group, counter
+def attach(program: Program, *, tp_group=None, counter: Optional[object] = None) -> Program:
+    """Point every stage module at this process's live tp group and communication counter."""
+    for stage in program.stages:
+        stage.module.tp_group, stage.module.comm_counter = tp_group, counter
     return program
+
+
+def program_source(program: Program, plan, rank: int, stages: tuple[int, ...]) -> str:
+    """Python source of the stage modules ``stages`` of ``program``, headed by the rank's mesh place."""
+    coords = plan.mesh.coords(rank)
+    parts = [f"# Xirang program of rank {rank}: mesh {plan.mesh}, dp {coords['dp']} pp {coords['pp']} "
+             f"tp {coords['tp']}, precision {plan.precision}, schedule {plan.schedule}\n"]
+    for index in stages:
+        stage = program.stages[index]
+        parts.append(f"# stage {index}: receives {[c.name for c in stage.crossing_in]}, sends "
+                     f"{[c.name for c in stage.crossing_out] or ['the loss']}\n" + stage.module.code.lstrip("\n"))
+    return "\n".join(parts)

@@ -87,3 +87,17 @@ class BlockInfo:
     path: str  # module FQN of the block instance, e.g. "model.layers.17"
     index: int  # position among the blocks of the model, in execution order
     kind: str  # short structural hash shared by all blocks of the same kind
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """How a rank holds one placeholder bound to model state: its FQN (and tied aliases), role
+    ('parameter', 'buffer', 'constant'), tp placement and the full (unsharded) shape. The runtime
+    binds ``shard_of(full, placement, tp_rank, tp)`` and undoes it for ``full_state_dict``."""
+
+    placeholder: str
+    name: str
+    aliases: tuple
+    role: str
+    placement: object
+    full_shape: tuple

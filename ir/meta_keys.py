@@ -12,7 +12,8 @@ from typing import Any, Generic, TypeVar
 
 import sympy
 
-from xirang.ir.facts import BlockInfo, ByteCount, FlopCount, SourceLocation, TensorInfo
+from xirang.ir.facts import BlockInfo, ByteCount, FlopCount, ParamShard, SourceLocation, TensorInfo
+from xirang.ir.plan_parts import NodeStrategy
 
 T = TypeVar("T")
 
@@ -73,6 +74,16 @@ BLOCK = MetaKey("xr_block", BlockInfo, "repeated block the node belongs to (None
 UNIT = MetaKey("xr_unit", str, "node of the condensed block graph holding this node: 'block:<path>' or "
                "'segment:<k>' (ops between blocks); a placeholder belongs to its first reader's unit")
 
+# --- node facts written by the lowering passes (one rank's program) ------------------------------
+LAYOUT = MetaKey("xr_layout", NodeStrategy, "the plan's sharding rule for the node: tp layout of each tensor "
+                 "input and output (plan.placements, stamped on by apply_plan)")
+RUN_DTYPE = MetaKey("xr_run_dtype", str, "dtype the node's tensor has at run time under the plan's precision "
+                    "(differs from TENSOR's traced dtype in half precision)", sparse=True)
+PARAM_SHARD = MetaKey("xr_param_shard", ParamShard, "how this rank holds the state a placeholder binds", sparse=True)
+INSERTED = MetaKey("xr_inserted", str, "why a lowering pass inserted the node (a resharding collective, a "
+                   "precision cast); absent on nodes of the traced graph", sparse=True)
+STAGE = MetaKey("xr_stage", int, "pipeline stage (index into plan.stages) the node runs in")
+
 # --- graph facts (gm.meta) --------------------------------------------------------------------
 SYMBOLS = MetaKey("xr_symbols", dict, "symbol name -> value at the example inputs (e.g. batch, seq)",
                   scope="graph")
@@ -90,6 +101,9 @@ BLOCK_GRAPH = MetaKey("xr_block_graph", object,
 UNPRICED_OPS = MetaKey("xr_unpriced_ops", tuple, "ops with no FLOP rule (counted as 0 FLOPs)", scope="graph")
 BLOCK_KINDS = MetaKey("xr_block_kinds", dict, "structural hash -> list of block paths of that kind",
                       scope="graph")
+
+STAGE_MODULES = MetaKey("xr_stage_modules", tuple, "the rank's program cut into its pipeline stages: one "
+                        "StageModule per plan stage (passes/lowering/split_stages.py)", scope="graph")
 
 NODE_KEYS = tuple(k for k in globals().values() if isinstance(k, MetaKey) and k.scope == "node")
 GRAPH_KEYS = tuple(k for k in globals().values() if isinstance(k, MetaKey) and k.scope == "graph")

@@ -25,6 +25,20 @@ class CompileContext:
 
 
 @dataclass(frozen=True)
+class LoweringContext:
+    """What the lowering passes turn an analysed graph into: ``rank``'s program under ``plan``
+    (a ``xirang.ir.plan.Plan``), its tensors on ``device``."""
+
+    plan: Any
+    rank: int
+    device: Any = "cpu"
+
+    @property
+    def coords(self) -> dict:
+        return self.plan.mesh.coords(self.rank)
+
+
+@dataclass(frozen=True)
 class Pass:
     fn: Callable
     name: str

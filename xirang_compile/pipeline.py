@@ -1,6 +1,8 @@
 """The compiler, as one list of passes. Read top to bottom: each line is one pass file in passes/.
 
-The pass manager checks this order against what each pass requires and provides before running it.
+The pass manager checks each list's order against what each pass requires and provides before
+running it. Analysis runs once per model; lowering runs once per rank, on a copy of the analysed
+graph, after the plan is made (xirang_compile/lower.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,12 @@ from xirang.passes.analysis.memory_traffic import count_bytes
 from xirang.passes.analysis.parameters import count_parameters
 from xirang.passes.analysis.tensors import annotate_tensors
 from xirang.passes.analysis.trace import trace_model
+from xirang.passes.lowering.apply_plan import apply_plan
+from xirang.passes.lowering.compute_dtypes import plan_run_dtypes
+from xirang.passes.lowering.precision import insert_precision_casts
+from xirang.passes.lowering.rewrite_tp import insert_collectives
+from xirang.passes.lowering.shard_parameters import shard_parameters
+from xirang.passes.lowering.split_stages import assign_stages, split_stages
 
 ANALYSIS_PASSES = [
     trace_model,          # model -> aten training graph on fake tensors; batch/seq symbolic
@@ -23,3 +31,17 @@ ANALYSIS_PASSES = [
     find_blocks,          # repeated blocks and their structural kinds
     build_dependencies,   # networkx dependency graph, condensed to blocks
 ]
+
+# (planning sits between the two lists: xirang.plan reads the analysed graph and returns a Plan)
+
+LOWERING_PASSES = [
+    apply_plan,              # copy of the analysed graph, the plan's layout on every node
+    plan_run_dtypes,         # run-time dtype of every tensor in half precision
+    shard_parameters,        # the shard of each parameter/buffer this rank binds
+    insert_collectives,      # this tp rank's program: local shapes, collectives on the edges
+    insert_precision_casts,  # fp32 master weights read in the compute dtype, fp32 loss
+    assign_stages,           # pipeline stage of every node (pp = 1: one stage)
+    split_stages,            # one module per stage, sizes fixed at one micro-batch
+]
+
+ANALYSIS_PROVIDES = tuple(key for compiler_pass in ANALYSIS_PASSES for key in compiler_pass.provides)

@@ -47,7 +47,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
          tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
          micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
          recompute: Optional[str] = None, efficiency: Optional[Efficiency] = None,
-         progress: Optional[Callable[[PlanProgress], None]] = None) -> Plan:
+         progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
     ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
@@ -56,14 +56,15 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     ``precision``: "bf16" on GPUs, "fp32" on "cpu" unless given. ``tp``, ``pp``, ``dp``,
     ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved"), ``virtual_stages`` and
     ``recompute`` ("none", "selective", "full") pin a choice. ``progress`` receives a
-    ``PlanProgress`` after each step.
+    ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
+    has it already (``xirang.compile`` traces once for planning and lowering).
     """
-    world = _world(world, device)
+    world = as_world(world, device)
     precision = _precision(precision, world)
     check_global_batch(global_batch)  # before the trace, which is the slow part
     report_progress = progress or (lambda event: None)
     start = time.perf_counter()
-    report = analyze(model, example_inputs, example_kwargs)
+    report = analysed or analyze(model, example_inputs, example_kwargs)
     gm, seq = report.graph_module, _seq(seq, report.symbols)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("analyse", seconds, f"traced and analysed {report.total_params:,} parameters, "
@@ -97,7 +98,9 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     return made
 
 
-def _world(world, device) -> World:
+def as_world(world, device=None) -> World:
+    """The World ``world`` names (a device count, "NxM" or a World, ``device`` the preset of a count),
+    as ``parse_world``, but a bad argument raises a XirangError naming it and what would be valid."""
     try:
         return parse_world(world, device)
     except ValueError as error:
@@ -107,6 +110,9 @@ def _world(world, device) -> World:
         raise XirangError(str(error), where=f"world={world!r}",
                           hint="pass world=N devices, 'NxM' (N nodes of M devices) or a World; give "
                                "device= only with N or 'NxM'") from None
+
+
+_world = as_world  # the old private name, until xirang_compile/compile_api.py imports as_world
 
 
 def _precision(precision, world: World) -> str:

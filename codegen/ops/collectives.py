@@ -30,14 +30,36 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
+from xirang.ir.errors import XirangError
+
+
+class Unattached:
+    """What a lowered program holds as its process group and counter until the runtime attaches this
+    process's (``codegen.emit.attach``): a program can be built, printed and sent anywhere, and one
+    run unattached fails naming the fix instead of silently running as one rank."""
+
+    def __repr__(self) -> str:
+        return "<unattached>"
+
+
+UNATTACHED = Unattached()
+
+
+def _live(group):
+    if isinstance(group, Unattached):
+        raise XirangError("a lowered program ran a collective before it was attached to a process group",
+                          where="the program's tp_group attribute",
+                          hint="run programs through CompiledModel, or call xirang.codegen.emit.attach(program, "
+                               "tp_group=...) first")
+    return group
 
 
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if _live(group) is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if _live(group) is None else dist.get_rank(group)
 
 
 def _pad_to_multiple(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:

@@ -75,5 +75,5 @@ class CommCounter:
 def record_call(counter: Optional[CommCounter], kind: str, nbytes: int, group_size: int,
                 label: str, emulated: bool = False) -> None:
     """Record on ``counter`` if one was passed; the call sites stay one line."""
-    if counter is not None:
+    if isinstance(counter, CommCounter):  # None: nothing counts; an unattached program fails on its group
         counter.record(kind, nbytes, group_size, label, emulated)

@@ -66,3 +66,12 @@ def local_size(full: int, tp: int) -> int:
     """One rank's share of a dim of ``full`` elements split over ``tp`` ranks (ceil, as
     ir/placement.local_shape): for sizes known only at run time (a batch or seq SymInt)."""
     return -(-full // tp)
+
+
+def unify_float_dtypes(tensors: tuple, dtype: torch.dtype) -> tuple:
+    """``tensors`` unchanged if their floating members share a dtype, else each floating one cast to
+    ``dtype`` (integers, booleans and non-tensors pass through: a boolean attention mask stays one)."""
+    floating = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if len(floating) <= 1:
+        return tuple(tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)

@@ -144,8 +144,8 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
 # Modules every rank imports. A forkserver imports them once; each rank is then a fork of it, so
 # starting 8 ranks costs milliseconds instead of 8 fresh interpreters importing torch (seconds on
 # 2 cores). The server is started by the first launch and serves every later one in this process.
-_PRELOAD = ["torch", "torch.distributed", "xirang", "xirang.codegen.runtime.launch", "xirang.codegen.runtime.runtime",
-            "xirang.codegen.runtime.pipeline_runtime", "xirang.codegen.runtime.compose_3d"]
+_PRELOAD = ["torch", "torch.distributed", "xirang", "xirang.codegen.runtime.launch",
+            "xirang.codegen.runtime.compiled_model"]
 
 
 def _start_context():

@@ -21,7 +21,8 @@ from xirang.ir.errors import XirangError
 from xirang.ir.placement import Replicate
 
 from xirang.codegen.ops.padding import shard_of
-from xirang.codegen.runtime.shard_params import ParamShard, full_tensor, load_local
+from xirang.codegen.runtime.shard_params import full_tensor, load_local
+from xirang.ir.facts import ParamShard
 from xirang.passes.lowering.split_stages import tied_parameters
 
 

@@ -10,12 +10,20 @@ from xirang.ir.errors import TraceError
 
 def name_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, object]:
     """Bind positional and keyword example inputs to the names of ``model.forward``'s parameters."""
+    return bind_inputs(model.forward, args, kwargs, owner=type(model).__name__)
+
+
+def bind_inputs(forward, args: tuple, kwargs: dict, owner: str = "the model") -> dict[str, object]:
+    """Bind positional and keyword inputs to the names of the parameters of ``forward``."""
+    if forward is None:
+        raise TraceError("positional inputs need the model's forward to name them", where="train_step",
+                         hint="pass the inputs by name (train_step(input_ids=..., labels=...))")
     try:
-        signature = inspect.signature(model.forward)
+        signature = inspect.signature(forward)
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError) as exc:
         raise TraceError(
-            f"the example inputs do not match {type(model).__name__}.forward: {exc}",
+            f"the example inputs do not match {owner}.forward: {exc}",
             hint="pass example_inputs as the positional arguments and example_kwargs as the keyword "
                  "arguments you would give the model's forward",
         ) from None

@@ -7,7 +7,8 @@ the hidden state becomes bf16, while a tensor computed from fp32 buffers only (L
 cos/sin) or upcast on purpose stays fp32. A pipeline cut allocates its receive buffers from these
 dtypes before the step, so it needs the run-time ones, not the traced ones.
 
-``compute_dtypes(gm, dtype)`` writes the same casts into a copy of the graph, runs it on fake
+The lowering pass ``plan_run_dtypes`` records them as each node's ``RUN_DTYPE`` before the graph
+is rewritten (nothing in fp32, where the traced dtypes hold); ``compute_dtypes(gm, dtype)`` writes the same casts into a copy of the graph, runs it on fake
 tensors (no memory, no FLOPs) and returns node name -> dtype for each node of ``gm`` producing a
 tensor. The dtypes do not depend on sizes, so the example's symbol values do.
 """
@@ -19,9 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
-from xirang.ir.meta_keys import SYMBOLS, TENSOR
-
-from xirang.passes.lowering.precision import insert_precision_casts
+from xirang.ir.meta_keys import RUN_DTYPE, SYMBOLS, TENSOR
+from xirang.ir.pass_spec import compiler_pass
+from xirang.passes.lowering.precision import COMPUTE_DTYPES, write_precision_casts
 
 
 _CHECKS_ONLY = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -53,7 +54,7 @@ def compute_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.dt
     symbols = SYMBOLS.get(gm, {})
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node names and meta kept
-    insert_precision_casts(graph, dtype, fp32_loss=False)  # the traced graph returns every output
+    write_precision_casts(graph, dtype, fp32_loss=False)  # the traced graph returns every output
     interpreter = _DtypeInterpreter(fx.GraphModule(gm, graph))
     with FakeTensorMode(allow_non_fake_inputs=True):
         inputs = [_fake_input(node, symbols) for node in gm.graph.nodes if node.op == "placeholder"]
@@ -69,3 +70,16 @@ def _fake_input(node, symbols: dict):
         return val  # a non-tensor input (an int, None) is passed as traced
     shape = tuple(evaluate(size, symbols) for size in info.shape)
     return torch.empty(shape, dtype=val.dtype)  # fp32 master weights: the graph's casts do the rest
+
+
+@compiler_pass(requires=(TENSOR,), provides=(RUN_DTYPE,))
+def plan_run_dtypes(gm, ctx):
+    """Record the run-time dtype of every tensor in half precision (nothing in fp32)."""
+    dtype = COMPUTE_DTYPES[ctx.plan.precision]
+    if dtype == torch.float32:
+        return gm
+    found = compute_dtypes(gm, dtype)
+    for node in gm.graph.nodes:
+        if node.name in found:
+            RUN_DTYPE.set(node, str(found[node.name]).removeprefix("torch."))
+    return gm

@@ -23,9 +23,14 @@ import operator
 import torch
 from torch.fx import Graph
 
-from xirang.ir.meta_keys import ROLE
+from xirang.codegen.ops.local_ops import unify_float_dtypes
+from xirang.ir.facts import TensorInfo
+from xirang.ir.meta_keys import INSERTED, REQUIRES_GRAD, ROLE, TENSOR, UNIT
+from xirang.ir.pass_spec import compiler_pass
+from xirang.passes.lowering.inserted import place_inserted
 
 aten = torch.ops.aten
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # plan.precision
 # ops whose floating tensor inputs must share one dtype (elementwise ops promote instead)
 ONE_DTYPE_OPS = frozenset({
     aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
@@ -34,16 +39,7 @@ ONE_DTYPE_OPS = frozenset({
     aten.native_layer_norm.default, aten.group_norm.default, aten.batch_norm.default, aten.rms_norm.default})
 
 
-def unify_float_dtypes(tensors: tuple, dtype: torch.dtype) -> tuple:
-    """``tensors`` unchanged if their floating members share a dtype, else each floating one cast to
-    ``dtype`` (integers, booleans and non-tensors pass through: a boolean attention mask stays one)."""
-    floating = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    if len(floating) <= 1:
-        return tuple(tensors)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
-
-
-def insert_precision_casts(graph: Graph, dtype: torch.dtype, *, fp32_loss: bool = True) -> None:
+def write_precision_casts(graph: Graph, dtype: torch.dtype, *, fp32_loss: bool = True) -> None:
     """Write the module docstring's policy into ``graph`` (nothing for fp32). ``fp32_loss``: the
     graph returns ``(loss,)`` (an emitted program), to be returned in fp32."""
     if dtype == torch.float32:
@@ -85,3 +81,30 @@ def _unify_inputs(graph: Graph, node, dtype: torch.dtype) -> None:
         replacement = {arg: graph.call_function(operator.getitem, (unified, index)) for index, arg in enumerate(inputs)}
     node.args = tuple(replacement.get(a, a) if isinstance(a, torch.fx.Node) else a for a in node.args)
     node.kwargs = {k: replacement.get(v, v) if isinstance(v, torch.fx.Node) else v for k, v in node.kwargs.items()}
+
+
+@compiler_pass(requires=(TENSOR, UNIT, REQUIRES_GRAD), provides=(INSERTED,))
+def insert_precision_casts(gm, ctx):
+    """Write the plan's precision policy (module docstring) into this rank's program."""
+    dtype = COMPUTE_DTYPES[ctx.plan.precision]
+    before = set(gm.graph.nodes)
+    write_precision_casts(gm.graph, dtype)
+    added = [node for node in gm.graph.nodes if node not in before]
+    for node in added:
+        _describe_cast(node)
+    place_inserted(gm.graph, added, f"precision {ctx.plan.precision}")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _describe_cast(node) -> None:
+    """``TENSOR`` and ``REQUIRES_GRAD`` of a node the policy inserted: a cast has its input's shape in
+    the cast's dtype; the outputs of ``unify_float_dtypes`` depend on the run and carry no ``TENSOR``
+    (a pipeline cut through one is refused by the split, naming it)."""
+    inputs = node.all_input_nodes
+    REQUIRES_GRAD.set(node, any(REQUIRES_GRAD.get(arg, False) or ROLE.get(arg, None) == "parameter" for arg in inputs))
+    info = TENSOR.get(inputs[0], None) if inputs else None
+    if node.target is aten._to_copy.default and isinstance(info, TensorInfo):
+        dtype = node.kwargs["dtype"]
+        TENSOR.set(node, TensorInfo(info.shape, str(dtype).removeprefix("torch."), dtype.itemsize))

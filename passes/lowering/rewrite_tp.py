@@ -1,6 +1,8 @@
-"""Rewrite the traced graph into one tp rank's program: local tensors, collectives on the edges.
+"""Lowering pass ``insert_collectives``: the graph as one tp rank's program, local tensors and
+collectives on the edges.
 
-Every node keeps its name and op; what changes, from the plan's tp placements:
+Every node keeps its name, op and meta (its ``TENSOR`` made local: the shape this rank holds under
+the node's output layout, in its run-time dtype); what changes, from the nodes' ``LAYOUT``:
 
 - an edge whose producer's output layout differs from the layout the consumer reads gets the
   collective that converts it (``reshard``): Partial -> R all-reduce (Megatron's g), S -> R
@@ -19,17 +21,23 @@ Collectives are call_function nodes on the functions of ``collectives.py`` / ``l
 process group and the communication counter are module attributes of the emitted GraphModule
 (``tp_group = self.tp_group``, ``comm_counter = self.comm_counter``) so the program is one
 readable function and the same code runs with any group object (None: this rank alone).
+
+Each inserted node says why (``INSERTED``), holds the local ``TENSOR`` of its result and runs in
+the unit of its first reader (passes/lowering/inserted.py), so the stage split needs nothing else.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 
 from xirang.ir.errors import XirangError
-from xirang.ir.meta_keys import PARAM_NAME, REQUIRES_GRAD, ROLE
-from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.facts import TensorInfo
+from xirang.ir.meta_keys import INSERTED, LAYOUT, REQUIRES_GRAD, ROLE, RUN_DTYPE, TENSOR, UNIT
+from xirang.ir.pass_spec import compiler_pass
+from xirang.ir.placement import Partial, Replicate, Shard, local_shape
+from xirang.passes.lowering.inserted import place_inserted
 from xirang.passes.planning.sharding_rules import Strategy, gradient_placements
 
 from xirang.codegen.ops import collectives, local_ops
@@ -41,15 +49,16 @@ SKIPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)  # trace-time ch
 
 
 class TpRewriter:
-    """Builds the program of tp rank ``tp_rank`` of ``tp_size`` from ``gm`` and ``placements``."""
+    """Builds the program of tp rank ``tp_rank`` of ``tp_size`` from ``gm`` and its nodes' ``LAYOUT``."""
 
-    def __init__(self, gm, placements, *, tp_rank: int, tp_size: int, device: torch.device):
-        self.gm, self.placements = gm, placements
+    def __init__(self, gm, *, tp_rank: int, tp_size: int, device: torch.device):
+        self.gm = gm
         self.tp_rank, self.tp_size, self.device = tp_rank, tp_size, device
         self.graph = Graph()
         self.env: dict[Node, Node] = {}
         self.resharded: dict[tuple, Node] = {}  # (producer, placement, via f) -> node read
         self._attrs: dict[str, Node] = {}
+        self.inserted: list[Node] = []  # every node this rewrite added, in creation order
 
     # --- attributes of the emitted module --------------------------------------------------------
 
@@ -60,7 +69,9 @@ class TpRewriter:
 
     def call(self, fn, args: tuple, kwargs: Optional[dict] = None) -> Node:
         """A call to ``fn``, named after it (``reduce_from_group_3``) so the program reads as calls."""
-        return self.graph.call_function(fn, args, kwargs or {})
+        node = self.graph.call_function(fn, args, kwargs or {})
+        self.inserted.append(node)
+        return node
 
     def comm(self) -> dict:
         return {"counter": self.attr("comm_counter")}
@@ -72,11 +83,7 @@ class TpRewriter:
         for node in nodes:
             if node.op == "placeholder":
                 new = self.graph.placeholder(node.name)
-                for key in (ROLE, PARAM_NAME):
-                    if key.has(node):
-                        key.set(new, key.get(node))
-                if isinstance(node.meta.get("val"), torch.Tensor):
-                    new.meta["val"] = node.meta["val"]  # full (global) fake tensor: shapes for shard maps
+                self._keep_meta(node, new)  # "val" stays the full (global) fake tensor: shapes for shard maps
                 self.env[node] = new
         for node in nodes:
             if node.op == "placeholder":
@@ -87,14 +94,36 @@ class TpRewriter:
                 if node.target in SKIPPED_OPS:
                     continue
                 self.env[node] = self._call(node)
+                self._keep_meta(node, self.env[node])
             else:
                 raise XirangError(f"unexpected {node.op} node {node.name} in the traced graph",
                                   where=f"node {node.name}", hint="report this model; traced graphs hold "
                                                                   "placeholders, call_function and output")
         return self.graph
 
+    def _keep_meta(self, source: Node, node: Node) -> None:
+        """``source``'s meta on its rewritten ``node``, ``TENSOR`` made local and in the run-time dtype."""
+        node.meta.update(source.meta)
+        info = TENSOR.get(source, None)
+        if isinstance(info, TensorInfo):
+            TENSOR.set(node, self._local_info(source, info, self.produced(source)))
+
+    def _local_info(self, value: Node, info: TensorInfo, placement) -> TensorInfo:
+        dtype = RUN_DTYPE.get(value, None)
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size() if dtype else info.itemsize
+        return TensorInfo(local_shape(info.shape, placement, self.tp_size), dtype or info.dtype, itemsize)
+
+    def _describe_conversion(self, value: Node, node: Node, wanted) -> Node:
+        """An inserted node holding ``value`` as ``wanted``: its local tensor and gradient flag."""
+        info = TENSOR.get(value, None)
+        if isinstance(info, TensorInfo):
+            TENSOR.set(node, self._local_info(value, info, wanted))
+        REQUIRES_GRAD.set(node, bool(REQUIRES_GRAD.get(value, False)) or ROLE.get(value, None) == "parameter")
+        INSERTED.set(node, f"tp: {value.name} as {wanted}")
+        return node
+
     def _call(self, node: Node) -> Node:
-        strategy = self.placements[node.name]
+        strategy = self.layout(node)
         reads = self._inputs(node, strategy)
         args = torch.fx.node.map_arg(node.args, lambda v: reads[v])
         kwargs = {k: self._device(v) for k, v in torch.fx.node.map_arg(node.kwargs, lambda v: reads[v]).items()}
@@ -110,7 +139,7 @@ class TpRewriter:
         """Return the loss only: the first output (HF models also return logits), made R."""
         values = node.args[0]
         loss = values[0] if isinstance(values, (tuple, list)) else values
-        strategy = self.placements.get(node.name)
+        strategy = LAYOUT.get(node, None)
         position = node.all_input_nodes.index(loss)
         wanted = strategy.inputs[position].tp if strategy is not None else R
         if wanted != R:
@@ -133,10 +162,17 @@ class TpRewriter:
             reads[value] = self.reshard(value, layout.tp, via_f=via_f)
         return reads
 
+    def layout(self, node: Node):
+        strategy = LAYOUT.get(node, None)
+        if strategy is None:
+            raise XirangError(f"node {node.name} ({node.target}) has no layout", where=f"plan.placements[{node.name!r}]",
+                              hint="re-plan this model (xirang.plan): the plan must list every computing node")
+        return strategy
+
     def produced(self, value: Node):
         """The tp placement ``value``'s output has (element ``i`` for ``getitem(multi, i)``)."""
-        strategy = self.placements[value.name]
-        return strategy.outputs[0].tp if strategy.outputs else R
+        strategy = LAYOUT.get(value, None)
+        return strategy.outputs[0].tp if strategy is not None and strategy.outputs else R
 
     def reshard(self, value: Node, wanted, *, via_f: bool = False) -> Node:
         """The node holding ``value`` in placement ``wanted`` (collectives added once per producer)."""
@@ -146,8 +182,11 @@ class TpRewriter:
         if via_f:
             found = self.call(collectives.copy_to_group, (self.reshard(value, wanted), self.attr("tp_group")),
                               self.comm())
+            self._describe_conversion(value, found, wanted)
         else:
             found = self._convert(value, self.env[value], self.produced(value), wanted)
+            if found is not self.env[value]:
+                self._describe_conversion(value, found, wanted)
         self.resharded[key] = found
         return found
 
@@ -209,7 +248,17 @@ def _full_shape(value: Node) -> tuple:
                  for s in shape)
 
 
-def rewrite_for_tp_rank(gm, placements, *, tp_rank: int, tp_size: int, device) -> Graph:
-    """The program graph of tp rank ``tp_rank``: see the module docstring."""
-    return TpRewriter(gm, placements, tp_rank=tp_rank, tp_size=tp_size, device=torch.device(device)).run()
+@compiler_pass(requires=(LAYOUT, TENSOR, UNIT, REQUIRES_GRAD), provides=(INSERTED,))
+def insert_collectives(gm, ctx):
+    """Rewrite the graph into this tp rank's program (see the module docstring)."""
+    rewriter = TpRewriter(gm, tp_rank=ctx.coords["tp"], tp_size=ctx.plan.mesh.tp, device=torch.device(ctx.device))
+    graph = rewriter.run()
+    graph.eliminate_dead_code()
+    place_inserted(graph, [node for node in rewriter.inserted if node.graph is graph and node in graph.nodes
+                           and not node.op == "get_attr"], "tp resharding")
+    root = torch.nn.Module()
+    root.tp_group = root.comm_counter = collectives.UNATTACHED  # this process's are attached by the runtime
+    program = GraphModule(root, graph, class_name=f"Rank{ctx.rank}Program")
+    program.meta.update(gm.meta)
+    return program
 

@@ -1,8 +1,10 @@
-"""Cut an analysed (or tp-rewritten, per-rank) GraphModule into one GraphModule per pipeline stage.
+"""Lowering passes ``assign_stages`` and ``split_stages``: a rank's program cut into one GraphModule
+per pipeline stage (pp = 1 is a one-stage pipeline: the whole program is stage 0).
 
-``split_stages(gm, plan.stages, symbols)`` reads the ``UNIT`` meta of every node
-(passes/dependencies.py) and the plan's ``StagePlan.units`` (contiguous in execution order), and
-builds for stage ``i`` a module called as
+``assign_stages`` gives every computing node the ``STAGE`` of its ``UNIT`` (passes/analysis/
+dependencies.py) in the plan's ``StagePlan.units`` (contiguous in execution order); a cast computed
+from parameters alone is copied into every stage that reads it (below). ``split_stages`` then builds
+for stage ``i`` a module called as
 
     stage_i(*parameters, *crossing_in, *user_inputs) -> tuple(crossing_out)   # (loss,) on the last
 
@@ -17,9 +19,18 @@ builds for stage ``i`` a module called as
 - ``user_inputs``: the model inputs (``input_ids``, ``labels``) the stage reads; each rank is given
   the batch, so a stage never receives them from a neighbour.
 
-A tp rank's program (codegen/compose_3d.py) splits the same way: its collectives carry the
-``UNIT`` of the node they feed, and its ``get_attr`` nodes (the tp group, the communication
-counter) are module attributes every stage that reads them gets.
+A tp rank's program splits the same way: its collectives carry the ``UNIT`` of the node they feed
+(passes/lowering/inserted.py), and its ``get_attr`` nodes (the tp group, the communication
+counter) are module attributes every stage that reads them gets. What crosses a cut is sent at its
+LOCAL shape: the hidden state between blocks is replicated on tp (full shape), a tensor the plan
+keeps sharded there travels as this rank's shard; each tp rank of a stage exchanges with the same
+tp index of the neighbour stages. In half precision what crosses travels in its run-time dtype.
+
+A node computed from bound state only (the half-precision cast of a parameter) is copied into each
+unit that reads it, so each stage computes it from its own copy of the parameter instead of
+receiving it across every cut in between: a tied embedding's bf16 cast would otherwise travel from
+the first stage to the last, a vocabulary x hidden tensor on every link each micro-batch and its
+gradient back, where fp32 needs one tied-gradient sum per step.
 
 Symbolic sizes: shapes are static per plan (micro-batch and sequence fixed), so every SymInt node
 (``aten.sym_size.int`` and arithmetic on it) is folded to a Python int evaluated at ``symbols``.
@@ -38,7 +49,9 @@ from torch import fx
 
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
-from xirang.ir.meta_keys import PARAM_NAME, REQUIRES_GRAD, ROLE, TENSOR, TORCH_SYMBOLS, UNIT
+from xirang.ir.meta_keys import (INSERTED, PARAM_NAME, REQUIRES_GRAD, ROLE, STAGE, STAGE_MODULES, SYMBOLS, TENSOR,
+                                 TORCH_SYMBOLS, UNIT)
+from xirang.ir.pass_spec import compiler_pass
 
 from xirang.codegen.ops.local_ops import local_size
 
@@ -82,22 +95,41 @@ class StageModule:
         return self.module(*parameters, *crossing_in, *user_inputs)
 
 
-def split_stages(gm: fx.GraphModule, stages, symbols: dict) -> tuple[StageModule, ...]:
-    """One ``StageModule`` per entry of ``stages`` (``Plan.stages``: ``StagePlan`` with ``units``).
+@compiler_pass(requires=(UNIT,), provides=(STAGE,))
+def assign_stages(gm, ctx):
+    """Give every computing node the pipeline stage of its unit under the plan's cuts."""
+    for node in [node for node in gm.graph.nodes if INSERTED.has(node)]:
+        _one_per_reading_unit(gm.graph, node)
+    for node, stage in _stage_of_nodes(gm, ctx.plan.stages).items():
+        STAGE.set(node, stage)
+    gm.recompile()
+    return gm
+
+
+@compiler_pass(requires=(STAGE, TENSOR, REQUIRES_GRAD), provides=(STAGE_MODULES,))
+def split_stages(gm, ctx):
+    """Cut the program into one module per stage, sizes fixed at one micro-batch."""
+    symbols = {**SYMBOLS.get(gm, {}), "batch": ctx.plan.micro_batch}
+    STAGE_MODULES.set(gm, build_stage_modules(gm, len(ctx.plan.stages), symbols))
+    return gm
+
+
+def build_stage_modules(gm: fx.GraphModule, num_stages: int, symbols: dict) -> tuple[StageModule, ...]:
+    """One ``StageModule`` per stage of ``gm``'s ``STAGE`` meta (see the module docstring).
 
     ``symbols``: value of each size symbol for ONE micro-batch, e.g. ``{"batch": 2, "seq": 16}``.
     """
-    stage_of = _stage_of_nodes(gm, stages)
+    stage_of = {node: STAGE.get(node) for node in gm.graph.nodes if STAGE.has(node)}
     folded = _fold_symbolic_ints(gm, symbols)
     loss = _loss_node(gm)
-    last = len(stages) - 1
+    last = num_stages - 1
     if stage_of.get(loss) != last:
         raise XirangError(f"the loss ({loss.name}) is computed in stage {stage_of.get(loss)}, not the last stage "
                           f"{last}", where=f"unit {UNIT.get(loss, '?')}",
                           hint="the plan's last stage must hold the loss: put the final units in it")
     cuts = [_crossing(gm, stage_of, folded, cut, symbols) for cut in range(last)]
     built = []
-    for index in range(len(stages)):
+    for index in range(num_stages):
         crossing_in = cuts[index - 1] if index > 0 else ()
         crossing_out = cuts[index] if index < last else ()
         built.append(_build_stage(gm, index, stage_of, folded, crossing_in, crossing_out,
@@ -140,6 +172,26 @@ def _stage_of_nodes(gm, stages) -> dict:
                                   f"{stage_of[arg]}", where=f"unit {unit}",
                                   hint="a plan's stages must hold units in execution order; re-plan")
     return stage_of
+
+
+def _one_per_reading_unit(graph, node) -> None:
+    """Copy ``node`` into each unit that reads it when it computes from bound state only (module
+    docstring)."""
+    if not node.all_input_nodes or any(arg.op != "placeholder" for arg in node.all_input_nodes):
+        return
+    if not all(UNIT.has(user) for user in node.users):
+        return  # read outside every unit (not seen in practice): left where it is
+    by_unit: dict = {}
+    for user in node.users:
+        by_unit.setdefault(UNIT.get(user), []).append(user)
+    first, *others = by_unit
+    UNIT.set(node, first)
+    for unit in others:
+        with graph.inserting_after(node):
+            copy = graph.node_copy(node)  # copies the meta too: TENSOR, REQUIRES_GRAD, INSERTED
+        UNIT.set(copy, unit)
+        for user in by_unit[unit]:
+            user.replace_input_with(node, copy)
 
 
 def _loss_node(gm) -> fx.Node:

@@ -29,7 +29,7 @@ def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False
 
 
 def compiled_run(compiled, batch, steps: int) -> dict:
-    """``single_device_run``'s loop on a ``CompiledModel``/``PipelinedModel`` in a rank: the same
+    """``single_device_run``'s loop on a ``CompiledModel`` in a rank: the same
     global batch per step, gradients and parameters gathered to full tensors (collective calls:
     every rank runs this)."""
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)

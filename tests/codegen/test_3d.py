@@ -1,6 +1,6 @@
 """Full 3D composition (dp x tp x pp) equals the single-device model, on 8 CPU gloo ranks.
 
-Each rank's tp-rewritten program is cut into its pipeline stages (codegen/compose_3d.py) and run by
+Each rank's program, lowered by the lowering passes (tp rewrite, then the stage split), is run by
 the pipeline executor with dp buckets per stage and tied-weight sums across the first and last
 stage. One launch of 8 ranks runs every configuration; each rank returns its numbers and the
 parent compares them with a single-device run: the loss of every step, the gathered gradients,
@@ -12,14 +12,14 @@ zero in exact arithmetic are rounding noise that Adam's first step would amplify
 Plans here are made on the CPU model (test_equivalence.py plans on meta: the traces agree).
 
 Three configurations go through ``xirang.compile`` in the ranks (each rank traces: the slow part);
-the others build the same pieces (``PipelinedModel``, or ``rank_pipeline_program`` and
-``PipelineRuntime`` under it) on one trace per model and rank. Interleaved 1F1B runs with v = 2 on
+the others build the same pieces (``lower`` then ``CompiledModel``, from the model or from its state
+dict alone) on one trace per model and rank. Interleaved 1F1B runs with v = 2 on
 the two-layer models: pp 2 x v 2 virtual stages take the four units (embedding, two blocks, head).
 
 Half precision: bf16 plans of the in-repo GPT and Llama at (2, 2, 2) and GPT-2 at (1, 2, 4) run
 close to the fp32 model, as tests/codegen/test_precision.py checks them on one rank: the loss
 within 2%, every gradient at cosine > 0.99 (the HF models cast to fp32 on their own: see
-codegen/precision.py).
+passes/lowering/precision.py).
 
 One job also checks the API the launch is the only place to exercise: ``load_full_state_dict``
 (each rank loads its stages' shards, tied copies both; the errors name the FQN and the shapes)
@@ -32,11 +32,11 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
-from xirang.codegen.runtime.compose_3d import PipelinedModel, rank_pipeline_program
+from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.passes.lowering.compute_dtypes import compute_dtypes
 from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.pipeline_runtime import PipelineRuntime
+from xirang.lower import lower
 from xirang.codegen.runtime.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
@@ -130,11 +130,11 @@ def _rank_main(rank, world, jobs):
             if name not in traced:
                 traced[name] = xirang.analyze(build(name), example_kwargs=batch(0, 2)).graph_module
             groups = build_mesh_groups(plan.mesh)
-            if how == "model":  # what compile returns, built on the shared trace
-                compiled = PipelinedModel(build(name), traced[name], plan, groups)
-            else:
-                program = rank_pipeline_program(traced[name], plan, rank=rank, tp_group=groups.tp)
-                compiled = PipelineRuntime(build(name), plan, program=program, groups=groups)
+            program = lower(traced[name], plan, rank=rank).program  # what compile does, on the shared trace
+            if how == "model":
+                compiled = CompiledModel(build(name), plan, program, groups=groups)
+            else:  # from a state dict alone: a rank needs neither the model class nor a trace
+                compiled = CompiledModel(build(name).state_dict(keep_vars=True), plan, program, groups=groups)
         checks = _api_checks(compiled, name, plan.mesh.coords(rank)["dp"], plan.mesh.dp) if api_checks else None
         results[label] = _train(compiled)
         results[label]["checks"] = checks
@@ -146,7 +146,8 @@ def _rank_main(rank, world, jobs):
 
 def job(label: str, name: str, dp: int, tp: int, pp: int, schedule: str, *, how: str, v: int = 1,
         precision: str = "fp32", api_checks: bool = False) -> tuple:
-    """``how``: "compile" (xirang.compile), "model" (PipelinedModel), "pieces" (PipelineRuntime)."""
+    """``how``: "compile" (xirang.compile), "model" (CompiledModel of a lowered program), "pieces"
+    (the same from the model's state dict alone)."""
     return label, name, make_plan(name, dp, tp, pp, schedule, v=v, precision=precision), how, api_checks
 
 
@@ -154,7 +155,7 @@ def _compare(label: str, results: list, want: dict) -> dict:
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for rank, result in enumerate(results):
         got = result[label]
-        for step, ((loss, grads), (want_loss, want_grads)) in enumerate(zip(got["steps"], want["steps"])):
+        for (loss, grads), (want_loss, want_grads) in zip(got["steps"], want["steps"]):
             worst["loss"] = max(worst["loss"], abs(loss - want_loss))
             assert set(grads) == set(want_grads), (label, rank, sorted(set(grads) ^ set(want_grads)))
             for fqn, grad in want_grads.items():
@@ -243,8 +244,8 @@ def test_rank_program_splits_at_local_shapes_deterministically():
     plan = make_plan("llama", 1, 2, 4, "1f1b")
     gm = xirang.analyze(build("llama"), example_kwargs=batch(0, 2)).graph_module
     for tp_rank in range(2):
-        first = rank_pipeline_program(gm, plan, rank=tp_rank)
-        again = rank_pipeline_program(gm, plan, rank=tp_rank)
+        first = lower(gm, plan, rank=tp_rank).program
+        again = lower(gm, plan, rank=tp_rank).program
         assert [s.module.code for s in first.stages] == [s.module.code for s in again.stages]
         assert len(first.stages) == 4 and first.stages[-1].returns_loss
         for stage in first.stages[1:]:
@@ -259,8 +260,7 @@ def test_half_precision_cuts_carry_run_time_dtypes():
     the fp32 of the trace: the in-repo GPT's hidden state in bf16 (at tp 2: emitted, then split),
     while Llama's rotary cos/sin, computed from an fp32 buffer, stay fp32 (compute_dtypes)."""
     plan = make_plan("gpt", 2, 2, 2, "1f1b", precision="bf16")
-    program = rank_pipeline_program(xirang.analyze(build("gpt"), example_kwargs=batch(0, 2)).graph_module, plan,
-                                    rank=0)
+    program = lower(xirang.analyze(build("gpt"), example_kwargs=batch(0, 2)).graph_module, plan, rank=0).program
     # only the hidden state crosses, in bf16: the tied embedding's bf16 cast is made on both stages
     # from each stage's copy of the fp32 weight, not sent from the first to the last
     crossing = program.stages[1].crossing_in

@@ -30,10 +30,11 @@ from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.runtime.launch import launch
 from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor
-from xirang.codegen.runtime.pipeline_runtime import PipelineRuntime, build_pipeline_program
+from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.schedule_sim import idle_fractions
 from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, build_schedule
-from xirang.passes.lowering.split_stages import split_stages, tied_parameters
+from xirang.lower import lower
+from xirang.passes.lowering.split_stages import build_stage_modules, tied_parameters
 from xirang.ir.errors import XirangError
 from xirang.ir.meta_keys import PARAM_NAME, ROLE
 
@@ -65,6 +66,11 @@ def analysed(name: str):
 def make_plan(name: str, *, dp: int, pp: int, schedule: str, global_batch: int, v: int = 1):
     return xirang.plan(build(name), world=dp * pp, example_kwargs=batch(0, 2), global_batch=global_batch,
                        device="cpu", dp=dp, pp=pp, tp=1, schedule=schedule, virtual_stages=v, micro_batch=1)
+
+
+def stages_at(gm, plan, symbols: dict):
+    """The plan's stage modules of ``gm`` (lowered for rank 0, tp = 1), built for ``symbols``."""
+    return build_stage_modules(lower(gm, plan, rank=0).run.gm, len(plan.stages), symbols)
 
 
 def _loss(output):
@@ -135,7 +141,7 @@ def test_stages_in_sequence_equal_the_whole_graph(name):
     want = _grads(bound)
 
     plan = make_plan(name, dp=1, pp=4, schedule="1f1b", global_batch=4)
-    stages = split_stages(gm, plan.stages, {"batch": 2, "seq": SEQ})
+    stages = stages_at(gm, plan, {"batch": 2, "seq": SEQ})
     carried = ()
     for stage in stages:
         carried = stage([bound[fqn] for fqn in stage.parameter_names], carried,
@@ -167,7 +173,7 @@ def test_executor_on_one_rank_equals_the_mean_over_micro_batches():
     want = _grads(bound)
 
     plan = make_plan("gpt2", dp=1, pp=4, schedule="1f1b", global_batch=4)
-    programs = split_stages(gm, plan.stages, {"batch": 2, "seq": SEQ})
+    programs = stages_at(gm, plan, {"batch": 2, "seq": SEQ})
     stages = {p.index: LocalStage(p, [bound[fqn] for fqn in p.parameter_names]) for p in programs}
     fused = build_schedule("interleaved", 1, m, 4)
     deferred = [BackwardInput(a.stage, a.micro_batch) if isinstance(a, Backward) else a for a in fused.ranks[0]]
@@ -198,9 +204,9 @@ def _train(runtime, global_batch: int) -> dict:
 
 def _rank_main(rank, world, configs):
     results = {}
-    for label, name, plan, program, state, global_batch in configs:
+    for label, _name, plan, program, state, global_batch in configs:
         # Split in the parent and sent with the model's tensors: no rank imports transformers or traces.
-        runtime = PipelineRuntime(state, plan, program=program)
+        runtime = CompiledModel(state, plan, program)
         results[label] = _train(runtime, global_batch)
         results[label]["receive buffer sets"] = max(runtime.executor.buffers.allocated.values(), default=0)
         if label == "gpt2 1f1b":
@@ -232,7 +238,7 @@ def _check_launch(results: list, configs: list) -> None:
         print(f"{label}: max |diff| loss {worst['loss']:.1e} grad {worst['grad']:.1e} param {worst['param']:.1e}")
         if plan.schedule == "1f1b":  # 1F1B: stage s holds at most p - s micro-batches
             pp = plan.mesh.pp
-            for rank, result in enumerate(results):
+            for result in results:
                 for stage, held in result[label]["in_flight"].items():
                     assert held <= pp - stage, f"{label}: stage {stage} held {held} micro-batches (> {pp - stage})"
                 assert max(result[label]["in_flight"].values()) >= 1
@@ -243,7 +249,7 @@ def config(label: str, name: str, **plan_choices) -> tuple:
     model = build(name)
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     state = {fqn: tensor.detach() for fqn, tensor in state.items()}
-    return label, name, plan, build_pipeline_program(analysed(name), plan), state, 8
+    return label, name, plan, lower(analysed(name), plan, rank=0).program, state, 8
 
 
 def test_pipeline_4_ranks_matches_single_device():

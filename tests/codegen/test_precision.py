@@ -14,7 +14,7 @@ import xirang
 from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.passes.lowering.compute_dtypes import compute_dtypes
-from xirang.passes.lowering.precision import unify_float_dtypes
+from xirang.codegen.ops.local_ops import unify_float_dtypes
 
 BUILDERS = {"gpt": lambda: build_gpt("tiny", device="cpu"),
             "gpt2": lambda: hf_gpt2(device="cpu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),

@@ -5,7 +5,8 @@ The planner offers a padded shard only along the vocabulary chain (sharding_rule
 vocabulary-parallel embedding and cross-entropy and the LM head's out-features. This file checks
 that a plan really takes it (with a tied head the table stays replicated and the head reads its
 padded slice; untied, the head's weight is held padded: 251 rows per rank, the last 3 zero), and
-that the compiled program then trains exactly like the model on one device: loss per step, gathered gradients and parameters after AdamW steps, within 1e-5 fp32.
+that the compiled program then trains exactly like the model on one device: loss per step, gathered
+gradients and parameters after AdamW steps, within 1e-5 fp32.
 
 As in test_equivalence, the plans are made for seq 4096 on A100s (where the ILP splits the model)
 and run at seq 16; AdamW uses eps=1e-3 because some gradients are exactly zero in exact arithmetic
@@ -20,10 +21,11 @@ import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime.runtime import shard_params
+from xirang.codegen.runtime import shard_params
 from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.runtime.launch import launch
-from xirang.codegen.ops.padding import unshard
+from xirang.codegen.ops.padding import shard_of, unshard
+from xirang.ir.facts import ParamShard
 from xirang.ir.placement import Shard
 
 VOCAB, BATCH, SEQ, STEPS, TOLERANCE = 1001, 8, 16, 3, 1e-5
@@ -58,7 +60,8 @@ def make_plan(name: str, dp: int, tp: int):
 def _train(name, plan):
     compiled = xirang.compile(build(name), world=plan.mesh.dp * plan.mesh.tp, example_kwargs=batch(0),
                               plan=plan, device="a100-80g")
-    return {**compiled_run(compiled, batch, STEPS), "local": {n: tuple(p.shape) for n, p in compiled.named_parameters()}}
+    local = {n: tuple(p.shape) for n, p in compiled.named_parameters()}
+    return {**compiled_run(compiled, batch, STEPS), "local": local}
 
 
 def _rank_main(rank, world, jobs):
@@ -123,8 +126,8 @@ def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
     full = torch.randn(vocab, hidden)
     model = torch.nn.Module()
     model.wte = torch.nn.Parameter(full.clone())
-    shard = shard_params.ParamShard("p_wte", "wte", ("wte",), "parameter", Shard(0), (vocab, hidden))
-    locals_ = [shard_params.local_state(model, [shard], tp_rank=r, tp=tp, device="cpu")["p_wte"] for r in range(tp)]
+    shard = ParamShard("p_wte", "wte", ("wte",), "parameter", Shard(0), (vocab, hidden))
+    locals_ = [shard_of(model.wte.detach(), shard.placement, r, tp) for r in range(tp)]
     assert {tuple(t.shape) for t in locals_} == {(6283, hidden)}
     assert torch.equal(locals_[-1][6276:], torch.zeros(7, hidden))
     assert torch.equal(locals_[-1][:6276], full[7 * 6283:])
@@ -151,9 +154,9 @@ def test_planned_parameter_memory_counts_the_padding():
     """The plan's per-rank parameter count (what its memory prediction and dp buckets use) is the
     padded local shape: the untied head of 1001 x 64 on tp = 4 is 251 x 64 per rank, not 1001*64/4."""
     from xirang.ir.meta_keys import PARAM_NAME
-    from xirang.plan_assemble import _local_elements
+    from xirang.plan_assemble import local_elements
     plan = make_plan("gpt_untied", 1, 4)
     gm = xirang.analyze(build("gpt_untied"), example_kwargs=batch(0)).graph_module
     head = next(n for n in gm.graph.nodes if PARAM_NAME.get(n, None) == "lm_head.weight")
     assert plan.placements[head.name].outputs[0].tp == Shard(0)
-    assert _local_elements(head, plan.placements, 4) == 251 * 64 == 16064
+    assert local_elements(head, plan.placements, 4) == 251 * 64 == 16064

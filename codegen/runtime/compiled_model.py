@@ -1,19 +1,21 @@
-"""One rank's pipeline-parallel (dp x pp x tp) training program, from a model and its Plan.
+"""The one runtime: one rank's compiled dp x pp x tp training program (pp = 1 is a one-stage pipeline).
 
-    # inside each launched rank (codegen/launch.py or torchrun)
-    runtime = PipelineRuntime(model, plan, example_kwargs=batch)
-    optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-3)
-    loss = runtime.train_step(**global_batch)   # every rank passes the same global batch
+    # inside each launched rank (codegen/runtime/launch.py or torchrun); xirang.compile builds it
+    compiled = xirang.compile(model, world=8, example_kwargs=batch, global_batch=64)
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+    loss = compiled.train_step(**global_batch)    # every rank passes the same global batch
     optimizer.step(); optimizer.zero_grad()       # (pre_sharded=True: this dp rank's share)
 
-Construction: trace and analyse the model (or take ``graph_module``), refuse a stale plan, build
-the mesh groups, split the graph at the plan's cuts (codegen/split_stages.py, sizes at one
-micro-batch), build and check the schedule, and bind this rank's stages to copies of the model's
-tensors (codegen/pipeline_state.py, which also loads and gathers them). A step: this dp rank's
-share of the batch, cut into the plan's micro-batches, goes through the executor
-(codegen/pipeline_executor.py); then the gradients of tied parameters are summed over the ranks
-that hold them, and the loss -- the mean over the global batch, as on one device when every
-micro-batch counts the same number of loss terms -- is given to every rank.
+Construction takes the rank's ``Program`` (codegen/emit.py, made by the lowering passes), builds
+and checks the schedule, and binds this rank's stages to copies of the model's tensors
+(codegen/runtime/pipeline_state.py, which also loads and gathers them), each the rank's tp shard.
+A step: this dp rank's share of the batch, cut into the plan's micro-batches, goes through the
+executor (codegen/runtime/pipeline_executor.py); data-parallel gradients are averaged in buckets
+launched during each stage's last backward (codegen/runtime/grad_sync.py); then the gradients of
+tied parameters are summed over the ranks that hold them, and the loss -- the mean over the global
+batch, as on one device when every micro-batch counts the same number of loss terms (with
+``ignore_index`` labels spread unevenly it is the mean of the per-share means) -- is given to every
+rank.
 
 Tied parameters: a tensor read by stages on different pipeline ranks (a token embedding tied to
 the LM head) is a copy on each. Each copy gets the gradient of its own uses only; summing them
@@ -21,26 +23,21 @@ over a "tied" group (one per dp and tp index, the ranks holding the copies) give
 full gradient, so the same optimizer step keeps them equal (Megatron-LM's embedding group). The
 sum runs after the dp average; both are linear, so the order does not matter.
 
-Tensor parallelism (tp > 1): the stages are cut from this rank's tp-rewritten program
-(codegen/compose_3d.py), the program carries each parameter's tp placement (``shards``), and
-every bound tensor is this tp rank's shard of it; tied copies are matching shards (same tp index)
-on the first and last stage. ``full_state_dict``/``full_gradients`` gather over tp, then pp.
-
-Half precision (plan precision bf16/fp16): the stages are cut from the emitted program, whose casts
-read the fp32 master weights in the compute dtype, also at tp = 1; what crosses a cut travels in
-the dtype it has at run time (codegen/compose_3d.py).
+Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by
+shard, which is exact for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a
+whole tensor (LAMB's trust ratio, clipping by total norm).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
-from xirang.ir.meta_keys import PARAM_ALIASES, PARAM_NAME, ROLE, SYMBOL_DIMS, SYMBOLS
 
 from xirang.codegen.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets
 from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
@@ -48,78 +45,32 @@ from xirang.codegen.runtime.pipeline_state import bind_state, gather_full, load_
 from xirang.codegen.runtime.process_groups import build_mesh_groups
 from xirang.codegen.runtime.schedule_check import check_schedule
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
-from xirang.passes.lowering.split_stages import split_stages
+from xirang.passes.analysis.trace_inputs import bind_inputs
 
-
-@dataclass(frozen=True)
-class PipelineProgram:
-    """Everything a rank needs from the traced graph, picklable (stage GraphModules keep no node
-    meta), so it can be built once and sent to launched ranks instead of each rank re-tracing."""
-
-    stages: tuple  # StageModule per stage, from split_stages
-    symbols: dict  # size symbol -> value the stages were built for (batch = one micro-batch)
-    batch_dims: dict  # user input name -> {dim: symbol}
-    inputs: tuple  # user input names the stages read
-    aliases: dict  # FQN -> every FQN bound to that tensor (tied weights)
-    trainable: frozenset  # FQNs of parameters (buffers and constants are bound but not trained)
-    shards: dict = field(default_factory=dict)  # FQN -> ParamShard (tp placement); absent: replicated
-
-
-def build_pipeline_program(graph_module, plan, *, verify_plan: bool = True) -> PipelineProgram:
-    """Split ``graph_module`` at ``plan``'s cuts. ``verify_plan`` first refuses a plan made for
-    another graph (fingerprint); pass False for a graph rewritten after tracing (a per-rank tp
-    rewrite keeps the ``UNIT`` meta the split reads, but not the traced graph's fingerprint)."""
-    if verify_plan:
-        from xirang.passes.analysis.fingerprint import graph_fingerprint
-        plan.check_matches(graph_fingerprint(graph_module), plan.world)
-    symbols = {**SYMBOLS.get(graph_module), "batch": plan.micro_batch}
-    stages = split_stages(graph_module, plan.stages, symbols)
-    placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
-    return PipelineProgram(
-        stages=stages, symbols=symbols,
-        batch_dims={name: dict(dims) for name, dims in SYMBOL_DIMS.get(graph_module, {}).items()},
-        inputs=tuple(dict.fromkeys(name for stage in stages for name in stage.user_inputs)),
-        aliases={PARAM_NAME.get(n): tuple(PARAM_ALIASES.get(n, (PARAM_NAME.get(n),)))
-                 for n in placeholders if PARAM_NAME.get(n, None) is not None},
-        trainable=frozenset(PARAM_NAME.get(n) for n in placeholders if ROLE.get(n, None) == "parameter"))
 
 _REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # plan.grad_reduce_dtype
 
 
-class PipelineRuntime:
-    """This rank's stages of ``model`` under ``plan``; see the module docstring.
+class CompiledModel:
+    """One rank's compiled training program (see the module docstring).
 
-    ``model``: the module, or its ``state_dict(keep_vars=True)``-like mapping FQN -> tensor when
-    ``program`` is given (a rank then needs neither the model class nor a trace). ``program``: a
-    ``build_pipeline_program`` result to reuse (for tp > 1: ``compose_3d.rank_pipeline_program``
-    of this rank's tp index); without it the model is traced here with ``example_kwargs``.
-    ``counter``: a ``CommCounter`` the tp collectives record on."""
+    ``model``: the module, or a mapping FQN -> tensor like its ``state_dict(keep_vars=True)`` (a rank
+    then needs neither the model class nor a trace). ``program``: this rank's ``Program``.
+    ``groups``: the mesh's process groups (``build_mesh_groups(plan.mesh)`` by default).
+    ``counter``: a ``CommCounter`` every collective records on; ``event_log``: receives the dp
+    buckets' launch/wait events. ``source_of``: rank -> that rank's program source, for ``code(rank)``
+    of other ranks (given by ``xirang.compile``, which can lower the model for any rank).
+    """
 
-    def __init__(self, model, plan, *, example_kwargs: Optional[dict] = None,
-                 program: Optional[PipelineProgram] = None, groups=None, bucket_bytes: Optional[int] = None,
-                 device="cpu", counter=None, event_log: Optional[list] = None):
+    def __init__(self, model, plan, program: Program, *, groups=None, bucket_bytes: Optional[int] = None,
+                 device="cpu", counter=None, event_log: Optional[list] = None,
+                 source_of: Optional[Callable[[int], str]] = None):
         self.groups = groups or build_mesh_groups(plan.mesh)
+        self.rank = self.groups.rank
         self.tp, self.tp_rank = self.groups.axis_size("tp"), self.groups.axis_index("tp")
-        if program is None:
-            if example_kwargs is None:
-                raise XirangError("PipelineRuntime needs example_kwargs= to trace the model, or a program=",
-                                  where="PipelineRuntime", hint="pass the example inputs the plan was made with")
-            from xirang.analyze import analyze  # the public API sits above codegen; imported on use
-            gm = analyze(model, example_kwargs=example_kwargs).graph_module
-            if self.tp > 1 or plan.precision != "fp32":  # a tp rewrite, or precision casts: emit first
-                from xirang.codegen.runtime.compose_3d import rank_pipeline_program  # builds on this module
-                from xirang.passes.analysis.fingerprint import graph_fingerprint
-                plan.check_matches(graph_fingerprint(gm), plan.world)
-                program = rank_pipeline_program(gm, plan, rank=self.groups.rank, device=device)
-            else:
-                program = build_pipeline_program(gm, plan)
-        if (self.tp > 1 or plan.precision != "fp32") and not program.shards:
-            raise XirangError(f"the plan has mesh {plan.mesh} and precision {plan.precision} but the program has no "
-                              f"tp placements or precision casts: it was split from the traced graph, not from a "
-                              f"rank's emitted program", where="PipelineRuntime(program=)",
-                              hint="build it with xirang.codegen.runtime.compose_3d.rank_pipeline_program for this rank")
-        for stage in program.stages:  # the stage modules read the tp group as an attribute
-            stage.module.tp_group, stage.module.comm_counter = self.groups.tp, counter
+        attach(program, tp_group=self.groups.tp, counter=counter)
+        self._forward = model.forward if isinstance(model, torch.nn.Module) else None
+        self._source_of = source_of
         self.plan, self.device, self.program = plan, torch.device(device), program
         self.dp, self.dp_rank = self.groups.axis_size("dp"), self.groups.axis_index("dp")
         self.pp, self.pp_rank = self.groups.axis_size("pp"), self.groups.axis_index("pp")
@@ -137,6 +88,7 @@ class PipelineRuntime:
         self._tied = tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
         self._counter, self._event_log = counter, event_log
         buckets = self._grad_buckets(stages, bucket_bytes or DEFAULT_BUCKET_BYTES) if self.dp > 1 else None
+        self.grad_buckets = buckets or {}  # local stage -> its dp GradientBuckets
         self.executor = PipelineExecutor(
             self.schedule, self.pp_rank, stages, peers=self.groups.pp_ranks, device=self.device,
             tensors_per_cut=max((len(p.crossing_in) for p in self.programs), default=1) or 1,
@@ -197,9 +149,22 @@ class PipelineRuntime:
 
     # --- a step ----------------------------------------------------------------------------------
 
-    def train_step(self, *, pre_sharded: bool = False, **batch) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean loss over the global batch.
-        ``batch``: the global batch, or with ``pre_sharded=True`` this dp rank's share of it."""
+    def code(self, rank: Optional[int] = None) -> str:
+        """Python source of the stage modules rank ``rank`` (default: this one) runs."""
+        rank = self.rank if rank is None else rank
+        if rank == self.rank:
+            return program_source(self.program, self.plan, rank, self.schedule.stages_of(self.pp_rank))
+        if self._source_of is None:
+            raise XirangError(f"this CompiledModel cannot print rank {rank}'s program: it was built from a "
+                              f"program alone", where="CompiledModel.code", hint="build it with xirang.compile")
+        return self._source_of(rank)
+
+    def train_step(self, *args, pre_sharded: bool = False, **kwargs) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the schedule, gradients averaged over dp
+        and summed over tied copies; returns the mean loss of the global batch. The inputs are the
+        model's (positional or by name): the global batch on every rank, or with ``pre_sharded=True``
+        this dp rank's share (every pp and tp rank of one dp index passes the same share)."""
+        batch = bind_inputs(self._forward, args, kwargs) if args else kwargs
         micro_batches = self._micro_batches(batch, pre_sharded)
         for param in self.parameters():
             param.grad = None  # each step computes fresh gradients
@@ -232,7 +197,7 @@ class PipelineRuntime:
     def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
         missing = [name for name in self._inputs if name not in batch]
         if missing:
-            raise XirangError(f"train_step is missing the input(s) {missing}", where="PipelineRuntime.train_step",
+            raise XirangError(f"train_step is missing the input(s) {missing}", where="CompiledModel.train_step",
                               hint=f"pass the model inputs {list(self._inputs)} as keywords")
         m = self.plan.num_micro_batches
         shares = {}
@@ -257,7 +222,7 @@ class PipelineRuntime:
                 f"input {name!r} has {got} samples on its batch dim {dim}; with pre_sharded=True each dp rank "
                 f"passes its share of exactly {share} = {plan.num_micro_batches} micro-batches x micro_batch "
                 f"{plan.micro_batch} (global batch {plan.global_batch} over dp {plan.mesh.dp})",
-                where=f"PipelineRuntime.train_step(pre_sharded=True), dp rank {self.dp_rank}",
+                where=f"CompiledModel.train_step(pre_sharded=True), dp rank {self.dp_rank}",
                 hint=f"pass this dp rank's {share} samples, or the global batch of {plan.global_batch} with "
                      f"pre_sharded=False")
         if symbol == "batch" and not pre_sharded and got != plan.global_batch:
@@ -265,14 +230,14 @@ class PipelineRuntime:
             raise XirangError(
                 f"input {name!r} has a global batch of {got} samples; this plan splits exactly "
                 f"{plan.global_batch} = dp {plan.mesh.dp} x {plan.num_micro_batches} micro-batches x "
-                f"micro_batch {plan.micro_batch}", where="PipelineRuntime.train_step",
+                f"micro_batch {plan.micro_batch}", where="CompiledModel.train_step",
                 hint=f"pass {plan.global_batch} samples per step, or re-plan (xirang.plan(..., global_batch=N)) for "
                      f"another N; with dp x micro-batches = {per} the valid global batches are "
                      f"{', '.join(str(per * k) for k in range(1, 4))}, ... (micro_batch 1, 2, 3, ...)")
         if symbol != "batch" and symbol in self.symbols and got != self.symbols[symbol]:
             raise XirangError(
                 f"input {name!r} has {symbol} {got} on dim {dim}; the stages were built for "
-                f"{symbol} {self.symbols[symbol]}", where="PipelineRuntime.train_step",
+                f"{symbol} {self.symbols[symbol]}", where="CompiledModel.train_step",
                 hint=f"pass inputs of {symbol} {self.symbols[symbol]}, or build the runtime with example inputs "
                      f"of the new shape (stage buffers have static shapes)")
 
