@@ -19,11 +19,19 @@ Conventions
   "Zero Bubble Pipeline Parallelism", ICLR 2024) split it into ``BackwardInput`` (what the previous
   stage waits for; it is what a gradient ``Send`` follows) and a later ``BackwardWeight``; the
   checker and simulator accept either form for each (stage, micro-batch).
+
+The vocabulary (end of this file): ``SCHEDULES`` names every schedule a Plan, the planner, the CLI
+and the pictures accept, and ``SCHEDULE_SPECS[name]`` gives its title, whether it runs v > 1 model
+chunks per rank, its generator and the closed forms the planner prices it with: the bubble and the
+activations each rank keeps in flight. tests/codegen/test_schedule_formulas.py proves the closed
+forms equal what the generated schedules do (``max_in_flight``, ``simulated_bubble``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from fractions import Fraction
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 ACTIVATION = "activation"  # forward: output of stage s -> input of stage s + 1
 GRADIENT = "gradient"  # backward: gradient w.r.t. the input of stage s -> output of stage s - 1
@@ -213,7 +221,13 @@ def with_communication(name: str, num_stages: int, m: int,
 def _check_sizes(name: str, p: int, m: int, v: int = 1) -> None:
     for label, value in (("p", p), ("m", m), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {label} must be an int >= 1, got {value!r}")
+            raise ValueError(f"{name}: {label} must be a positive int (>= 1), got {value!r}")
+
+
+def _check_multiple(name: str, p: int, m: int) -> None:
+    if m % p:
+        raise ValueError(f"{name}: m={m} micro-batches must be a multiple of p={p} pipeline ranks "
+                         f"(Megatron-LM runs p micro-batches per chunk in turn); use m in {p}, {2 * p}, ...")
 
 
 # --- generators ----------------------------------------------------------------------------------
@@ -259,9 +273,7 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
     (k // (p·v))·p + k % p on chunk (k // p) % v forward, chunk v - 1 - (k // p) % v backward;
     this is why m must be a multiple of p (Megatron-LM's ``get_model_chunk_id``)."""
     _check_sizes("interleaved", p, m, v)
-    if m % p:
-        raise ValueError(f"interleaved: m={m} micro-batches must be a multiple of p={p} pipeline ranks "
-                         f"(Megatron-LM runs p micro-batches per chunk in turn); use m in {p}, {2 * p}, ...")
+    _check_multiple("interleaved", p, m)
     items = m * v
 
     def item(k: int, forward: bool) -> tuple[int, int]:
@@ -292,12 +304,96 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule a Plan names (``plan.schedule``, ``mesh.pp``, ``num_micro_batches``, ``virtual_stages``)."""
-    if name == "interleaved":
-        return interleaved_one_f_one_b(p, m, v)
-    if v != 1:
-        raise ValueError(f"{name}: v={v} model chunks per rank needs the 'interleaved' schedule")
-    generators = {"gpipe": gpipe, "1f1b": one_f_one_b}
-    if name not in generators:
-        raise ValueError(f"unknown pipeline schedule {name!r}; known: gpipe, 1f1b, interleaved")
-    return generators[name](p, m)
+    """The schedule a Plan names (``plan.schedule``, ``mesh.pp``, ``num_micro_batches``, ``virtual_stages``):
+    what the executor runs."""
+    return schedule_spec(name).build(p, m, v)
+
+
+# --- the vocabulary: names, titles and the closed forms the planner uses -------------------------
+# Units: a rank's activations in flight are counted in micro-batches of *all* its layers, so a
+# (stage, micro-batch) pair of an interleaved rank, which holds 1/v of its layers, counts 1/v:
+# in_flight_by_rank(...)[r] == max_in_flight(schedule)[r] / v. The bubble is the idle time of a
+# step over its ideal (bubble-free) time, with balanced stages and free point-to-point:
+# (p - 1) / (v·m) for every schedule here (v = 1 unless interleaved; Narayanan et al. 2021, eq. 1
+# and sec. 2.2.2). ``bubble_share`` is the idle part of the actual step, what ``simulated_bubble``
+# measures: (p - 1) / (v·m + p - 1).
+
+
+def _gpipe_in_flight(p: int, r: int, m: int, v: int) -> Fraction:
+    return Fraction(m)  # all m forwards run before any backward
+
+
+def _one_f_one_b_in_flight(p: int, r: int, m: int, v: int) -> Fraction:
+    return Fraction(min(p - r, m))  # p - r - 1 warm-up forwards, then one more in the steady state
+
+
+def _interleaved_in_flight(p: int, r: int, m: int, v: int) -> Fraction:
+    # Warm-up 2(p - r - 1) + (v - 1)p chunk forwards plus one in the steady state, each 1/v of the
+    # rank's layers: p + (p - 1 - 2r)/v micro-batches (Korthikanti et al. 2022, sec. 4.2.3);
+    # all m·v chunk forwards, m micro-batches, when the warm-up is the whole step.
+    return min(Fraction(m), p + Fraction(p - 1 - 2 * r, v))
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One pipeline schedule by name: how to show it, how to build it and how the planner prices it."""
+
+    name: str
+    title: str  # for timelines and tables
+    chunked: bool  # runs v model chunks per rank (v = virtual_stages); every other schedule needs v = 1
+    builder: Callable[..., Schedule]  # (p, m) or, chunked, (p, m, v)
+    rank_in_flight: Callable[[int, int, int, int], Fraction]  # (p, r, m, v) -> see in_flight_by_rank
+    source: str
+
+    def check(self, p: int, m: int, v: int = 1) -> None:
+        """Raise ValueError unless (p, m, v) suit this schedule (the rules ``build`` enforces)."""
+        _check_sizes(self.name, p, m, v)
+        if not self.chunked and v != 1:
+            raise ValueError(f"{self.name}: v={v} model chunks per rank needs the 'interleaved' schedule")
+        if self.chunked:
+            _check_multiple(self.name, p, m)
+
+    def build(self, p: int, m: int, v: int = 1) -> Schedule:
+        """The action lists the executor runs for p pipeline ranks, m micro-batches, v chunks."""
+        self.check(p, m, v)
+        return self.builder(p, m, v) if self.chunked else self.builder(p, m)
+
+    def bubble_fraction(self, p: int, m: int, v: int = 1) -> Fraction:
+        """Idle time over the ideal step time: (p - 1)/(v·m). p=4, m=8: 3/8; interleaved v=2: 3/16."""
+        self.check(p, m, v)
+        return Fraction(p - 1, v * m)
+
+    def bubble_share(self, p: int, m: int, v: int = 1) -> Fraction:
+        """Idle part of the actual step, b/(1 + b): (p - 1)/(v·m + p - 1). p=4, m=8: 3/11."""
+        self.check(p, m, v)
+        return Fraction(p - 1, v * m + p - 1)
+
+    def in_flight_by_rank(self, p: int, m: int, v: int = 1) -> tuple[Fraction, ...]:
+        """Activations pipeline rank r holds at its peak, r = 0..p-1, in micro-batches of all the
+        rank's layers: m GPipe, min(p - r, m) 1F1B, min(m, p + (p - 1 - 2r)/v) interleaved."""
+        self.check(p, m, v)
+        return tuple(self.rank_in_flight(p, r, m, v) for r in range(p))
+
+    def in_flight(self, p: int, m: int, v: int = 1) -> Fraction:
+        """The fullest rank's figure (rank 0's): m, min(p, m), min(m, p + (p - 1)/v)."""
+        return max(self.in_flight_by_rank(p, m, v))
+
+
+SCHEDULE_SPECS: Mapping[str, ScheduleSpec] = MappingProxyType({spec.name: spec for spec in (
+    ScheduleSpec("gpipe", "GPipe", False, gpipe, _gpipe_in_flight,
+                 "Huang et al. 2019: all m forwards run before any backward, so every activation is kept"),
+    ScheduleSpec("1f1b", "1F1B", False, one_f_one_b, _one_f_one_b_in_flight,
+                 "Narayanan et al. 2021 sec. 2.2.1 (PipeDream-Flush): rank r warms up p - r micro-batches"),
+    ScheduleSpec("interleaved", "interleaved 1F1B", True, interleaved_one_f_one_b, _interleaved_in_flight,
+                 "Narayanan et al. 2021 sec. 2.2.2; in flight per Korthikanti et al. 2022 sec. 4.2.3 "
+                 "(Megatron-LM's warm-up of 2(p-r-1) + (v-1)p + 1 chunks of 1/v of the layers)"),
+)})
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)  # ("gpipe", "1f1b", "interleaved")
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The ScheduleSpec of ``name``; ValueError naming the known schedules otherwise."""
+    spec = SCHEDULE_SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return spec

@@ -39,7 +39,9 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     """Per rank, the most (stage, micro-batch) pairs whose forward ran and whose backward has not
     finished: the activations held at once. With one stage per rank that is micro-batches; with v
     chunks each pair holds 1/v of a micro-batch's activations on that rank. A split backward frees
-    them only at its BackwardWeight, which still reads the stage inputs (Qi et al. 2024)."""
+    them only at its BackwardWeight, which still reads the stage inputs (Qi et al. 2024).
+    For the generated schedules this is v times the planner's closed form,
+    ``ScheduleSpec.in_flight_by_rank`` (ir/schedules.py); tests/codegen/test_schedule_formulas.py."""
     peaks = []
     for actions in schedule.ranks:
         held = peak = 0
@@ -153,7 +155,7 @@ def _order_problems(schedule: Schedule) -> list[str]:
         for index, action in enumerate(actions):
             first.setdefault(action, index)
 
-        def before(index: int, needed: Action, what: str) -> None:
+        def before(index: int, needed: Action, what: str, rank=rank, actions=actions, first=first) -> None:
             if needed in first and first[needed] > index:  # absent is reported as missing/unmatched
                 problems.append(f"{_at(rank, index, actions[index])} runs before {describe(needed)} "
                                 f"(action #{first[needed]}), {what}; move it after")

@@ -5,8 +5,9 @@ and its input exists (the producing compute on the neighbour stage has ended). P
 nothing and never delays a rank, as with non-blocking isend/irecv on an idle link; put the transfer
 time into the durations to model it. ``idle_fractions`` then reads any list of
 ``(rank, action, start, end)`` records -- a simulated ``Timeline`` or an executor's timestamps -- so
-the measured bubble can be printed beside the simulated one and the closed forms of
-``passes/cost_model.py`` ((p-1)/(m+p-1) of the step for GPipe and 1F1B, Narayanan et al. 2021).
+the measured bubble can be printed beside the simulated one and the closed form the planner uses,
+``ScheduleSpec.bubble_share`` in ir/schedules.py ((p-1)/(v·m+p-1) of the step, v = 1 but for
+interleaved; Narayanan et al. 2021), which equals ``simulated_bubble`` with balanced stages.
 
 Durations may be ints or ``fractions.Fraction`` for exact results, or floats.
 """

@@ -9,10 +9,11 @@ Rajbhandari et al., "ZeRO", SC'20 (model states). Collectives are priced in ``co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Callable, Sequence
+from functools import lru_cache
+from typing import Mapping, Sequence
 
 from xirang.ir.device import DeviceSpec
+from xirang.ir.schedules import SCHEDULE_SPECS, ScheduleSpec, schedule_spec
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
@@ -60,59 +61,32 @@ def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
 
 # --- pipeline schedules --------------------------------------------------------------------------
 # p stages, m micro-batches per step, v model chunks per device (interleaved only). Times are those
-# of one device's whole share of the layers for one micro-batch, forward plus backward.
+# of one device's whole share of the layers for one micro-batch, forward plus backward. The closed
+# forms live with the schedules themselves (ir/schedules.py ``SCHEDULE_SPECS``), tested there
+# against the schedules the executor runs; these are their float views for pricing.
 
-
-@dataclass(frozen=True)
-class ScheduleModel:
-    """One pipeline schedule as data: its bubble and the activations stage 0 keeps in flight."""
-
-    name: str
-    bubble: Callable[[int, int, int], float]     # (p, m, v) -> idle time / ideal time
-    in_flight: Callable[[int, int, int], float]  # (p, m, v) -> micro-batches stage 0 holds
-    source: str
-
-
-SCHEDULES: MappingProxyType = MappingProxyType({
-    "gpipe": ScheduleModel(
-        "gpipe", lambda p, m, v: (p - 1) / m, lambda p, m, v: m,
-        "Huang et al. 2019: all m forwards run before any backward, so every activation is kept"),
-    "1f1b": ScheduleModel(
-        "1f1b", lambda p, m, v: (p - 1) / m, lambda p, m, v: min(p, m),
-        "Narayanan et al. 2021 sec. 2.2.1 (PipeDream-Flush): stage 0 warms up p micro-batches"),
-    "interleaved": ScheduleModel(
-        "interleaved", lambda p, m, v: (p - 1) / (v * m), lambda p, m, v: min(m, p + (p - 1) / v),
-        "Narayanan et al. 2021 sec. 2.2.2; in flight p·(1 + (p-1)/(p·v)) per Korthikanti et al. "
-        "2022 sec. 4.2.3 (Megatron's warm-up of 2(p-1) + (v-1)p + 1 chunks of 1/v of the layers)"),
-})
-
-
-def schedule_model(schedule: str, p: int, m: int, v: int = 1) -> ScheduleModel:
-    """The ScheduleModel of ``schedule``, after checking (p, m, v) suit it."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    for name, value in (("p", p), ("m", m), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{schedule}: {name} must be a positive int, got {value!r}")
-    if schedule != "interleaved" and v != 1:
-        raise ValueError(f"{schedule}: v={v} model chunks per device needs the 'interleaved' schedule")
-    if schedule == "interleaved" and p > 1 and m % p:
-        raise ValueError(f"interleaved: m={m} micro-batches must be a multiple of p={p} stages "
-                         f"(Megatron-LM's requirement); pick m in {p}, {2 * p}, ...")
-    return SCHEDULES[schedule]
+SCHEDULES: Mapping[str, ScheduleSpec] = SCHEDULE_SPECS  # name -> ScheduleSpec (bubble, in flight)
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle time relative to the ideal (bubble-free) step time: (p-1)/m for GPipe and 1F1B,
     (p-1)/(v·m) interleaved (Narayanan et al. 2021, eq. 1 and sec. 2.2.2). p=4, m=8: 3/8."""
-    return schedule_model(schedule, p, m, v).bubble(p, m, v)
+    try:
+        hash((schedule, p, m, v))
+    except TypeError:  # not a name or not ints: let the spec's checks say which
+        return float(schedule_spec(schedule).bubble_fraction(p, m, v))
+    return _bubble_fraction(schedule, p, m, v)
+
+
+@lru_cache(maxsize=4096, typed=True)  # the search prices many candidates of few (schedule, p, m, v)
+def _bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
+    return float(schedule_spec(schedule).bubble_fraction(p, m, v))
 
 
 def bubble_share(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of the actual step time: b/(1+b) for b = bubble_fraction, i.e.
     (p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(v·m+p-1) interleaved. p=4, m=8: 3/11."""
-    bubble = bubble_fraction(schedule, p, m, v)
-    return bubble / (1 + bubble)
+    return float(schedule_spec(schedule).bubble_share(p, m, v))
 
 
 def pipeline_step_time(schedule: str, p: int, m: int, t_micro_batch: float, v: int = 1) -> float:
@@ -215,7 +189,7 @@ def activation_bytes_in_flight(bytes_per_layer: float, layers_per_device: int, s
                                p: int, m: int, v: int = 1) -> float:
     """Activations stage 0 (the fullest) holds at its peak: one micro-batch of all its layers times
     the schedule's micro-batches in flight (m GPipe, min(p, m) 1F1B, p + (p-1)/v interleaved)."""
-    in_flight = schedule_model(schedule, p, m, v).in_flight(p, m, v)
+    in_flight = float(schedule_spec(schedule).in_flight(p, m, v))
     return bytes_per_layer * layers_per_device * in_flight
 
 
@@ -244,13 +218,13 @@ def memory_per_device(num_params: float, bytes_per_layer: float, layers_per_devi
 # --- Megatron closed forms (Narayanan et al. 2021, sec. 5.1 and appendix) ------------------------
 
 
-def megatron_params(l: int, h: int, V: int, s: int) -> float:
+def megatron_params(l: int, h: int, V: int, s: int) -> float:  # noqa: E741 (the paper's symbols)
     """GPT parameters: P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))
     = 12·l·h² (attention and MLP weights) + 13·l·h (biases, norms) + (V+s)·h (embeddings)."""
     return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
 
 
-def megatron_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = True) -> float:
+def megatron_flops(B: int, s: int, l: int, h: int, V: int, recompute: bool = True) -> float:  # noqa: E741 (the paper's symbols)
     """FLOPs of one training iteration of global batch B.
 
     Forward is 24·B·s·l·h²·(1 + s/(6h)) plus 2·B·s·h·V for the logits; backward is twice the

@@ -135,7 +135,7 @@ class CandidatePricer:
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
-        key = (c.pp, c.tp, c.schedule == "interleaved")
+        key = (c.pp, c.tp, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
         if key not in self._pairs:
             ranks = [r * c.tp for r in range(c.pp)]  # rank_of(dp=0, pp=r, tp=0): tp innermost
             pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[2] else [])

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import reduce
+from functools import lru_cache, reduce
 from typing import Iterator, Optional
 
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
+from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE_MODES = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
 PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute")
@@ -64,7 +64,8 @@ class Candidate:
 
 
 def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, ...]:
-    """Micro-batches of activations pipeline rank r holds at its peak, for r = 0..p-1.
+    """Micro-batches of activations pipeline rank r holds at its peak, for r = 0..p-1: the closed
+    forms of ``ScheduleSpec.in_flight_by_rank`` (ir/schedules.py), as floats.
 
     - GPipe: all m forwards run before any backward (Huang et al. 2019).
     - 1F1B: rank r warms up p - r micro-batches (Narayanan et al. 2021, sec. 2.2.1).
@@ -74,13 +75,16 @@ def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float,
       charged that rank's figure, exact when its chunks keep equal activations.
     Never more than m: a rank cannot hold micro-batches the step does not have.
     """
-    if schedule == "gpipe":
-        return (float(m),) * p
-    if schedule == "1f1b":
-        return tuple(float(min(p - r, m)) for r in range(p))
-    if schedule == "interleaved":
-        return tuple(float(min(m, p + (p - 1 - 2 * r) / v)) for r in range(p))
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    try:
+        hash((schedule, p, m, v))
+    except TypeError:  # not a name or not ints: let the spec's checks say which
+        return tuple(float(x) for x in schedule_spec(schedule).in_flight_by_rank(p, m, v))
+    return _in_flight_by_rank(schedule, p, m, v)
+
+
+@lru_cache(maxsize=4096, typed=True)  # the search prices many candidates of few (schedule, p, m, v)
+def _in_flight_by_rank(schedule: str, p: int, m: int, v: int) -> tuple[float, ...]:
+    return tuple(float(x) for x in schedule_spec(schedule).in_flight_by_rank(p, m, v))
 
 
 def divisors(n: int) -> list[int]:
