@@ -22,10 +22,10 @@ from xirang.ir.plan_checks import (REPLAN, PlanError, _at, _choice, _dumps, _fir
                           _json_list, _keys, _of_type, _parsed, _seq, _str, _unique)  # PlanError is public here
 from xirang.ir.plan_parts import (COLLECTIVE_KINDS, Alternative, CollectiveChoice, Layout, NodeStrategy,  # noqa: F401
                          Prediction, StagePlan)
+from xirang.ir.schedules import SCHEDULES
 from xirang.ir.world import World
 
 SCHEMA_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
