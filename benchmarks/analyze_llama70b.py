@@ -51,7 +51,8 @@ def main():
           f"torch {torch.__version__}")
     print(f"model: Llama-2-70B shape, {args.layers} layers, {report.total_params / 1e9:.2f} B parameters "
           f"(sum of numel: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B)")
-    print(f"distinct block kinds: {len(report.kinds)} ({', '.join(f'{k.module_type} x{k.count}' for k in report.kinds)})")
+    kinds = ", ".join(f"{k.module_type} x{k.count}" for k in report.kinds)
+    print(f"distinct block kinds: {len(report.kinds)} ({kinds})")
     print(f"wall time: build {built - start:.2f} s, analyze {done - built:.2f} s; peak RSS {peak_gib:.2f} GiB")
 
 

@@ -44,7 +44,8 @@ def main():
         steps = {}
         start = time.perf_counter()
         plan = xirang.plan(model, world=args.world, device=args.device, example_kwargs=example_kwargs,
-                           global_batch=global_batch, progress=lambda event: steps.__setitem__(event.stage, event))
+                           global_batch=global_batch,
+                           progress=lambda event, steps=steps: steps.__setitem__(event.stage, event))
         total = time.perf_counter() - start
         print(f"\n{name}: seq {seq}, global batch {global_batch}, world {args.world} {args.device}")
         print(f"  wall {total:.2f} s = trace+analyse {steps['analyse'].seconds:.2f} s + split ILP "

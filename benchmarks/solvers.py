@@ -40,7 +40,9 @@ def timed(fn, repeat: int = 3) -> float:
 if __name__ == "__main__":
     print(f"machine: {platform.machine()}, python {platform.python_version()}; best of 3")
     for n in (100, 400):
-        print(f"tensor-split ILP, {n}-op chain x4 strategies: {timed(lambda: solve_splits(chain(n, 4))):.3f} s")
+        seconds = timed(lambda n=n: solve_splits(chain(n, 4)))
+        print(f"tensor-split ILP, {n}-op chain x4 strategies: {seconds:.3f} s")
     for units, p in ((80, 8), (96, 16)):
-        print(f"stage cuts DP, {units} units on {p} stages: {timed(lambda: solve_stage_cuts(stages(units, p), method='dp')):.3f} s")
+        seconds = timed(lambda units=units, p=p: solve_stage_cuts(stages(units, p), method="dp"))
+        print(f"stage cuts DP, {units} units on {p} stages: {seconds:.3f} s")
     print(f"stage cuts ILP, 24 units on 8 stages: {timed(lambda: solve_stage_cuts(stages(24, 8), method='ilp')):.3f} s")

@@ -18,10 +18,13 @@ from types import MappingProxyType
 from typing import Mapping
 
 from xirang.ir.mesh import Mesh
-from xirang.ir.plan_checks import (REPLAN, PlanError, _at, _choice, _dumps, _first_difference, _int,  # noqa: F401
-                          _json_list, _keys, _of_type, _parsed, _seq, _str, _unique)  # PlanError is public here
-from xirang.ir.plan_parts import (COLLECTIVE_KINDS, Alternative, CollectiveChoice, Layout, NodeStrategy,  # noqa: F401
-                         Prediction, StagePlan)
+from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_int, check_keys, check_seq, check_str,
+                                   check_type, check_unique, compact_dumps, errors_at, first_difference, parse_at,
+                                   parse_json_list)
+from xirang.ir.plan_explain import explain_plan
+from xirang.ir.plan_parts import Alternative, CollectiveChoice, NodeStrategy, Prediction, StagePlan
+# re-exported: the plan's parts and PlanError are importable from here as well
+from xirang.ir.plan_parts import COLLECTIVE_KINDS, Layout  # noqa: F401
 from xirang.ir.schedules import SCHEDULES
 from xirang.ir.world import World
 
@@ -55,27 +58,27 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()  # other configurations priced, for explain()
 
     def __post_init__(self):
-        with _at("plan"):
+        with errors_at("plan"):
             self._validate()
 
     def _validate(self):
         if type(self.schema_version) is not int or self.schema_version != SCHEMA_VERSION:
             raise PlanError(f"schema_version is {self.schema_version!r}; this Xirang reads version "
                             f"{SCHEMA_VERSION}", where="schema_version", hint=REPLAN)
-        _str(self.fingerprint, "fingerprint")
-        world, mesh = _of_type(self.world, World, "world"), _of_type(self.mesh, Mesh, "mesh")
+        check_str(self.fingerprint, "fingerprint")
+        world, mesh = check_type(self.world, World, "world"), check_type(self.mesh, Mesh, "mesh")
         if mesh.size != world.size:
             raise PlanError(f"mesh {mesh} has {mesh.size} ranks but the world has {world.size} devices "
                             f"({world.describe()})", where="mesh",
                             hint=f"choose dp, pp, tp whose product is {world.size}")
         for name in ("micro_batch", "num_micro_batches", "global_batch", "virtual_stages"):
-            _int(getattr(self, name), name)
+            check_int(getattr(self, name), name)
         if mesh.dp * self.micro_batch * self.num_micro_batches != self.global_batch:
             raise PlanError(f"global_batch {self.global_batch} != dp {mesh.dp} x micro_batch {self.micro_batch} "
                             f"x num_micro_batches {self.num_micro_batches} = "
                             f"{mesh.dp * self.micro_batch * self.num_micro_batches}", where="global_batch",
                             hint="make global_batch = dp x micro_batch x num_micro_batches")
-        _choice(self.schedule, SCHEDULES, "schedule")
+        check_choice(self.schedule, SCHEDULES, "schedule")
         if self.schedule != "interleaved" and self.virtual_stages != 1:
             raise PlanError(f"virtual_stages is {self.virtual_stages} but schedule {self.schedule!r} runs one "
                             f"stage per pipeline rank", where="virtual_stages",
@@ -84,14 +87,14 @@ class Plan:
             raise PlanError(f"schedule 'interleaved' needs num_micro_batches ({self.num_micro_batches}) to be a "
                             f"multiple of pp ({mesh.pp})", where="num_micro_batches",
                             hint=f"use num_micro_batches in {mesh.pp}, {2 * mesh.pp}, ... or schedule '1f1b'")
-        _choice(self.recompute, RECOMPUTE_MODES, "recompute")
-        _choice(self.precision, PRECISIONS, "precision")
-        _choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
-        _of_type(self.placements, Mapping, "placements", "mapping node name -> NodeStrategy")
+        check_choice(self.recompute, RECOMPUTE_MODES, "recompute")
+        check_choice(self.precision, PRECISIONS, "precision")
+        check_choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
+        check_type(self.placements, Mapping, "placements", "mapping node name -> NodeStrategy")
         object.__setattr__(self, "placements", MappingProxyType(
-            {_str(name, "placements key"): _of_type(s, NodeStrategy, f"placements[{name!r}]")
+            {check_str(name, "placements key"): check_type(s, NodeStrategy, f"placements[{name!r}]")
              for name, s in self.placements.items()}))
-        stages = _seq(self.stages, "stages", lambda v, w: _of_type(v, StagePlan, w))
+        stages = check_seq(self.stages, "stages", lambda v, w: check_type(v, StagePlan, w))
         if len(stages) != mesh.pp * self.virtual_stages:
             raise PlanError(f"{len(stages)} stages, but pp {mesh.pp} x virtual_stages {self.virtual_stages} "
                             f"needs {mesh.pp * self.virtual_stages}", where="stages",
@@ -100,25 +103,25 @@ class Plan:
             if stage.index != position:
                 raise PlanError(f"stage at position {position} has index {stage.index}",
                                 where=f"stages[{position}].index", hint="list stages in index order 0, 1, ...")
-        _unique(tuple(u for stage in stages for u in stage.units), "stages[*].units")
+        check_unique(tuple(u for stage in stages for u in stage.units), "stages[*].units")
         object.__setattr__(self, "stages", stages)
-        buckets = _seq(self.buckets, "buckets", lambda v, w: _seq(v, w, _str))
+        buckets = check_seq(self.buckets, "buckets", lambda v, w: check_seq(v, w, check_str))
         for i, bucket in enumerate(buckets):
             if not bucket:
                 raise PlanError(f"bucket {i} is empty", where=f"buckets[{i}]", hint="drop empty buckets")
-        _unique(tuple(name for bucket in buckets for name in bucket), "buckets")
+        check_unique(tuple(name for bucket in buckets for name in bucket), "buckets")
         object.__setattr__(self, "buckets", buckets)
-        object.__setattr__(self, "fallbacks", _seq(self.fallbacks, "fallbacks", _str))
-        _unique(self.fallbacks, "fallbacks")
-        object.__setattr__(self, "collectives", _seq(self.collectives, "collectives",
-                                                     lambda v, w: _of_type(v, CollectiveChoice, w)))
-        predicted = _of_type(self.predicted, Prediction, "predicted")
+        object.__setattr__(self, "fallbacks", check_seq(self.fallbacks, "fallbacks", check_str))
+        check_unique(self.fallbacks, "fallbacks")
+        object.__setattr__(self, "collectives", check_seq(self.collectives, "collectives",
+                                                          lambda v, w: check_type(v, CollectiveChoice, w)))
+        predicted = check_type(self.predicted, Prediction, "predicted")
         if len(predicted.memory_bytes_per_device) != mesh.pp:
             raise PlanError(f"predicted.memory_bytes_per_device has {len(predicted.memory_bytes_per_device)} "
                             f"entries, one per pipeline rank needs {mesh.pp}",
                             where="predicted.memory_bytes_per_device", hint=REPLAN)
-        object.__setattr__(self, "alternatives", _seq(self.alternatives, "alternatives",
-                                                      lambda v, w: _of_type(v, Alternative, w)))
+        object.__setattr__(self, "alternatives", check_seq(self.alternatives, "alternatives",
+                                                           lambda v, w: check_type(v, Alternative, w)))
 
     # A read-only mapping is neither hashable nor picklable; these restore both.
     def __hash__(self) -> int:
@@ -129,10 +132,7 @@ class Plan:
 
     def explain(self) -> str:
         """A table of this plan and the alternatives it beat, with the time of each by cause and
-        why this one won. The rendering lives with the public API (``xirang.explain``); ir/ holds
-        the data, so the import is deferred to the call (``xirang`` is always loaded before
-        ``xirang.ir``: it is the parent package)."""
-        from xirang.explain import explain_plan
+        why this one won (rendered from the plan's data by ir/plan_explain.py)."""
         return explain_plan(self)
 
     def stages_of(self, pp_rank: int) -> tuple[StagePlan, ...]:
@@ -147,8 +147,8 @@ class Plan:
                             f"this model {fingerprint})")
         if world != self.world:
             problems.append(f"plan was made for world '{self.world.describe()}' but this world is "
-                            f"'{world.describe()}'" + _first_difference(self.world.to_json(), world.to_json(),
-                                                                        "world"))
+                            f"'{world.describe()}'" + first_difference(self.world.to_json(), world.to_json(),
+                                                                       "world"))
         if problems:
             where = [name for name, differs in (("plan.fingerprint", fingerprint != self.fingerprint),
                                                 ("plan.world", world != self.world)) if differs]
@@ -173,33 +173,33 @@ class Plan:
 
     @classmethod
     def from_json(cls, data) -> "Plan":
-        with _at("plan"):
-            _keys(data, tuple(f.name for f in fields(cls)), "plan", required=("schema_version",))
+        with errors_at("plan"):
+            check_keys(data, tuple(f.name for f in fields(cls)), "plan", required=("schema_version",))
             if type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
             # alternatives came after the first plans were written: optional when reading
-            _keys(data, tuple(f.name for f in fields(cls)), "plan",
-                  required=tuple(f.name for f in fields(cls) if f.name != "alternatives"))
+            check_keys(data, tuple(f.name for f in fields(cls)), "plan",
+                       required=tuple(f.name for f in fields(cls) if f.name != "alternatives"))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):
-                with _at(name):
+                with errors_at(name):
                     values[name] = parse(data[name])
             for name, parse in (("stages", StagePlan.from_json), ("collectives", CollectiveChoice.from_json),
                                 ("alternatives", Alternative.from_json)):
                 if name in data:
-                    values[name] = _json_list(data[name], name, parse)
-            _of_type(data["placements"], dict, "placements", "JSON object node name -> strategy")
-            with _at("placements"):
-                values["placements"] = {name: _parsed(f"[{name!r}]", NodeStrategy.from_json, value)
+                    values[name] = parse_json_list(data[name], name, parse)
+            check_type(data["placements"], dict, "placements", "JSON object node name -> strategy")
+            with errors_at("placements"):
+                values["placements"] = {name: parse_at(f"[{name!r}]", NodeStrategy.from_json, value)
                                         for name, value in data["placements"].items()}
         return cls(**values)
 
     def save(self, path) -> None:
         """Write the plan as JSON; small objects stay on one line so the file reads like a table."""
-        Path(path).write_text(_dumps(self.to_json()) + "\n")
+        Path(path).write_text(compact_dumps(self.to_json()) + "\n")
 
     @classmethod
     def load(cls, path) -> "Plan":

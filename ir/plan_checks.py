@@ -13,39 +13,39 @@ REPLAN = "re-plan with xirang.plan(...) and save the new plan, or fix this field
 
 # --- checks shared by the dataclasses: each names the field and what would be valid --------------
 
-def _int(value, where: str, minimum: int = 1) -> int:
+def check_int(value, where: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PlanError(f"{where} must be an int >= {minimum}, got {value!r}", where=where, hint=REPLAN)
     return value
 
 
-def _float(value, where: str) -> float:
+def check_float(value, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise PlanError(f"{where} must be a finite number >= 0, got {value!r}", where=where, hint=REPLAN)
     return float(value)
 
 
-def _str(value, where: str) -> str:
+def check_str(value, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise PlanError(f"{where} must be a non-empty string, got {value!r}", where=where, hint=REPLAN)
     return value
 
 
-def _choice(value, choices: tuple, where: str) -> str:
+def check_choice(value, choices: tuple, where: str) -> str:
     if value not in choices:
         raise PlanError(f"{where} is {value!r}, which is not one of {', '.join(choices)}", where=where,
                         hint=f"use one of: {', '.join(choices)}")
     return value
 
 
-def _seq(value, where: str, item) -> tuple:
+def check_seq(value, where: str, item) -> tuple:
     """A list or tuple, each element checked by ``item(element, where_of_element)``."""
     if not isinstance(value, (list, tuple)):
         raise PlanError(f"{where} must be a list, got {value!r}", where=where, hint=REPLAN)
     return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 
-def _unique(names: tuple, where: str) -> None:
+def check_unique(names: tuple, where: str) -> None:
     seen = set()
     for name in names:
         if name in seen:
@@ -53,7 +53,7 @@ def _unique(names: tuple, where: str) -> None:
         seen.add(name)
 
 
-def _of_type(value, cls, where: str, noun: str = ""):
+def check_type(value, cls, where: str, noun: str = ""):
     if not isinstance(value, cls):
         noun = noun or cls.__name__
         raise PlanError(f"{where} must be a {noun}, got {value!r}", where=where, hint=REPLAN)
@@ -63,7 +63,7 @@ def _of_type(value, cls, where: str, noun: str = ""):
 # --- JSON helpers --------------------------------------------------------------------------------
 
 @contextmanager
-def _at(path: str):
+def errors_at(path: str):
     """Prefix the ``where`` of errors raised inside with ``path`` (errors from Mesh, World and
     placements, which raise ValueError, become PlanErrors there)."""
     try:
@@ -76,18 +76,18 @@ def _at(path: str):
         raise PlanError(str(error), where=path, hint=REPLAN) from None
 
 
-def _parsed(path: str, parse, value):
-    with _at(path):
+def parse_at(path: str, parse, value):
+    with errors_at(path):
         return parse(value)
 
 
-def _json_list(value, where: str, parse) -> tuple:
+def parse_json_list(value, where: str, parse) -> tuple:
     if not isinstance(value, list):
         raise PlanError(f"{where} must be a JSON list, got {value!r}", where=where, hint=REPLAN)
-    return tuple(_parsed(f"{where}[{i}]", parse, v) for i, v in enumerate(value))
+    return tuple(parse_at(f"{where}[{i}]", parse, v) for i, v in enumerate(value))
 
 
-def _keys(data, names: tuple, what: str, required: tuple | None = None) -> None:
+def check_keys(data, names: tuple, what: str, required: tuple | None = None) -> None:
     """``data`` is a JSON object with no key outside ``names`` and every key of ``required``
     (default: all of ``names``); a misspelt key gets a suggestion."""
     if not isinstance(data, dict):
@@ -103,29 +103,29 @@ def _keys(data, names: tuple, what: str, required: tuple | None = None) -> None:
             raise PlanError(f"{what} is missing the field {key!r}", where=key, hint=REPLAN)
 
 
-def _dumps(value, indent: str = "", width: int = 100) -> str:
+def compact_dumps(value, indent: str = "", width: int = 100) -> str:
     """json.dumps, indented by two, but a value that fits in ``width`` columns stays on one line."""
     flat = json.dumps(value, allow_nan=False)
     if not isinstance(value, (dict, list)) or not value or len(indent) + len(flat) <= width:
         return flat
     inner = indent + "  "
     if isinstance(value, dict):
-        items = [f"{inner}{json.dumps(k)}: {_dumps(v, inner, width)}" for k, v in value.items()]
+        items = [f"{inner}{json.dumps(k)}: {compact_dumps(v, inner, width)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + f"\n{indent}}}"
-    return "[\n" + ",\n".join(inner + _dumps(v, inner, width) for v in value) + f"\n{indent}]"
+    return "[\n" + ",\n".join(inner + compact_dumps(v, inner, width) for v in value) + f"\n{indent}]"
 
 
-def _first_difference(a, b, path: str) -> str:
+def first_difference(a, b, path: str) -> str:
     """'; first difference at world.nodes[0].device.memory_bytes: 85899345920 vs 42949672960'."""
     if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
         for key in a:
-            found = _first_difference(a[key], b[key], f"{path}.{key}")
+            found = first_difference(a[key], b[key], f"{path}.{key}")
             if found:
                 return found
         return ""
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b)):
-            found = _first_difference(x, y, f"{path}[{i}]")
+            found = first_difference(x, y, f"{path}[{i}]")
             if found:
                 return found
         return ""

@@ -10,8 +10,8 @@ from typing import Mapping
 
 from xirang.ir.mesh import AXES, Mesh
 from xirang.ir.placement import Partial, Placement, Replicate, Shard, placement_from_json
-from xirang.ir.plan_checks import (REPLAN, PlanError, _at, _choice, _float, _int, _json_list, _keys, _of_type,  # noqa: F401
-                          _seq, _str, _unique)
+from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_float, check_int, check_keys, check_seq,
+                                   check_str, check_type, check_unique, errors_at, parse_json_list)
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 
@@ -25,8 +25,8 @@ class Layout:
 
     def __post_init__(self):
         for axis in AXES:
-            _of_type(getattr(self, axis), (Shard, Replicate, Partial), axis,
-                     "placement: Shard, Replicate or Partial")
+            check_type(getattr(self, axis), (Shard, Replicate, Partial), axis,
+                       "placement: Shard, Replicate or Partial")
 
     def __str__(self) -> str:
         parts = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) != Replicate()]
@@ -37,10 +37,10 @@ class Layout:
 
     @classmethod
     def from_json(cls, data) -> "Layout":
-        _keys(data, AXES, "layout", required=())
+        check_keys(data, AXES, "layout", required=())
         values = {}
         for axis, value in data.items():
-            with _at(axis):
+            with errors_at(axis):
                 values[axis] = placement_from_json(value)
         return cls(**values)
 
@@ -55,9 +55,9 @@ class NodeStrategy:
     outputs: tuple[Layout, ...] = (Layout(),)
 
     def __post_init__(self):
-        _str(self.strategy, "strategy")
-        object.__setattr__(self, "inputs", _seq(self.inputs, "inputs", lambda v, w: _of_type(v, Layout, w)))
-        object.__setattr__(self, "outputs", _seq(self.outputs, "outputs", lambda v, w: _of_type(v, Layout, w)))
+        check_str(self.strategy, "strategy")
+        object.__setattr__(self, "inputs", check_seq(self.inputs, "inputs", lambda v, w: check_type(v, Layout, w)))
+        object.__setattr__(self, "outputs", check_seq(self.outputs, "outputs", lambda v, w: check_type(v, Layout, w)))
 
     def to_json(self) -> dict:
         return {"strategy": self.strategy, "inputs": [x.to_json() for x in self.inputs],
@@ -65,9 +65,9 @@ class NodeStrategy:
 
     @classmethod
     def from_json(cls, data) -> "NodeStrategy":
-        _keys(data, ("strategy", "inputs", "outputs"), "node strategy")
-        return cls(data["strategy"], _json_list(data["inputs"], "inputs", Layout.from_json),
-                   _json_list(data["outputs"], "outputs", Layout.from_json))
+        check_keys(data, ("strategy", "inputs", "outputs"), "node strategy")
+        return cls(data["strategy"], parse_json_list(data["inputs"], "inputs", Layout.from_json),
+                   parse_json_list(data["outputs"], "outputs", Layout.from_json))
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,21 @@ class StagePlan:
     memory_limit_bytes: int
 
     def __post_init__(self):
-        _int(self.index, "index", minimum=0)
-        units = _seq(self.units, "units", _str)
+        check_int(self.index, "index", minimum=0)
+        units = check_seq(self.units, "units", check_str)
         if not units:
             raise PlanError(f"stage {self.index} has no units", where="units",
                             hint="every stage needs at least one block or segment; use fewer stages")
-        _unique(units, "units")
+        check_unique(units, "units")
         object.__setattr__(self, "units", units)
-        _int(self.memory_limit_bytes, "memory_limit_bytes")
+        check_int(self.memory_limit_bytes, "memory_limit_bytes")
 
     def to_json(self) -> dict:
         return {"index": self.index, "units": list(self.units), "memory_limit_bytes": self.memory_limit_bytes}
 
     @classmethod
     def from_json(cls, data) -> "StagePlan":
-        _keys(data, ("index", "units", "memory_limit_bytes"), "stage")
+        check_keys(data, ("index", "units", "memory_limit_bytes"), "stage")
         return cls(data["index"], data["units"], data["memory_limit_bytes"])
 
 
@@ -111,11 +111,11 @@ class CollectiveChoice:
     nbytes: int
 
     def __post_init__(self):
-        _str(self.node, "node")
-        _choice(self.axis, AXES, "axis")
-        _choice(self.kind, COLLECTIVE_KINDS, "kind")
-        _str(self.algorithm, "algorithm")
-        _int(self.nbytes, "nbytes", minimum=0)
+        check_str(self.node, "node")
+        check_choice(self.axis, AXES, "axis")
+        check_choice(self.kind, COLLECTIVE_KINDS, "kind")
+        check_str(self.algorithm, "algorithm")
+        check_int(self.nbytes, "nbytes", minimum=0)
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -123,7 +123,7 @@ class CollectiveChoice:
     @classmethod
     def from_json(cls, data) -> "CollectiveChoice":
         names = tuple(f.name for f in fields(cls))
-        _keys(data, names, "collective")
+        check_keys(data, names, "collective")
         return cls(**data)
 
 
@@ -140,16 +140,16 @@ class Prediction:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "step_seconds", _float(self.step_seconds, "step_seconds"))
-        object.__setattr__(self, "tflops_per_device", _float(self.tflops_per_device, "tflops_per_device"))
-        object.__setattr__(self, "memory_bytes_per_device", _seq(
-            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: _int(v, w, minimum=0)))
+        object.__setattr__(self, "step_seconds", check_float(self.step_seconds, "step_seconds"))
+        object.__setattr__(self, "tflops_per_device", check_float(self.tflops_per_device, "tflops_per_device"))
+        object.__setattr__(self, "memory_bytes_per_device", check_seq(
+            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: check_int(v, w, minimum=0)))
         if not isinstance(self.breakdown, Mapping):
             raise PlanError(f"breakdown must be a mapping cause -> seconds, got {self.breakdown!r}",
                             where="breakdown", hint=REPLAN)
         object.__setattr__(self, "breakdown", MappingProxyType(
-            {_str(k, "breakdown key"): _float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
-        object.__setattr__(self, "notes", _seq(self.notes, "notes", _str))
+            {check_str(k, "breakdown key"): check_float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
+        object.__setattr__(self, "notes", check_seq(self.notes, "notes", check_str))
 
     # A read-only mapping is neither hashable nor picklable; these restore both.
     def __hash__(self) -> int:
@@ -165,8 +165,8 @@ class Prediction:
 
     @classmethod
     def from_json(cls, data) -> "Prediction":
-        _keys(data, ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes"),
-              "prediction")
+        check_keys(data, ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes"),
+                   "prediction")
         return cls(**data)
 
 
@@ -191,20 +191,20 @@ class Alternative:
     why: str = ""
 
     def __post_init__(self):
-        _of_type(self.mesh, Mesh, "mesh")
+        check_type(self.mesh, Mesh, "mesh")
         for name in ("micro_batch", "num_micro_batches", "virtual_stages"):
-            _int(getattr(self, name), name)
-        _str(self.schedule, "schedule")
-        _str(self.recompute, "recompute")
+            check_int(getattr(self, name), name)
+        check_str(self.schedule, "schedule")
+        check_str(self.recompute, "recompute")
         for name in ("step_seconds", "tflops_per_device"):
-            object.__setattr__(self, name, _float(getattr(self, name), name))
-        object.__setattr__(self, "memory_bytes_per_device", _seq(
-            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: _int(v, w, minimum=0)))
-        _of_type(self.breakdown, Mapping, "breakdown", "mapping cause -> seconds")
+            object.__setattr__(self, name, check_float(getattr(self, name), name))
+        object.__setattr__(self, "memory_bytes_per_device", check_seq(
+            self.memory_bytes_per_device, "memory_bytes_per_device", lambda v, w: check_int(v, w, minimum=0)))
+        check_type(self.breakdown, Mapping, "breakdown", "mapping cause -> seconds")
         object.__setattr__(self, "breakdown", MappingProxyType(
-            {_str(k, "breakdown key"): _float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
-        _of_type(self.fits, bool, "fits")
-        _of_type(self.why, str, "why")
+            {check_str(k, "breakdown key"): check_float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
+        check_type(self.fits, bool, "fits")
+        check_type(self.why, str, "why")
 
     def __hash__(self) -> int:
         return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute))
@@ -220,7 +220,7 @@ class Alternative:
 
     @classmethod
     def from_json(cls, data) -> "Alternative":
-        _keys(data, tuple(f.name for f in fields(cls)), "alternative")
-        with _at("mesh"):
+        check_keys(data, tuple(f.name for f in fields(cls)), "alternative")
+        with errors_at("mesh"):
             mesh = Mesh.from_json(data["mesh"])
         return cls(**{**data, "mesh": mesh})

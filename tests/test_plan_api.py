@@ -12,8 +12,8 @@ from conftest import hf_llama, token_batch
 from examples.catalog import llama2_70b
 from examples.gpt import build_gpt
 from xirang import Plan, XirangError
-from xirang.explain import label
 from xirang.ir.device import GiB, DeviceSpec
+from xirang.ir.plan_explain import as_row, label
 
 PINNED = dict(pp=2, micro_batch=1, schedule="gpipe", recompute="full")
 
@@ -45,7 +45,8 @@ def test_plan_is_valid_and_consistent(gpt_plans):
     # inside the search: one event per tensor-split problem, as many as the splits step reports
     solved = [e for e in events if not e.step_done]
     assert solved and {e.stage for e in solved} == {"splits"}
-    assert f"solved {len(solved)} tensor splits" in next(e.message for e in events if e.step_done and e.stage == "splits")
+    ended = next(e.message for e in events if e.step_done and e.stage == "splits")
+    assert f"solved {len(solved)} tensor splits" in ended
 
 
 def test_buckets_hold_every_parameter_once(gpt_plans):
@@ -71,7 +72,7 @@ def test_json_round_trip_is_identical(gpt_plans, tmp_path):
 def test_explain_names_the_winner_and_why(gpt_plans):
     plan = gpt_plans[0]
     text = plan.explain()
-    assert f"* {label(xirang.explain.as_row(plan))}" in text
+    assert f"* {label(as_row(plan))}" in text
     assert "Why this plan: it has the shortest predicted step" in text
     assert all(title in text for title in ("compute", "TP comm", "bubble", "p2p", "DP exposed"))
     assert plan.alternatives and all(a.why for a in plan.alternatives)

@@ -12,13 +12,12 @@ from dataclasses import replace
 from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, ROLE, TENSOR, UNIT
 from xirang.ir.placement import Shard, local_shape
 from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
+from xirang.ir.plan_explain import why_lost
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import ALGORITHMS, collective_cost, group_topology
 from xirang.passes.analysis.fingerprint import graph_fingerprint
 from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced, bucket_elements
 from xirang.passes.planning.plan_search import SearchResult
-
-from xirang.explain import why_lost
 
 
 def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, precision: str,
@@ -99,7 +98,7 @@ def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: 
         for unit in reversed(names[start:stop]):
             for node in reversed(params_of.get(unit, [])):
                 current.append(PARAM_NAME.get(node))
-                elements += _local_elements(node, placements, tp)
+                elements += local_elements(node, placements, tp)
                 if elements >= cap:
                     buckets.append(tuple(current))
                     sizes.append((elements * grad_bytes, index % c.pp))
@@ -110,7 +109,7 @@ def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: 
     return tuple(buckets), sizes
 
 
-def _local_elements(node, placements, tp: int) -> int:
+def local_elements(node, placements, tp: int) -> int:
     """Elements of a parameter one tp rank holds: its local shape under the tp shard, which pads an
     uneven dim at the end (``local_shape``: 1001 rows on 4 ranks are 251 each, padding included)."""
     count = PARAM_COUNT.get(node)

@@ -48,9 +48,11 @@ from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
 from xirang.passes.analysis.memory_traffic import STAT_BYTES, arg
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
-from xirang.passes.planning.sharding_rules_fused import chunked_follows, fused_chunks, padded_follows, reaches_vocab_loss, split_follows
-from xirang.passes.planning.sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides, floating, info,
-                                   is_tensor, padded, same, shape, shard_fraction, shardable)
+from xirang.passes.planning.sharding_rules_fused import (chunked_follows, fused_chunks, padded_follows,
+                                                         reaches_vocab_loss, split_follows)
+from xirang.passes.planning.sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides,
+                                                         floating, info, is_tensor, padded, same, shape,
+                                                         shard_fraction, shardable)
 
 aten = torch.ops.aten
 

@@ -30,9 +30,10 @@ from torch.fx import Node
 from xirang.ir.placement import Shard
 
 from xirang.passes.analysis.op_tables import op_packet
-from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, PERMUTE_OPS, POINTWISE_OPS, RESHAPE_OPS,
-                                   SPLIT_OPS, Follow, R, _permutation, divides, first_tensor, info, is_tensor,
-                                   norm_dim, padded, reshape_groups, same, shape)
+from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, PERMUTE_OPS, POINTWISE_OPS,
+                                                         RESHAPE_OPS, SPLIT_OPS, Follow, R, divides, first_tensor,
+                                                         info, is_tensor, norm_dim, padded, permutation_of,
+                                                         reshape_groups, same, shape)
 
 aten = torch.ops.aten
 
@@ -66,7 +67,7 @@ def carried_dim(user: Node, value: Node, dim: int) -> int | None:
     if packet in RESHAPE_OPS:
         return next((o for i, o in reshape_groups(shape(value), shape(user)) or () if i == dim), None)
     if packet in PERMUTE_OPS:
-        perm = _permutation(user)
+        perm = permutation_of(user)
         return perm.index(dim) if dim in perm else None
     if packet not in _ELEMENTWISE:  # copies, casts, dropout: same tensor
         return dim if first_tensor(user) is value else None
@@ -152,7 +153,7 @@ def vocab_carried_dim(user: Node, value: Node, dim: int) -> int | None:
         kept = next((o for i, o in reshape_groups(shape(value), shape(user)) or () if i == dim), None)
         return kept if kept is not None and same(shape(value)[dim], shape(user)[kept]) else None
     if packet in PERMUTE_OPS:
-        perm = _permutation(user)
+        perm = permutation_of(user)
         return perm.index(dim) if dim in perm else None
     if packet is aten.slice:
         sliced = norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), len(shape(value)))

@@ -178,7 +178,7 @@ def _reshape(node, tp):
     return rows + [Follow(((x, SUM),), SUM)] if floating(x) else rows
 
 
-def _permutation(node) -> list[int]:
+def permutation_of(node) -> list[int]:
     """Output dim k holds input dim perm[k]."""
     ndim = len(shape(node))
     packet = node.target.overloadpacket
@@ -196,7 +196,7 @@ def _permutation(node) -> list[int]:
 def _permute(node, tp):
     """transpose / t / permute: a shard moves with its dim (transpose(1, 2) maps S(2) to S(1))."""
     x = first_tensor(node)
-    perm = _permutation(node)
+    perm = permutation_of(node)
     rows = [Follow(((x, Shard(perm[k])),), Shard(k)) for k in range(len(perm))
             if perm[k] in shardable(shape(x), tp)]
     return rows + [Follow(((x, SUM),), SUM)] if floating(x) else rows

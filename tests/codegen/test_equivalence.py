@@ -76,7 +76,8 @@ def _communication(rank, world, plan):
     compiled = xirang.compile(build("gpt_long"), world=world, example_kwargs=batch(0, 2, SEQ), plan=plan,
                               device="a100-80g", counter=counter, event_log=events, bucket_bytes=16 * 2**10)
     compiled.train_step(**batch(0, plan.global_batch, COMM_SEQ))
-    return {"records": list(counter.records), "events": events, "buckets": sum(len(b.buckets) for b in compiled.grad_buckets.values())}
+    buckets = sum(len(b.buckets) for b in compiled.grad_buckets.values())
+    return {"records": list(counter.records), "events": events, "buckets": buckets}
 
 
 def _rank_main(rank, world, jobs):

@@ -147,7 +147,7 @@ def test_heterogeneous_world():
     assert [world.node_of(r) for r in range(7)] == [0, 0, 1, 1, 1, 1, 2]
     assert world.same_node(2, 5) and not world.same_node(1, 2)
     with pytest.raises(ValueError, match=r"different device counts \[1, 2, 4\]"):
-        world.devices_per_node
+        _ = world.devices_per_node
 
 
 def test_same_count_different_device_is_not_uniform():

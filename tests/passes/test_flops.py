@@ -131,10 +131,10 @@ def test_gpt_matches_megatron_formula():
     """72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)): forward + backward, no recompute (Narayanan et al.
     2021), for the paper's 1.7B shape (h 2304, 24 heads, 24 layers, V 51200, s 2048)."""
     config = gpt_config("gpt-1.7b")
-    batch, seq, l, h, V = 2, config.seq_len, config.layers, config.hidden, config.vocab_size
+    batch, seq, layers, h, V = 2, config.seq_len, config.layers, config.hidden, config.vocab_size
     gm = analysed(build_gpt(config, device="meta"), **token_batch(batch=batch, seq=seq))
     counted = evaluate(total_flops(gm).total, {"batch": batch, "seq": seq})
-    megatron = 72 * batch * seq * l * h**2 * (1 + seq / (6 * h) + V / (12 * l * h))
+    megatron = 72 * batch * seq * layers * h**2 * (1 + seq / (6 * h) + V / (12 * layers * h))
     ratio = counted / megatron
     assert abs(ratio - 1) < 0.02, f"counted / Megatron formula = {ratio:.4f}"
 

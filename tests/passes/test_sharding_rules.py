@@ -374,11 +374,11 @@ def megatron_walk(gm, tp):
             continue
         candidates = strategies_for(node, tp)
 
-        def have(producer):
+        def have(producer, node=node):
             out = placed.get(producer)
             return out[node.args[1]] if node.target is operator.getitem and isinstance(out, tuple) else out
 
-        def fits(strategy):
+        def fits(strategy, node=node):
             return all(want is None or (want != P and (have(p) or R) == want)
                        for p, want in zip(node.all_input_nodes, strategy.inputs))
         packet = str(getattr(node.target, "overloadpacket", node.target))

@@ -1,0 +1,132 @@
+"""``plan.explain()``: the chosen configuration next to the ones it beat, and why, as plain text
+(``explain_plan``) or JSON-ready data (``explain_data``, for ``xirang explain --json``).
+
+Everything here reads the Plan's data only (its prediction and ``alternatives``), so a plan loaded
+from JSON explains itself as well as a fresh one. ``why_lost`` writes the sentence stored with each
+alternative when the plan is made. This module imports the plan's parts, not ``Plan`` (ir/plan.py
+imports it for ``Plan.explain``): the ``plan`` arguments below are Plans.
+"""
+from __future__ import annotations
+
+from xirang.ir.plan_parts import Alternative
+
+GiB = 1024**3
+CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"), ("pp_p2p", "p2p"),
+          ("dp_exposed", "DP exposed"))
+# the configuration fields that drive each cause; a sentence names those that differ
+_DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m"), "tp_comm": ("tp", "pp", "b", "m"),
+            "pp_bubble": ("pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp")}
+
+
+def _fields(row: Alternative) -> dict:
+    return {"recompute": row.recompute, "tp": row.mesh.tp, "pp": row.mesh.pp, "dp": row.mesh.dp,
+            "b": row.micro_batch, "m": row.num_micro_batches, "v": row.virtual_stages,
+            "stages": row.mesh.pp * row.virtual_stages}
+
+
+def _context(key: str, other: Alternative, winner: Alternative) -> str:
+    """'pp=16 vs 8, m=64 vs 32': the fields behind cause ``key`` that differ between the two."""
+    a, w = _fields(other), _fields(winner)
+    diffs = [f"{name}={a[name]} vs {w[name]}" for name in _DRIVERS[key] if a[name] != w[name]]
+    return ", ".join(diffs) or "a slower bottleneck stage"
+
+
+def label(row: Alternative) -> str:
+    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full'."""
+    v = f" v={row.virtual_stages}" if row.schedule == "interleaved" else ""
+    return (f"dp={row.mesh.dp} pp={row.mesh.pp} tp={row.mesh.tp} b={row.micro_batch} "
+            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}")
+
+
+def as_row(plan) -> Alternative:
+    """The plan's own configuration and prediction in the shape of an alternative."""
+    p = plan.predicted
+    return Alternative(mesh=plan.mesh, micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches,
+                       schedule=plan.schedule, virtual_stages=plan.virtual_stages, recompute=plan.recompute,
+                       step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
+                       memory_bytes_per_device=p.memory_bytes_per_device, breakdown=p.breakdown)
+
+
+def _too_big(row: Alternative, usable_bytes: float) -> str:
+    """'does not fit: needs at least 80.2 GiB on pipeline rank 0, 72.0 GiB usable'."""
+    rank = max(range(len(row.memory_bytes_per_device)), key=row.memory_bytes_per_device.__getitem__)
+    return (f"does not fit: needs at least {row.memory_bytes_per_device[rank] / GiB:.1f} GiB on pipeline rank {rank}, "
+            f"{usable_bytes / GiB:.1f} GiB usable")
+
+
+def why_lost(winner: Alternative, other: Alternative, usable_bytes: float) -> str:
+    """One sentence: the memory ``other`` lacks, or how much slower it is and the causes that grew most."""
+    if not other.fits:
+        faster = winner.step_seconds - other.step_seconds
+        speed = f"{faster / winner.step_seconds:.0%} faster, but " if faster > 0 else ""
+        return speed + _too_big(other, usable_bytes)
+    slower = other.step_seconds - winner.step_seconds
+    if slower <= 1e-3 * winner.step_seconds:
+        return "as fast within 0.1%; listed after the winner by the planner's tie-break"
+    grew = sorted(((other.breakdown.get(key, 0.0) - winner.breakdown.get(key, 0.0), key) for key, _ in CAUSES),
+                  reverse=True)
+    names = dict(CAUSES)
+    parts = [f"{names[key]} +{delta:.3g} s ({_context(key, other, winner)})"
+             for delta, key in grew[:2] if delta > 0.1 * slower]
+    return f"{slower / winner.step_seconds:.1%} slower: " + "; ".join(parts or ["small differences in every cause"])
+
+
+def why_won(plan) -> str:
+    """Why the plan's configuration was chosen, read from the alternatives it carries."""
+    if not plan.alternatives:
+        return "it was the only configuration priced (every choice pinned, or no other fits the rules)."
+    usable = min(stage.memory_limit_bytes for stage in plan.stages)
+    fitting = [a for a in plan.alternatives if a.fits]
+    parts = [f"it has the shortest predicted step of the configurations that fit; the next best, "
+             f"{label(fitting[0])}, is {fitting[0].why}." if fitting else
+             "no other configuration priced fits device memory."]
+    parts += [f"{label(a)} would be faster but {_too_big(a, usable)}." for a in plan.alternatives
+              if not a.fits and a.step_seconds < plan.predicted.step_seconds]
+    return " ".join(parts)
+
+
+def explain_data(plan) -> dict:
+    """What ``explain_plan`` shows, as JSON-ready data (``xirang explain plan.json --json``): one
+    row per configuration (the chosen one first), seconds per step by cause, memory per pipeline
+    rank in bytes, fits, and the reasons in words."""
+    def row(item: Alternative, chosen: bool, why: str) -> dict:
+        return {"configuration": label(item), "chosen": chosen,
+                "dp": item.mesh.dp, "pp": item.mesh.pp, "tp": item.mesh.tp, "micro_batch": item.micro_batch,
+                "num_micro_batches": item.num_micro_batches, "schedule": item.schedule,
+                "virtual_stages": item.virtual_stages, "recompute": item.recompute,
+                "step_seconds": item.step_seconds, "tflops_per_device": item.tflops_per_device,
+                "seconds_by_cause": {key: item.breakdown.get(key, 0.0) for key, _ in CAUSES},
+                "memory_bytes_per_pipeline_rank": list(item.memory_bytes_per_device),
+                "fits": item.fits, "why": why}
+    return {"world": plan.world.describe(), "global_batch": plan.global_batch, "precision": plan.precision,
+            "usable_bytes_per_device": min(stage.memory_limit_bytes for stage in plan.stages),
+            "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, a.why) for a in plan.alternatives],
+            "notes": list(plan.predicted.notes)}
+
+
+def explain_plan(plan) -> str:
+    """The text table ``Plan.explain()`` returns."""
+    winner = as_row(plan)
+    header = (f"{'':2}{'configuration':<56} {'step s':>8} {'TFLOP/s':>8} "
+              + " ".join(f"{title:>10}" for _, title in CAUSES) + f" {'max GiB':>8}  fits")
+    lines = [f"Plan for {plan.world.describe()}, global batch {plan.global_batch}, precision {plan.precision}",
+             "", header, "-" * len(header)]
+    for mark, row in [("* ", winner)] + [("  ", a) for a in plan.alternatives]:
+        causes = " ".join(f"{row.breakdown.get(key, 0.0):>10.4g}" for key, _ in CAUSES)
+        memory = max(row.memory_bytes_per_device, default=0) / GiB
+        lines.append(f"{mark}{label(row):<56} {row.step_seconds:>8.4g} {row.tflops_per_device:>8.1f} {causes} "
+                     f"{memory:>8.1f}  {'yes' if row.fits else 'NO'}")
+    lines.append("-" * len(header))
+    lines.append("* chosen. Seconds per step by cause: compute (recompute included), tensor-parallel "
+                 "collectives, pipeline bubble, pipeline sends, data-parallel all-reduce left after the backward.")
+    usable = min(stage.memory_limit_bytes for stage in plan.stages)
+    per_rank = ", ".join(f"{b / GiB:.1f}" for b in plan.predicted.memory_bytes_per_device)
+    lines.append(f"Memory per device by pipeline rank (GiB): {per_rank}; usable {usable / GiB:.1f} GiB.")
+    lines.append("")
+    lines.append(f"Why this plan: {why_won(plan)}")
+    for a in plan.alternatives:
+        lines.append(f"  - {label(a)}: {a.why}")
+    if plan.predicted.notes:
+        lines.append("Notes:")
+        lines.extend(f"  - {note}" for note in plan.predicted.notes)
+    return "\n".join(lines)
