@@ -112,9 +112,6 @@ def as_world(world, device=None) -> World:
                                "device= only with N or 'NxM'") from None
 
 
-_world = as_world  # the old private name, until xirang_compile/compile_api.py imports as_world
-
-
 def _precision(precision, world: World) -> str:
     if precision is None:  # half precision wherever the device has it; CPUs train in fp32
         return "fp32" if all(node.device.name == "cpu" for node in world.nodes) else "bf16"
