@@ -55,7 +55,7 @@ def check_symbolic_dims(named_inputs: dict, symbolic_dims: dict) -> dict[str, di
         if not isinstance(value, torch.Tensor):
             raise TraceError(f"symbolic_dims names input {name!r}, which is not a tensor input",
                              hint=f"tensor inputs are: {sorted(_tensor_names(named_inputs))}")
-        for dim, symbol_name in dims.items():
+        for dim in dims:
             if not -value.dim() <= dim < value.dim():
                 raise TraceError(f"symbolic_dims[{name!r}] names dim {dim}, but {name} has shape "
                                  f"{tuple(value.shape)}", hint="use a dim index inside the shape")
