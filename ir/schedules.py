@@ -1,6 +1,6 @@
 """Pipeline schedules as data: one list of actions per pipeline rank, in the order that rank issues them.
 
-An executor only interprets these lists (DESIGN.md principle 6); ``schedule_check`` proves a list is
+An executor only interprets these lists (docs/architecture.md: schedules are data); ``schedule_check`` proves a list is
 complete and cannot hang, ``schedule_sim`` times it, ``timeline`` prints and draws it.
 
 Conventions

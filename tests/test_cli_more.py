@@ -30,6 +30,25 @@ def test_inspect_shows_rank_1_of_a_tp_plan_with_its_splits_and_code(tp2_plan):
     assert "vocab_parallel_cross_entropy" in out  # the emitted code itself
 
 
+def test_inspect_dumps_the_graph_after_every_compile_pass_and_times_each(tp2_plan, tmp_path):
+    """``--dump DIR``: one file per analysis pass and per lowering pass of the chosen rank, each the
+    graph after that pass; ``--passes``: the declared list, every pass timed for this rank."""
+    from xirang.pipeline import ANALYSIS_PASSES, LOWERING_PASSES
+    dump = tmp_path / "dump"
+    result = xirang("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny", "--passes",
+                    "--dump", str(dump))
+    assert result.returncode == 0, result.stderr
+    for folder, passes in (("analysis", ANALYSIS_PASSES), ("rank1", LOWERING_PASSES)):
+        files = sorted(p.name for p in (dump / folder).iterdir())
+        assert files == [f"{i:02d}_{p.name}.txt" for i, p in enumerate(passes)], (folder, files)
+    rewritten = (dump / "rank1" / "03_insert_collectives.txt").read_text()
+    assert "copy_to_group" in rewritten and "xr_inserted" in rewritten  # the collectives, and why each is there
+    assert "copy_to_group" not in (dump / "rank1" / "00_apply_plan.txt").read_text()
+    rows = [line.split() for line in result.stdout.splitlines()[1:-1]]
+    assert [row[1] for row in rows] == [p.name for p in ANALYSIS_PASSES + LOWERING_PASSES]
+    assert all(row[3] == "ms" and float(row[2]) >= 0 for row in rows), rows
+
+
 def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp2_plan):
     result = xirang("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")
     assert result.returncode == 0, result.stderr
@@ -96,7 +115,7 @@ def test_explain_picture_writes_a_png(tp2_plan, tmp_path):
 def test_verify_reads_the_loss_of_hugging_face_outputs_tuples_and_tensors():
     import torch
     from transformers.modeling_outputs import CausalLMOutput
-    from xirang.cli_verify import _loss_of
+    from xirang.cli_verify import loss_of
     loss = torch.tensor(2.5)
-    assert _loss_of(CausalLMOutput(loss=loss, logits=torch.zeros(1))) is loss  # HF models with labels
-    assert _loss_of((loss, torch.zeros(1))) is loss and _loss_of(loss) is loss
+    assert loss_of(CausalLMOutput(loss=loss, logits=torch.zeros(1))) is loss  # HF models with labels
+    assert loss_of((loss, torch.zeros(1))) is loss and loss_of(loss) is loss

@@ -2,13 +2,15 @@
 
 Everything but the code is read from the plan alone: the rank's mesh coordinates, its pipeline
 stages and their units, the layout chosen for every node, the collectives of its groups. The code
-needs the model: it is traced here (``analyze``) and rank R's program is emitted with
-``codegen.emit.rank_source``, which rewrites the graph for R's tp rank without any process group,
-so no distributed launch is needed to read the program of any rank of a large world.
+needs the model: it is traced here (the analysis passes) and lowered for rank R (the lowering
+passes, xirang_compile/lower.py), without any process group, so no distributed launch is needed to
+read the program of any rank of a large world. ``--passes`` lists the compiler's passes with what
+each took for this rank; ``--dump DIR`` writes the graph after every one of them.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from xirang.ir.mesh import AXES
@@ -43,20 +45,28 @@ def _replicated(strategy) -> bool:
     return all(layout == Layout() for layout in every)
 
 
-def _traced(plan: Plan, model_spec: str, batch, seq):
-    """Trace the model and refuse a plan made for another one (Plan.check_matches names the field)."""
+def _analysed(plan: Plan, model_spec: str, batch, seq, dump: str | None):
+    """Trace and analyse the model; refuse a plan made for another one (Plan.check_matches names the field)."""
     from xirang.passes.analysis.fingerprint import graph_fingerprint
 
     from xirang.analyze import analyze
-    from xirang.cli import build, load_factory
+    from xirang.model_files import build, load_factory
     model, example_kwargs = build(load_factory(model_spec), batch, seq)
-    gm = analyze(model, example_kwargs=example_kwargs).graph_module
-    plan.check_matches(graph_fingerprint(gm), plan.world)
-    return gm
+    report = analyze(model, example_kwargs=example_kwargs, dump_dir=f"{dump}/analysis" if dump else None)
+    plan.check_matches(graph_fingerprint(report.graph_module), plan.world)
+    return report
+
+
+def pass_list() -> list[dict]:
+    """The compiler's passes in order: stage, name, first docstring line, what each requires and provides."""
+    from xirang.pipeline import ANALYSIS_PASSES, LOWERING_PASSES
+    return [{"stage": stage, "name": p.name, "doc": p.doc, "requires": [k.name for k in p.requires],
+             "provides": [k.name for k in p.provides]}
+            for stage, passes in (("analysis", ANALYSIS_PASSES), ("lowering", LOWERING_PASSES)) for p in passes]
 
 
 def inspect_rank(plan: Plan, rank: int, *, stage: int | None = None, every_node: bool = False,
-                 model_spec: str | None = None, batch=None, seq=None) -> dict:
+                 model_spec: str | None = None, batch=None, seq=None, dump: str | None = None) -> dict:
     """What rank ``rank`` runs under ``plan``, as a JSON-ready dict (see the module docstring)."""
     check_rank(plan, rank)
     coords = plan.mesh.coords(rank)
@@ -66,7 +76,11 @@ def inspect_rank(plan: Plan, rank: int, *, stage: int | None = None, every_node:
             raise XirangError(f"--stage {stage} does not run on rank {rank} (pipeline rank {coords['pp']})",
                               where="--stage", hint=f"rank {rank} runs stage(s) {[s.index for s in stages]}")
         stages = tuple(s for s in stages if s.index == stage)
-    gm = _traced(plan, model_spec, batch, seq) if model_spec else None
+    if dump and not model_spec:
+        raise XirangError("--dump needs --model: the graphs are the model's", where="--dump",
+                          hint="add --model path/to/file.py:factory (the model the plan was made for)")
+    report = _analysed(plan, model_spec, batch, seq, dump) if model_spec else None
+    gm = report.graph_module if report is not None else None
     nodes = list(plan.placements)
     if gm is not None and plan.mesh.pp > 1:
         # only the model can say which unit a node belongs to: the plan stores units per stage
@@ -83,11 +97,30 @@ def inspect_rank(plan: Plan, rank: int, *, stage: int | None = None, every_node:
     result = {"rank": rank, "mesh": str(plan.mesh), "pp": plan.mesh.pp, "coords": coords, "groups": groups,
               "stages": [{"index": s.index, "units": list(s.units)} for s in stages],
               "placements": placements, "placements_total": len(nodes),
-              "collectives": collectives, "code": None}
+              "collectives": collectives, "code": None, "passes": pass_list()}
     if gm is not None:
-        from xirang.codegen.emit import rank_source
-        result["code"] = rank_source(gm, plan, rank)
+        from xirang.codegen.emit import program_source
+        from xirang.lower import lower
+        lowered = lower(gm, plan, rank=rank, dump_dir=f"{dump}/rank{rank}" if dump else None)
+        result["code"] = program_source(lowered.program, plan, rank, tuple(s.index for s in stages))
+        seconds = {t.name: t.seconds for t in report.timings + lowered.run.timings}
+        for entry in result["passes"]:
+            entry["seconds"] = seconds.get(entry["name"])
     return result
+
+
+def format_passes(passes: list[dict]) -> str:
+    """The pass list as a table: stage, name, time when measured, what the pass does."""
+    width = max(len(p["name"]) for p in passes)
+    timed = any(p.get("seconds") is not None for p in passes)
+    lines = ["Passes (" + ("times for this rank" if timed else "pass --model to time them") + "):"]
+    for p in passes:
+        took = f"{p['seconds'] * 1000:8.1f} ms  " if p.get("seconds") is not None else ""
+        lines.append(f"  {p['stage']:<8}  {p['name']:<{width}}  {took}{p['doc']}")
+    if timed:
+        total = sum(p["seconds"] for p in passes if p.get("seconds") is not None)
+        lines.append(f"  {'':<8}  {'total':<{width}}  {total * 1000:8.1f} ms")
+    return "\n".join(lines)
 
 
 def format_inspection(info: dict, *, every_node: bool) -> str:
@@ -114,15 +147,20 @@ def format_inspection(info: dict, *, every_node: bool) -> str:
     if info["code"] is None:
         lines.append("\nCode: pass --model path.py:factory (the model the plan was made for) to see the program.")
     else:
-        note = (" (the whole tp-rewritten program; pipeline stages are cut from it when it is compiled)"
-                if info["pp"] > 1 else "")
-        lines.append(f"\nCode{note}:\n{info['code']}")
+        lines.append(f"\nCode (the rank's stage modules):\n{info['code']}")
     return "\n".join(lines)
 
 
 def cmd_inspect(args) -> int:
     plan = load_plan(args.plan)
     info = inspect_rank(plan, args.rank, stage=args.stage, every_node=args.all, model_spec=args.model,
-                        batch=args.batch, seq=args.seq)
-    print(json.dumps(info, indent=2) if args.json else format_inspection(info, every_node=args.all))
+                        batch=args.batch, seq=args.seq, dump=args.dump)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif args.passes:
+        print(format_passes(info["passes"]))
+    else:
+        print(format_inspection(info, every_node=args.all))
+    if args.dump:
+        print(f"graphs after every pass: {args.dump}/analysis, {args.dump}/rank{args.rank}", file=sys.stderr)
     return 0

@@ -30,7 +30,6 @@ whole tensor (LAMB's trust ratio, clipping by total norm).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch

@@ -1,6 +1,6 @@
 """Run one pipeline rank's action list (codegen/schedules.py) for one training step.
 
-The executor only interprets the schedule (DESIGN.md principle 6): it never decides an order.
+The executor only interprets the schedule (docs/architecture.md: schedules are data): it never decides an order.
 - ``Forward(s, mb)``: stage s's inputs are micro-batch mb's user inputs plus the tensors crossing
   into s -- from a receive posted earlier, or handed over by the neighbour stage on this rank. Each
   crossing input becomes a fresh leaf (``detach().requires_grad_()``) so the backward can stop at

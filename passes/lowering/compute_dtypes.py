@@ -8,9 +8,10 @@ cos/sin) or upcast on purpose stays fp32. A pipeline cut allocates its receive b
 dtypes before the step, so it needs the run-time ones, not the traced ones.
 
 The lowering pass ``plan_run_dtypes`` records them as each node's ``RUN_DTYPE`` before the graph
-is rewritten (nothing in fp32, where the traced dtypes hold); ``compute_dtypes(gm, dtype)`` writes the same casts into a copy of the graph, runs it on fake
-tensors (no memory, no FLOPs) and returns node name -> dtype for each node of ``gm`` producing a
-tensor. The dtypes do not depend on sizes, so the example's symbol values do.
+is rewritten (nothing in fp32, where the traced dtypes hold); ``compute_dtypes(gm, dtype)`` writes
+the same casts into a copy of the graph, runs it on fake tensors (no memory, no FLOPs) and returns
+node name -> dtype for each node of ``gm`` producing a tensor. The dtypes do not depend on sizes, so
+the example's symbol values do.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def _cast_parameters(graph: Graph, dtype: torch.dtype) -> None:
         with graph.inserting_after(anchor):
             cast = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
         anchor = cast
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
 
 
 def _unify_inputs(graph: Graph, node, dtype: torch.dtype) -> None:
@@ -85,7 +85,7 @@ def _unify_inputs(graph: Graph, node, dtype: torch.dtype) -> None:
 
 @compiler_pass(requires=(TENSOR, UNIT, REQUIRES_GRAD), provides=(INSERTED,))
 def insert_precision_casts(gm, ctx):
-    """Write the plan's precision policy (module docstring) into this rank's program."""
+    """Read fp32 master weights in the compute dtype, unify mixed inputs of one-dtype ops, return an fp32 loss."""
     dtype = COMPUTE_DTYPES[ctx.plan.precision]
     before = set(gm.graph.nodes)
     write_precision_casts(gm.graph, dtype)

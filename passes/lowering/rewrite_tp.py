@@ -165,7 +165,8 @@ class TpRewriter:
     def layout(self, node: Node):
         strategy = LAYOUT.get(node, None)
         if strategy is None:
-            raise XirangError(f"node {node.name} ({node.target}) has no layout", where=f"plan.placements[{node.name!r}]",
+            raise XirangError(f"node {node.name} ({node.target}) has no layout",
+                              where=f"plan.placements[{node.name!r}]",
                               hint="re-plan this model (xirang.plan): the plan must list every computing node")
         return strategy
 
@@ -250,7 +251,7 @@ def _full_shape(value: Node) -> tuple:
 
 @compiler_pass(requires=(LAYOUT, TENSOR, UNIT, REQUIRES_GRAD), provides=(INSERTED,))
 def insert_collectives(gm, ctx):
-    """Rewrite the graph into this tp rank's program (see the module docstring)."""
+    """Rewrite the graph into this tp rank's program: local shapes, a collective wherever layouts differ."""
     rewriter = TpRewriter(gm, tp_rank=ctx.coords["tp"], tp_size=ctx.plan.mesh.tp, device=torch.device(ctx.device))
     graph = rewriter.run()
     graph.eliminate_dead_code()

@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from xirang.ir.device import DeviceSpec
+from xirang.ir.plan import RECOMPUTE_MODES
 from xirang.ir.schedules import SCHEDULE_SPECS, ScheduleSpec, schedule_spec
 from xirang.ir.world import World
 
@@ -159,7 +160,6 @@ def model_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) ->
                            optimizer=ADAM_STATE_BYTES * num_params / (dp if zero_stage >= 1 else 1))
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, *,

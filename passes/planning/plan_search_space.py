@@ -26,10 +26,10 @@ from typing import Iterator, Optional
 
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
+from xirang.ir.plan import RECOMPUTE_MODES
 from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
 PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from xirang.cli_verify import _loss_of as loss_of  # a tensor, a tuple's first element or HF `.loss`
+from xirang.cli_verify import loss_of  # a tensor, a tuple's first element or HF `.loss`
 
 
 def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False) -> dict:

@@ -1,4 +1,4 @@
-"""What "correct" means (DESIGN.md): the compiled program's loss and every gradient (gathered to full
+"""What "correct" means (docs/architecture.md): the compiled program's loss and every gradient (gathered to full
 shape) equal the single-device model's, over several optimizer steps, and so do the parameters.
 
 HF GPT-2, HF Llama (grouped-query attention) and the in-repo GPT, on CPU gloo ranks, for (dp, tp)
@@ -73,7 +73,8 @@ def _train(rank, world, name, plan):
 
 def _communication(rank, world, plan):
     counter, events = CommCounter(), []
-    compiled = xirang.compile(build("gpt_long"), world=world, example_kwargs=batch(0, 2, SEQ), plan=plan,
+    # compiled at the sequence it runs: a program's stages have static shapes (sizes folded at one micro-batch)
+    compiled = xirang.compile(build("gpt_long"), world=world, example_kwargs=batch(0, 2, COMM_SEQ), plan=plan,
                               device="a100-80g", counter=counter, event_log=events, bucket_bytes=16 * 2**10)
     compiled.train_step(**batch(0, plan.global_batch, COMM_SEQ))
     buckets = sum(len(b.buckets) for b in compiled.grad_buckets.values())
