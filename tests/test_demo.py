@@ -2,17 +2,21 @@
 
 It plans a 4-layer GPT for 8 local CPU ranks, prints the plan table and the 1F1B schedule, draws
 the timeline, trains 3 steps on dp=2 x tp=2 x pp=2 gloo ranks and prints each step's loss beside
-single-device training. The test reads what it printed and checks the numbers, not just the words.
+single-device training, and writes what the ranks measured as a Chrome trace. The test reads what it
+printed and wrote and checks the numbers, not just the words.
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.codegen.png_reader import colours, read_png
+from xirang.ir.schedules import build_schedule, is_compute
+
 REPO = Path(__file__).resolve().parents[1]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_plans_shows_and_trains_8_ranks_like_one_device(tmp_path):
@@ -23,7 +27,9 @@ def test_demo_plans_shows_and_trains_8_ranks_like_one_device(tmp_path):
     out = result.stdout
     assert re.search(r"^\* dp=2 pp=2 tp=2 ", out, re.M), out[:3000]  # the plan table, chosen row marked
     assert "Pipeline schedule (1f1b, 2 stages" in out and "Why this plan" in out
-    assert timeline.read_bytes().startswith(PNG_SIGNATURE)
+    width, height, pixels = read_png(timeline.read_bytes())  # a PNG, wide and not blank
+    assert width > 800 and height > 150 and len(colours(pixels)) > 20
+    assert f"timeline picture: {timeline}" in out
     rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d\.\d+e[-+]\d+)$", out, re.M)
     assert [int(step) for step, *_ in rows] == [0, 1, 2], out[-2000:]
     for _, single, distributed, difference in rows:
@@ -31,3 +37,21 @@ def test_demo_plans_shows_and_trains_8_ranks_like_one_device(tmp_path):
         assert abs(float(single) - float(distributed)) <= 1e-5 and float(difference) <= 1e-5
     assert all(abs(float(single) - 6.24) < 0.1 for _, single, _, _ in rows)  # ~ln(512): random tokens, 3 steps
     assert "every rank reports the same loss: True" in out
+    # the measured trace, in the folder the demo ran in: a track per rank, each rank's scheduled
+    # compute actions once a step, in the schedule's order
+    assert f"trace: {(tmp_path / 'demo_trace.json').resolve()} (8 ranks, 3 steps" in out
+    trace = json.loads((tmp_path / "demo_trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {rank: f"rank {rank}" for rank in range(8)}
+    facts = trace["otherData"]
+    assert (facts["schedule"], facts["pipeline_ranks"]) == ("1f1b", 2)
+    schedule = build_schedule("1f1b", 2, facts["micro_batches"])
+    for rank in range(8):
+        for step in range(3):
+            events = sorted((e for e in trace["traceEvents"]
+                             if e["ph"] == "X" and e["pid"] == rank and e["args"]["step"] == step),
+                            key=lambda e: e["ts"])
+            pp_rank = events[0]["args"]["pp_rank"]
+            want = [a for a in schedule.ranks[pp_rank] if is_compute(a)]
+            assert [(e["args"]["stage"], e["args"]["micro_batch"], e["args"]["kind"]) for e in events] == \
+                [(a.stage, a.micro_batch, type(a).__name__.lower()) for a in want], (rank, step)

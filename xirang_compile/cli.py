@@ -4,68 +4,14 @@ training script on local CPU ranks through torch's own launcher."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
 import logging
 import sys
-import traceback
 from pathlib import Path
-
-from xirang.ir.plan import PlanError
 
 from xirang.ir.errors import XirangError
 
-
-def load_factory(spec: str):
-    """'path/to/file.py:factory' -> the factory function, with errors that say what to fix."""
-    path_text, sep, name = spec.rpartition(":")
-    if not sep or not path_text or not name:
-        raise XirangError(f"model {spec!r} is not of the form path/to/file.py:factory",
-                          hint="name a Python file and a function in it that builds the model, e.g. "
-                               "examples/catalog.py:gpt_tiny")
-    path = Path(path_text)
-    if not path.is_file():
-        raise XirangError(f"model file {path_text!r} does not exist", where=f"current directory {Path.cwd()}",
-                          hint="give the path of a .py file, relative to the current directory or absolute")
-    # The file may import its neighbours (`import gpt`) or its package (`from examples.gpt import
-    # ...`, examples/ being a package): put its folder and the folder above its package on the path.
-    folder = path.resolve().parent
-    package_root = folder
-    while (package_root / "__init__.py").is_file() and package_root.parent != package_root:
-        package_root = package_root.parent
-    for entry in dict.fromkeys((str(Path.cwd()), str(package_root), str(folder))):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    module_spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except (ImportError, SyntaxError) as error:
-        line = getattr(error, "lineno", None) or _failing_line(error, path)
-        raise XirangError(f"model file {path_text} could not be loaded: {type(error).__name__}: {error}",
-                          where=f"{path_text}:{line}" if line else path_text,
-                          hint="install what it imports, or fix the file; it is run as a plain Python file "
-                               "with its folder and the folder above its package on sys.path") from error
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
-        raise XirangError(f"{path_text} has no function {name!r}", hint=f"functions there: {', '.join(found)}")
-    return factory
-
-
-def _failing_line(error: BaseException, path: Path):
-    """The line of ``path`` in ``error``'s traceback, if the error passed through it."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == path.resolve()]
-    return frames[-1].lineno if frames else None
-
-
-def build(factory, batch: int | None, seq: int | None):
-    """Call the factory with the batch/seq it accepts; it returns a model or (model, example kwargs)."""
-    accepted = inspect.signature(factory).parameters
-    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None and k in accepted}
-    built = factory(**kwargs)
-    return built if isinstance(built, tuple) else (built, {})
+from .model_files import build, load_factory
 
 
 def cmd_analyze(args) -> int:
@@ -145,7 +91,7 @@ def cmd_demo(args) -> int:
         raise XirangError(f"--mesh {args.mesh!r} is not DPxTPxPP", where="--mesh",
                           hint="e.g. --mesh 2x2x2 (dp=2, tp=2, pp=2: 8 ranks)") from None
     result = run_demo(world=dp * tp * pp, dp=dp, tp=tp, pp=pp, schedule=args.schedule,
-                      timeline=None if args.no_picture else args.timeline)
+                      timeline=None if args.no_picture else args.timeline, trace=None if args.no_trace else args.trace)
     return 0 if result["ranks_agree"] and result["worst"] < 1e-4 else 1
 
 
@@ -197,6 +143,11 @@ def main(argv=None) -> int:
     inspect_.add_argument("--seq", type=int, help="sequence length passed to the factory")
     inspect_.add_argument("--all", action="store_true", help="list every node, replicated ones too")
     inspect_.add_argument("--json", action="store_true", help="print as JSON")
+    inspect_.add_argument("--passes", action="store_true", help="list the compiler's passes (with --model: each "
+                                                                "pass's time for this rank)")
+    inspect_.add_argument("--dump", metavar="DIR", help="with --model: write the graph after every analysis pass "
+                                                        "(DIR/analysis) and every lowering pass of the rank "
+                                                        "(DIR/rank<R>)")
     inspect_.set_defaults(run=cmd_inspect)
 
     from xirang.cli_verify import cmd_run, cmd_verify
@@ -217,6 +168,8 @@ def main(argv=None) -> int:
         if name == "run":
             sub.add_argument("--print-command", action="store_true",
                              help="print the torchrun command for a cluster instead of running")
+            sub.add_argument("--trace", metavar="JSON", help="write every rank's measured pipeline actions as a "
+                                                             "Chrome trace (open in ui.perfetto.dev)")
         else:
             sub.add_argument("--tolerance", type=float, default=1e-5, help="largest |difference| that passes "
                                                                            "(default 1e-5, fp32)")
@@ -228,6 +181,9 @@ def main(argv=None) -> int:
     demo.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved (default 1f1b)")
     demo.add_argument("--timeline", default="demo_timeline.png", help="where to draw the pipeline timeline (PNG)")
     demo.add_argument("--no-picture", action="store_true", help="do not write the timeline picture")
+    demo.add_argument("--trace", default="demo_trace.json", help="where to write what every rank measured, as a "
+                                                                  "Chrome trace (JSON; open in ui.perfetto.dev)")
+    demo.add_argument("--no-trace", action="store_true", help="do not write the trace")
     demo.set_defaults(run=cmd_demo)
 
     launch = commands.add_parser("launch", help="run a training script on N local ranks (torch.distributed.run; "
@@ -240,7 +196,7 @@ def main(argv=None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         return args.run(args)
-    except (XirangError, PlanError) as exc:
+    except XirangError as exc:  # the one error root: plan and schedule errors included
         print(f"xirang: error: {exc}", file=sys.stderr)
         return 2
 

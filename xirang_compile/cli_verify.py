@@ -25,7 +25,7 @@ ADAM_EPS = 1e-3
 
 def _build(spec: str, batch):
     """The factory's model under a fixed seed (every rank and the reference get the same weights)."""
-    from xirang.cli import build, load_factory
+    from xirang.model_files import build, load_factory
     torch.manual_seed(MODEL_SEED)
     return build(load_factory(spec), batch, None)
 
@@ -98,18 +98,24 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
     return plan, global_batch
 
 
-def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps: int, gather: bool, say: bool):
+def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps: int, gather: bool, say: bool,
+                trace: bool = False):
     """One rank: compile, train ``steps`` AdamW steps; with ``gather`` return losses, gradients of the
-    last step and final parameters (full tensors; the gathers are collectives, so every rank runs them)."""
+    last step and final parameters (full tensors; the gathers are collectives, so every rank runs them);
+    with ``trace`` each step's executor timestamps, the rank in front (``chrome_trace.with_rank``)."""
     import xirang
+    from xirang.codegen.viz.chrome_trace import with_rank
     model, example_kwargs = _build(spec, global_batch)
     bound = _int_bound(model)
     compiled = xirang.compile(model, world=world, example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
                               plan=plan)
-    optimizer, losses, grads = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=ADAM_EPS), [], {}
+    optimizer, losses, grads, records = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=ADAM_EPS), [], {}, []
     for step in range(steps):
         loss = compiled.train_step(**random_batch(example_kwargs, bound, step, global_batch)).item()
         losses.append(loss)
+        if trace:  # a runtime without a step record (none yet for pp = 1) contributes no events
+            last = getattr(compiled, "last_step", None)
+            records.append(with_rank(rank, last.timestamps) if last is not None else [])
         if say and rank == 0:
             print(f"step {step}: loss {loss:.6f}", flush=True)
         if gather and step == steps - 1:
@@ -117,7 +123,7 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
         optimizer.step()
         optimizer.zero_grad()
     params = {k: v.detach().clone() for k, v in compiled.full_state_dict().items()} if gather else {}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "trace": records}
 
 
 def _train_single(spec: str, global_batch: int, steps: int) -> dict:
@@ -125,7 +131,7 @@ def _train_single(spec: str, global_batch: int, steps: int) -> dict:
     bound = _int_bound(model)
     optimizer, losses, grads = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS), [], {}
     for step in range(steps):
-        loss = _loss_of(model(**random_batch(example_kwargs, bound, step, global_batch)))
+        loss = loss_of(model(**random_batch(example_kwargs, bound, step, global_batch)))
         loss.backward()
         losses.append(loss.item())
         if step == steps - 1:
@@ -147,13 +153,33 @@ def cmd_run(args) -> int:
         print("# on several nodes: replace --standalone with --nnodes N --node-rank I --rdzv-endpoint HOST:PORT; "
               "examples/train_gpt.py shows how a script calls xirang.compile (copy it for your model)")
         return 0
+    if args.trace:
+        from xirang.codegen.viz.chrome_trace import check_writable
+        check_writable(args.trace)  # before the run, not after it
     plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,
                                  {k: getattr(args, k) for k in ("tp", "pp", "dp")})
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
           f"global batch {global_batch}; training {args.steps} steps on {args.world} local CPU ranks", flush=True)
-    xirang.launch(_train_rank, args.world, args=(args.model, plan, global_batch, args.steps, False, True),
-                  timeout_s=args.timeout)
+    results = xirang.launch(_train_rank, args.world, timeout_s=args.timeout,
+                            args=(args.model, plan, global_batch, args.steps, False, True, bool(args.trace)))
+    if args.trace:
+        write_trace(args.trace, [result["trace"] for result in results], plan, args.world)
     return 0
+
+
+def write_trace(path, per_rank: list, plan, world: int, out=print):
+    """Write the ranks' step records (``per_rank[r][step]``) as a Chrome trace and say where it is."""
+    from xirang.codegen.viz.chrome_trace import write_chrome_trace
+    steps = [[entry for records in per_rank for entry in records[step]] for step in range(len(per_rank[0]))]
+    facts = {"mesh": str(plan.mesh), "schedule": plan.schedule, "pipeline_ranks": plan.mesh.pp,
+             "micro_batches": plan.num_micro_batches, "virtual_stages": plan.virtual_stages, "steps": len(steps),
+             "world": world}
+    written = write_chrome_trace(steps, path, ranks=range(world), other_data=facts)
+    events = sum(len(records) for records in steps)
+    note = "" if events else " (no events: this runtime records no step timestamps)"
+    out(f"trace: {written} ({world} ranks, {len(steps)} steps, {events} compute events{note}); "
+        f"open it in https://ui.perfetto.dev or chrome://tracing")
+    return written
 
 
 def _max_diff(got: dict, want: dict) -> tuple[float, list]:
@@ -195,7 +221,7 @@ def cmd_verify(args) -> int:
     return 0 if ok else 1
 
 
-def _loss_of(output):
+def loss_of(output):
     """The loss a model returns: a tensor, the first element of a tuple, or ``.loss`` of a Hugging
     Face output object (the compiled step returns that same loss)."""
     if hasattr(output, "loss") and output.loss is not None:

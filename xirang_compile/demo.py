@@ -40,14 +40,18 @@ def _optimizer(parameters):
 
 
 def _train_rank(rank: int, world: int, plan):
+    """Losses of every step, and every step's executor timestamps with the rank in front."""
     import xirang
+    from xirang.codegen.viz.chrome_trace import with_rank
     compiled = xirang.compile(_model(), world=world, example_kwargs=_batch(0), plan=plan)
-    optimizer, losses = _optimizer(compiled.parameters()), []
+    optimizer, losses, records = _optimizer(compiled.parameters()), [], []
     for step in range(STEPS):
         losses.append(compiled.train_step(**_batch(step)).item())
+        last = getattr(compiled, "last_step", None)  # a runtime without step records adds no events
+        records.append(with_rank(rank, last.timestamps) if last is not None else [])
         optimizer.step()
         optimizer.zero_grad()
-    return losses
+    return losses, records
 
 
 def _train_single_device() -> list[float]:
@@ -63,13 +67,19 @@ def _train_single_device() -> list[float]:
 
 
 def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule: str = "1f1b",
-             timeline: str | None = "demo_timeline.png", out=print) -> dict:
-    """Plan, show, train on ``world`` local ranks and compare; returns the figures it printed."""
+             timeline: str | None = "demo_timeline.png", trace: str | None = "demo_trace.json", out=print) -> dict:
+    """Plan, show, train on ``world`` local ranks and compare; returns the figures it printed.
+    ``timeline``: where to draw the simulated schedule (PNG); ``trace``: where to write what the
+    ranks measured (Chrome-trace JSON); None for neither."""
     import xirang
+    from xirang.cli_verify import write_trace
+    from xirang.codegen.viz.chrome_trace import check_writable
     from xirang.codegen.runtime.schedule_sim import simulate
     from xirang.ir.schedules import build_schedule
     from xirang.codegen.viz.timeline import format_schedule, write_timeline_png
 
+    if trace:
+        check_writable(trace)  # before the run, not after it
     started = time.perf_counter()
     out(f"Xirang demo: a {CONFIG.layers}-layer GPT (hidden {CONFIG.hidden}, vocab {CONFIG.vocab_size}) "
         f"on {world} local CPU ranks (gloo), plan dp={dp} x tp={tp} x pp={pp}, {schedule}\n")
@@ -88,7 +98,8 @@ def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule:
             path = write_timeline_png(simulate(pipeline), timeline)
             out(f"timeline picture: {path}")
     out(f"\nTraining {STEPS} steps on {world} ranks (each rank: trace, shard, emit its program) ...")
-    distributed = xirang.launch(_train_rank, world, args=(plan,), timeout_s=600)
+    results = xirang.launch(_train_rank, world, args=(plan,), timeout_s=600)
+    distributed = [losses for losses, _ in results]
     single = _train_single_device()
     losses = distributed[0]
     out(f"\n{'step':>4} {'single device':>14} {'xirang ' + str(world) + ' ranks':>16} {'|difference|':>13}")
@@ -98,5 +109,7 @@ def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule:
     worst = max(abs(a - b) for a, b in zip(single, losses))
     out(f"\nevery rank reports the same loss: {agree}; largest difference from single-device: {worst:.2e} "
         f"(fp32); {time.perf_counter() - started:.0f} s in all")
+    written = write_trace(trace, [records for _, records in results], plan, world, out=out) if trace else None
     return {"single": single, "distributed": losses, "worst": worst, "ranks_agree": agree,
-            "timeline": str(Path(timeline).resolve()) if timeline and plan.mesh.pp > 1 else None}
+            "timeline": str(Path(timeline).resolve()) if timeline and plan.mesh.pp > 1 else None,
+            "trace": str(written) if written else None}

@@ -2,30 +2,33 @@
 
 Bar ``i`` is ``plan.predicted.memory_bytes_per_device[i]`` (the busiest device of pipeline rank i's
 stages); the red line is the smallest ``memory_limit_bytes`` of the plan's stages (what the planner
-allowed). Heights share one linear scale, from the bottom of the plot, whose top is the first
-y-axis tick at or above 110% of the larger of the tallest bar and the limit, so bar heights are
-proportional to the bytes (rounded to pixels; a non-zero bar keeps at least one) and a bar crossing
+allowed). The y axis is in GiB from 0 to the first tick at or above 110% of the larger of the
+tallest bar and the limit, so bar heights are proportional to the bytes (a non-zero figure keeps a
+pixel above the axis, so a small model's bars still show against a big device) and a bar crossing
 the line does not fit. A bar over the limit is drawn red-orange instead of blue.
 
-Text (5x7 font of ``font_5x7`` at scale 2): a title and a line naming the plan (mesh, devices,
-schedule, recompute), the y axis in GiB with tick labels and light grid lines, each bar's value
-above it (inside its top when the limit line would cross the text), "rank r" and its stages under
-each bar, "usable 72.0 GiB" at the right end of the line, and a legend of the colours. The bars are
-not stacked by kind: a Plan records one figure per pipeline rank.
+Drawn with matplotlib (the ``viz`` extra; see ``plotting``): a title and a line naming the plan
+(mesh, devices, schedule, recompute), the y axis in GiB with light grid lines, each bar's value
+above it (inside its top, in white, when the limit line would cross the text), "rank r" and its
+stages under each bar, "usable 72.0 GiB" at the right end of the line, and a legend of the colours.
+The bars are not stacked by kind: a Plan records one figure per pipeline rank. The plot area is
+placed to the pixel (``memory_layout``), so tests can measure bars in the PNG.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import ceil, floor, log10
 from pathlib import Path
 
-from xirang.codegen.viz.font_5x7 import GLYPH_HEIGHT, printable
-from xirang.codegen.viz.png_canvas import Canvas, text_size
+from xirang.codegen.viz.plotting import (DPI, FONT, TITLE_FONT, add_legend, fit_legend, new_figure, plain, png_bytes,
+                                         rgb, text_size, write_png)
 
 BAR, OVER, LIMIT, AXIS, INK = (66, 133, 244), (234, 110, 40), (219, 0, 0), (120, 120, 120), (0, 0, 0)
 GRID, WHITE = (232, 232, 232), (255, 255, 255)
-PLOT_HEIGHT, MARGIN, GAP, SCALE, SWATCH = 300, 16, 20, 2, 16
-LINE, CAP = text_size("A", SCALE)[1], GLYPH_HEIGHT * SCALE  # a line of text (18), a digit (14)
+PLOT_HEIGHT, MARGIN, GAP = 300, 14, 24  # pixels: the plot's height, the picture's margin, between bars
 HEADROOM = 1.1  # at least this much room above the larger of the tallest bar and the limit
+POINT = DPI / 72  # pixels a point
+TICK_LENGTH, TICK_PAD, LABEL_PAD, VALUE_OFFSET = 4, 4, 6, 4  # points
 GiB = 1024**3
 TITLE = "Predicted memory per device, by pipeline rank"
 
@@ -48,8 +51,8 @@ def subtitle(plan) -> str:
     nodes = plan.world.nodes
     devices = nodes[0].device.name if all(n.device == nodes[0].device for n in nodes) else "devices"
     chunks = f", v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
-    return printable(f"{plan.mesh} on {plan.world.size} {devices}, {plan.schedule} m={plan.num_micro_batches}"
-                     f"{chunks}, recompute {plan.recompute}, {plan.precision}")
+    return (f"{plan.mesh} on {plan.world.size} {devices}, {plan.schedule} m={plan.num_micro_batches}"
+            f"{chunks}, recompute {plan.recompute}, {plan.precision}")
 
 
 def bar_labels(plan, rank: int) -> tuple[str, str]:
@@ -58,117 +61,156 @@ def bar_labels(plan, rank: int) -> tuple[str, str]:
     return f"rank {rank}", f"stage{'s' * (len(stages) > 1)} {','.join(map(str, shown))}"
 
 
-def _legend(geometry: dict) -> list[tuple[str, tuple]]:
-    """(words, colour, swatch kind) of each legend entry; 'line' draws a bar of the line's height."""
-    limit = geometry["limit"]
-    items = [("fits in usable memory", BAR, "box")] if any(m <= limit for m in geometry["memory"]) else []
-    if any(m > limit for m in geometry["memory"]):
+def legend_items(memory, limit) -> list[tuple[str, tuple, str]]:
+    """(words, colour, swatch kind) of each legend entry: 'box' or 'line'."""
+    items = [("fits in usable memory", BAR, "box")] if any(m <= limit for m in memory) else []
+    if any(m > limit for m in memory):
         items.append(("over usable memory", OVER, "box"))
     return items + [("usable memory: smallest limit of the stages", LIMIT, "line")]
 
 
-def _value_top(bar: tuple[int, int, int, int], limit_y: int) -> tuple[int, bool]:
-    """(y, inside) for a bar's value: above the bar unless the limit line crosses the text there,
-    then inside the bar's top; the two places are far enough apart that one is always clear."""
-    _, y0, _, y1 = bar
-
-    def clear(y):
-        return not (y - 4 <= limit_y <= y + CAP + 4)
-
-    above = y0 - 5 - CAP
-    if clear(above) or y1 - y0 < CAP + 8:
-        return (above if clear(above) else limit_y - 6 - CAP), False
-    return y0 + 5, True
+def _legend_handles(items) -> list:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    return [Line2D([], [], color=rgb(colour), linewidth=2) if kind == "line" else Patch(facecolor=rgb(colour))
+            for _, colour, kind in items]
 
 
-def layout(plan) -> dict:
-    """Pixel geometry of the picture: bar boxes (x0, y0, x1, y1), the limit line's row, where each
-    label goes, so tests and callers can read the picture without decoding guesses."""
-    memory = list(plan.predicted.memory_bytes_per_device)
+@dataclass(frozen=True)
+class MemoryLayout:
+    """Where the picture's parts go, in pixels from the top-left corner (y downwards)."""
+
+    width: int
+    height: int
+    left: int  # x of the y axis
+    plot_top: int  # y of the top of the plot (the last tick)
+    base: int  # y of the x axis (0 GiB)
+    slot: int  # pixels a bar and the gap after it take
+    bar_width: int
+    top_bytes: float  # bytes at the top of the plot
+    ticks: tuple[float, ...]  # GiB
+    memory: tuple[int, ...]
+    limit: int
+    values: tuple[tuple[str, bool], ...]  # each bar's value and whether it is written inside the bar
+    legend_top: int
+    legend_columns: int
+
+    def y(self, nbytes: float) -> float:
+        """The pixel row (from the top) of ``nbytes`` on the y axis."""
+        return self.base - nbytes / self.top_bytes * PLOT_HEIGHT
+
+    def bar(self, rank: int) -> tuple[int, int]:
+        """(x0, x1) of rank's bar, half-open, in pixels."""
+        x0 = self.left + GAP + rank * self.slot
+        return x0, x0 + self.bar_width
+
+    @property
+    def plot_right(self) -> int:
+        return self.left + GAP + len(self.memory) * self.slot
+
+
+def _inside(bar_top: float, bar_height: float, limit_y: float) -> bool:
+    """Whether a bar's value goes inside its top: when the limit line would cross the text above the
+    bar, and the bar is tall enough to hold it (otherwise it stays above and the line crosses)."""
+    text = text_size("0.0 GiB")[1]
+    above = (bar_top - VALUE_OFFSET * POINT - text - 4, bar_top - VALUE_OFFSET * POINT + 4)
+    return above[0] <= limit_y <= above[1] and bar_height >= text + 2 * VALUE_OFFSET * POINT + 4
+
+
+def memory_layout(plan) -> MemoryLayout:
+    memory = tuple(plan.predicted.memory_bytes_per_device)
     limit = min(stage.memory_limit_bytes for stage in plan.stages)
     room_gib = max(max(memory, default=0), limit, 1) * HEADROOM / GiB
     step = _tick_step(room_gib)
     intervals = ceil(room_gib / step - 1e-9)
-    top = intervals * step * GiB  # the scale ends on a labelled tick
-    ticks = [k * step for k in range(intervals + 1)]
-    tick_labels = [f"{t:g}" for t in ticks]
-    axis_x = MARGIN + max(text_size(t, SCALE)[0] for t in tick_labels) + 10
-    plot_top = MARGIN + 2 * LINE + 6 + 16 + LINE + 14  # title, subtitle, y-axis title
-    base = plot_top + PLOT_HEIGHT  # y of the plot's bottom edge (exclusive)
+    ticks = tuple(k * step for k in range(intervals + 1))
+    top_bytes = intervals * step * GiB  # the scale ends on a labelled tick
+    line = text_size("rank 0")[1]
+    tick_width = max(text_size(f"{t:g}")[0] for t in ticks)
+    left = MARGIN + ceil(line + (LABEL_PAD + TICK_PAD + TICK_LENGTH) * POINT + tick_width) + 4
+    title_height = text_size(TITLE, TITLE_FONT)[1]
+    plot_top = MARGIN + ceil(title_height + 6 + line) + 20
+    base = plot_top + PLOT_HEIGHT
     labels = [bar_labels(plan, rank) for rank in range(len(memory))]
-    bar_width = max(text_size(text, SCALE)[0] for text in
-                    [_amount(m) for m in memory] + [line for pair in labels for line in pair]) + 10
-    bars = []
-    for rank, nbytes in enumerate(memory):
-        x0 = axis_x + GAP + rank * (bar_width + GAP)
-        # a non-zero figure keeps one pixel, so a small model's bars still show against a big device
-        height = max(round(nbytes / top * PLOT_HEIGHT), 1 if nbytes else 0)
-        bars.append((x0, base - height, x0 + bar_width, base))
-    plot_right = axis_x + GAP + len(memory) * (bar_width + GAP)
-    limit_y = base - round(limit / top * PLOT_HEIGHT)
-    limit_label = f"usable {_amount(limit)}"
-    geometry = {"bars": bars, "limit_y": limit_y, "base": base, "memory": memory, "limit": limit,
-                "axis_x": axis_x, "plot_top": plot_top, "plot_right": plot_right, "bar_labels": labels,
-                "ticks": [(base - round(t * GiB / top * PLOT_HEIGHT), label) for t, label in zip(ticks, tick_labels)],
-                "values": [(_amount(m), *_value_top(bar, limit_y)) for m, bar in zip(memory, bars)],
-                "limit_label": (limit_label, plot_right + 8, limit_y - CAP // 2),
-                "title": (TITLE, MARGIN, MARGIN), "subtitle": (subtitle(plan), MARGIN, MARGIN + LINE + 6)}
-    legend_top = base + 10 + 2 * LINE + 16
-    x, y, rows = MARGIN, legend_top, []
-    right = max(plot_right + 8 + text_size(limit_label, SCALE)[0],
-                MARGIN + max(text_size(t, SCALE)[0] for t in (TITLE, geometry["subtitle"][0])))
-    for words, _, _ in _legend(geometry):
-        width = SWATCH + 8 + text_size(words, SCALE)[0] + 24
-        if x > MARGIN and x + width - 24 > right:
-            x, y = MARGIN, y + LINE + 8
-        rows.append((x, y))
-        x += width
-        right = max(right, x - 24)
-    geometry.update(legend=rows, width=right + MARGIN, height=y + LINE + MARGIN)
-    return geometry
+    bar_width = ceil(max(text_size(text)[0] for text in
+                         [_amount(m) for m in memory] + [words for pair in labels for words in pair])) + 12
+    slot = bar_width + GAP
+    plot_right = left + GAP + len(memory) * slot
+    limit_label = ceil(text_size(f"usable {_amount(limit)}")[0])
+    room = max(plot_right + 8 + limit_label, MARGIN + ceil(text_size(TITLE, TITLE_FONT)[0]),
+               MARGIN + ceil(text_size(subtitle(plan))[0])) + MARGIN
+    legend_top = base + ceil((TICK_LENGTH + TICK_PAD) * POINT + 2 * line * 1.2) + 16
+    items = legend_items(memory, limit)
+    columns, legend_width, legend_height = fit_legend(lambda: _legend_handles(items), [w for w, _, _ in items],
+                                                      room - 2 * MARGIN)
+    width = max(room, 2 * MARGIN + legend_width)
+    partial = MemoryLayout(width, legend_top + legend_height + MARGIN, left, plot_top, base, slot, bar_width,
+                           top_bytes, ticks, memory, limit, (), legend_top, columns)
+    values = tuple((_amount(m), _inside(partial.y(_shown(m, top_bytes)), base - partial.y(_shown(m, top_bytes)),
+                                        partial.y(limit))) for m in memory)
+    return MemoryLayout(**{**partial.__dict__, "values": values})
 
 
-def draw_memory(plan) -> Canvas:
-    geometry = layout(plan)
-    canvas = Canvas(geometry["width"], geometry["height"])
-    for text, x, y in (geometry["title"], geometry["subtitle"]):
-        canvas.draw_text(x, y, text, INK, SCALE)
-    axis_x, base, right = geometry["axis_x"], geometry["base"], geometry["plot_right"]
-    canvas.draw_text(MARGIN, geometry["plot_top"] - LINE - 10, "GiB per device", INK, SCALE)  # the y axis' unit
-    for y, label in geometry["ticks"]:
-        canvas.fill_rect(axis_x + 1, y, right, y + 1, GRID)
-        canvas.fill_rect(axis_x - 5, y, axis_x, y + 1, AXIS)
-        canvas.draw_text(axis_x - 8 - text_size(label, SCALE)[0], y - CAP // 2, label, INK, SCALE)
-    canvas.fill_rect(axis_x, geometry["plot_top"] - 6, axis_x + 1, base + 1, AXIS)  # y axis
-    canvas.fill_rect(axis_x, base, right, base + 1, AXIS)  # x axis
-    y = geometry["limit_y"]  # under the bars' text, over the bars: the line stays visible across them
-    for (x0, y0, x1, y1), nbytes in zip(geometry["bars"], geometry["memory"]):
-        canvas.fill_rect(x0, y0, x1, y1, OVER if nbytes > geometry["limit"] else BAR)
-    canvas.fill_rect(axis_x + 1, y - 1, right, y + 1, LIMIT)
-    label, x, label_y = geometry["limit_label"]
-    canvas.draw_text(x, label_y, label, LIMIT, SCALE)
-    for (x0, _, x1, _), (value, value_y, inside), pair in zip(geometry["bars"], geometry["values"],
-                                                              geometry["bar_labels"]):
-        width = text_size(value, SCALE)[0]
-        canvas.draw_text(x0 + (x1 - x0 - width) // 2, value_y, value, WHITE if inside else INK, SCALE)
-        for line, text in enumerate(pair):
-            width = text_size(text, SCALE)[0]
-            canvas.draw_text(x0 + (x1 - x0 - width) // 2, base + 10 + line * LINE, text, INK, SCALE)
-    for (words, colour, kind), (x, y) in zip(_legend(geometry), geometry["legend"]):
-        if kind == "line":
-            canvas.fill_rect(x, y + SWATCH // 2 - 1, x + SWATCH, y + SWATCH // 2 + 1, colour)
-        else:
-            canvas.fill_rect(x, y, x + SWATCH, y + SWATCH, colour)
-        canvas.draw_text(x + SWATCH + 8, y + 1, words, INK, SCALE)
-    return canvas
+def _shown(nbytes: float, top_bytes: float) -> float:
+    """The height a bar is drawn at: its bytes, or for a tiny non-zero figure two pixels' worth (the
+    x axis' line covers the lowest row of every bar, so one row shows above it)."""
+    return max(nbytes, 2 * top_bytes / PLOT_HEIGHT) if nbytes else 0.0
+
+
+def draw_memory(plan):
+    """The memory picture of ``plan`` (see the module docstring) as a matplotlib Figure."""
+    from matplotlib.ticker import FixedLocator
+    from matplotlib.transforms import blended_transform_factory
+    layout = memory_layout(plan)
+    width, height = layout.width, layout.height
+    figure = new_figure(width, height, "the memory picture")
+    figure.text(MARGIN / width, 1 - MARGIN / height, TITLE, fontsize=TITLE_FONT, ha="left", va="top",
+                color=rgb(INK))
+    figure.text(MARGIN / width, 1 - (MARGIN + text_size(TITLE, TITLE_FONT)[1] + 6) / height, plain(subtitle(plan)),
+                fontsize=FONT, ha="left", va="top", color=rgb(INK))
+    # data x: pixels right of the y axis; data y: GiB
+    plot_width = layout.plot_right - layout.left
+    axes = figure.add_axes((layout.left / width, 1 - layout.base / height, plot_width / width, PLOT_HEIGHT / height))
+    top_gib = layout.top_bytes / GiB
+    axes.set_xlim(0, plot_width)
+    axes.set_ylim(0, top_gib)
+    axes.yaxis.set_major_locator(FixedLocator(layout.ticks))
+    axes.set_yticklabels([f"{t:g}" for t in layout.ticks])
+    axes.grid(axis="y", color=rgb(GRID), linewidth=1)
+    axes.set_axisbelow(True)
+    axes.set_ylabel("GiB per device", fontsize=FONT, labelpad=LABEL_PAD)
+    axes.tick_params(length=TICK_LENGTH, pad=TICK_PAD, labelsize=FONT, color=rgb(AXIS))
+    for side in ("top", "right"):
+        axes.spines[side].set_visible(False)
+    for side in ("left", "bottom"):
+        axes.spines[side].set_color(rgb(AXIS))
+    centres = []
+    for rank, nbytes in enumerate(layout.memory):
+        x0, x1 = layout.bar(rank)
+        centres.append((x0 + x1) / 2 - layout.left)
+        axes.bar(centres[-1], _shown(nbytes, layout.top_bytes) / GiB, width=x1 - x0, antialiased=False,
+                 color=rgb(OVER if nbytes > layout.limit else BAR), linewidth=0)
+    axes.set_xticks(centres, [plain("\n".join(bar_labels(plan, rank))) for rank in range(len(layout.memory))])
+    axes.tick_params(axis="x", length=0)
+    limit = layout.limit / GiB  # under the bars' text, over the bars: the line stays visible across them
+    axes.axhline(limit, color=rgb(LIMIT), linewidth=1.5, zorder=3)
+    axes.text(1.0, limit, f"  usable {_amount(layout.limit)}", transform=blended_transform_factory(
+        axes.transAxes, axes.transData), ha="left", va="center", color=rgb(LIMIT), fontsize=FONT, clip_on=False)
+    for centre, nbytes, (value, inside) in zip(centres, layout.memory, layout.values):
+        axes.annotate(value, (centre, _shown(nbytes, layout.top_bytes) / GiB), textcoords="offset points",
+                      xytext=(0, -VALUE_OFFSET if inside else VALUE_OFFSET), ha="center",
+                      va="top" if inside else "bottom", fontsize=FONT, color=rgb(WHITE if inside else INK), zorder=4)
+    items = legend_items(layout.memory, layout.limit)
+    add_legend(figure, _legend_handles(items), [words for words, _, _ in items], layout.legend_columns, MARGIN,
+               layout.legend_top)
+    return figure
+
+
+def render_memory_png(plan) -> bytes:
+    """The memory picture as PNG bytes, ``memory_layout(plan).width`` x ``.height`` pixels."""
+    return png_bytes(draw_memory(plan))
 
 
 def write_memory_png(plan, path) -> Path:
     """Write the memory picture of ``plan`` to ``path`` (PNG); returns the resolved path."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        from xirang.ir.errors import XirangError
-        raise XirangError(f"cannot write {path}: folder {path.parent} does not exist", where="--picture",
-                          hint="create the folder first or give another path")
-    path.write_bytes(draw_memory(plan).to_png())
-    return path.resolve()
+    return write_png(draw_memory(plan), path, option="--picture").resolve()

@@ -5,42 +5,47 @@ weight parts of a split backward. On a rank holding several stages (interleaved)
 ``F3@s5``. With ``communication=True`` transfers appear too: ``Sa3>r1`` sends micro-batch 3's
 activation to rank 1, ``Rg3<r2`` receives its gradient from rank 2.
 
-Picture (5x7 font of ``font_5x7`` at scale 2): a title with the schedule, p, m, v when interleaved
-and the simulated bubble; one row per pipeline rank, labelled "rank r: stage s" on the left, time to
-the right on an axis with tick labels and a title giving the unit; grey is idle (the bubble). Each
-compute action is a box coloured by kind (forward blue, backward green, split input/weight backward
-amber/red), lighter for later micro-batches, with its micro-batch number inside when it fits (black
-or white, whichever reads better on the fill). On ranks holding several stages a strip along the top
-of a box gives the chunk (dark: first chunk, then magenta, orange, teal...). A legend below names
-every colour in words and wraps to the picture's width.
+Picture (matplotlib, the ``viz`` extra; see ``plotting``): a title with the schedule, p, m, v when
+interleaved and the simulated bubble; one row per pipeline rank, labelled "rank r: stage s" on the
+left, time to the right on an axis with ticks and a title giving the unit; grey is idle (the
+bubble). Each compute action is a box coloured by kind (forward blue, backward green, split
+input/weight backward amber/red), lighter for later micro-batches, with its micro-batch number
+inside when it fits (black or white, whichever reads better on the fill). On ranks holding several
+stages a strip along the top of a box gives the chunk (dark: first chunk, then magenta, orange,
+teal...). A legend below names every colour in words, in as many columns as the width allows.
+
+The axes are placed to the pixel (``timeline_layout``) and the boxes are drawn without
+anti-aliasing, so an action's box in the PNG is exactly where ``TimelineLayout.box`` says, in
+exactly ``action_colour``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import cycle
+from math import ceil
 from pathlib import Path
 
-from xirang.codegen.viz.font_5x7 import GLYPH_HEIGHT, printable
-from xirang.codegen.viz.png_canvas import Canvas, Colour, text_size
 from xirang.codegen.runtime.schedule_sim import TimedAction, Timeline, idle_fractions
-from xirang.ir.schedules import (ACTIVATION, Action, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule, Send)
+from xirang.codegen.viz.plotting import (DPI, FONT, TITLE_FONT, Colour, add_legend, fit_legend, new_figure, plain,
+                                        png_bytes, rgb, text_size, write_png)
+from xirang.ir.schedules import (ACTIVATION, Action, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
+                                 Send)
 
 KIND_COLOURS: dict[type, Colour] = {Forward: (66, 133, 244), Backward: (52, 168, 83),
                                     BackwardInput: (244, 180, 0), BackwardWeight: (219, 68, 55)}
 KIND_LETTERS = {Forward: "F", Backward: "B", BackwardInput: "BI", BackwardWeight: "BW"}
 CHUNK_COLOURS: tuple[Colour, ...] = ((40, 40, 40), (200, 0, 200), (255, 120, 0), (0, 150, 150))
-IDLE, BACKGROUND, INK = (225, 225, 225), (255, 255, 255), (0, 0, 0)
+IDLE, BACKGROUND, INK, WHITE, FRAME = (225, 225, 225), (255, 255, 255), (0, 0, 0), (255, 255, 255), (150, 150, 150)
 MICRO_BATCH_SHADES = 6  # lightness cycles every 6 micro-batches so neighbours stay distinguishable
 KIND_NAMES = {Forward: "forward", Backward: "backward", BackwardInput: "backward, input part",
               BackwardWeight: "backward, weight part"}
 DURATION_NAMES = {Forward: "forward", Backward: "backward", BackwardInput: "backward-input",
                   BackwardWeight: "backward-weight"}
 SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
-TEXT = 2  # font scale of every label: 12 x 14 pixels a character
-MARGIN, ROW_HEIGHT, ROW_GAP, STRIP = 16, 28, 6, 4
-SWATCH, LEGEND_LINE = 16, 26  # legend box side; legend line pitch
-LINE = text_size("A", TEXT)[1]  # height of a line of text, descent included (18)
-CAP = GLYPH_HEIGHT * TEXT  # height of a capital or digit (14)
+MARGIN, ROW_HEIGHT, ROW_GAP, STRIP = 14, 28, 6, 4  # pixels
+NUMBER_FONTS = (9, 7)  # points: the micro-batch number in a box, the larger one that fits
+POINT = DPI / 72  # pixels a point
+TICK_LENGTH, TICK_PAD, LABEL_PAD, Y_PAD = 4, 4, 4, 6  # points
 
 
 def _token(action: Action, schedule: Schedule) -> str:
@@ -84,7 +89,7 @@ def _number(value) -> str:
 def timeline_title(timeline: Timeline) -> str:
     """E.g. "1F1B schedule: p=4 pipeline ranks, m=8 micro-batches, simulated bubble 27.3%"."""
     schedule = timeline.schedule
-    name = SCHEDULE_TITLES.get(schedule.name, printable(schedule.name))
+    name = SCHEDULE_TITLES.get(schedule.name, schedule.name)
     chunks = f", v={schedule.virtual_stages} chunks per rank" if schedule.virtual_stages > 1 else ""
     p, m = schedule.pipeline_ranks, schedule.num_micro_batches
     title = (f"{name} schedule: p={p} pipeline rank{'s' * (p != 1)}{chunks}, "
@@ -115,7 +120,7 @@ def axis_title(timeline: Timeline) -> str:
     return f"time (simulated units; {', '.join(each)} per micro-batch and stage)"
 
 
-def legend_items(timeline: Timeline) -> list[tuple[str, tuple[Colour, Colour | None]]]:
+def legend_items(timeline: Timeline) -> list[tuple[str, tuple[Colour | None, Colour | None]]]:
     """(words, (box colour, top strip colour or None)); an entry with no box colour is a plain note."""
     kinds = [kind for kind in KIND_COLOURS if any(type(e.action) is kind for e in timeline.entries)]
     items = [(KIND_NAMES[kind], (KIND_COLOURS[kind], None)) for kind in kinds]
@@ -129,13 +134,10 @@ def legend_items(timeline: Timeline) -> list[tuple[str, tuple[Colour, Colour | N
     return items
 
 
-def _legend_item_width(words: str, swatch: bool = True) -> int:
-    return (SWATCH + 8 if swatch else 0) + text_size(words, TEXT)[0] + 24  # box, gap, words, gap
-
-
 @dataclass(frozen=True)
 class TimelineLayout:
-    """Where everything goes in the picture, so tests (and readers) can find an action's pixels."""
+    """Where everything goes in the picture, in pixels from the top-left corner, so that tests (and
+    readers) can find an action's pixels."""
 
     pixels_per_unit: float
     left: int  # x of time 0
@@ -147,9 +149,10 @@ class TimelineLayout:
     height: int
     axis_top: int = 0  # y of the time axis line
     legend_top: int = 0
-    legend: tuple[tuple[int, int], ...] = ()  # top-left (x, y) of each of legend_items(), wrapped
+    legend_columns: int = 1
     tick_step: float = 1.0
     title_top: int = MARGIN
+    plot_width: int = 0  # pixels of time: makespan x pixels_per_unit, rounded
 
     def row_top(self, rank: int) -> int:
         return self.top + rank * (self.row_height + self.row_gap)
@@ -167,103 +170,120 @@ class TimelineLayout:
 
 def _tick_step(makespan: float, pixels_per_unit: float) -> float:
     """The smallest 1-2-5 step whose tick labels stay at least 3 characters' width apart."""
-    widest = text_size(_number(makespan), TEXT)[0] + 3 * 12
+    widest = text_size(_number(makespan))[0] + 3 * text_size("0")[0]
     step, ladder = 1.0, cycle((2, 2.5, 2))  # 1, 2, 5, 10, 20, 50, ...
     while step * pixels_per_unit < widest:
         step *= next(ladder)
     return step
 
 
-def _wrap(widths: list[int], room: int, top: int) -> tuple[tuple[int, int], ...]:
-    """Top-left corners of legend entries laid left to right, a new line when ``room`` is used up."""
-    places, x, y = [], MARGIN, top
-    for width in widths:
-        if x > MARGIN and x - MARGIN + width > room:
-            x, y = MARGIN, y + LEGEND_LINE
-        places.append((x, y))
-        x += width
-    return tuple(places)
+def _legend_handles(timeline: Timeline) -> list:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    handles = []
+    for _, (box, strip) in legend_items(timeline):
+        if box is None:  # a note: words only
+            handles.append(Line2D([], [], linestyle="none"))
+        else:  # a box's colour, or the chunk's strip colour, framed so that light grey shows on white
+            handles.append(Patch(facecolor=rgb(box if strip is None else strip), edgecolor=rgb(FRAME), linewidth=0.8))
+    return handles
 
 
 def timeline_layout(timeline: Timeline, *, pixels_per_unit: float | None = None) -> TimelineLayout:
     """Size the picture: about 1200 pixels of time unless ``pixels_per_unit`` is given."""
     makespan = float(timeline.makespan) or 1.0
     scale = pixels_per_unit or max(4.0, min(48.0, 1200 / makespan))
-    ranks = timeline.schedule.pipeline_ranks
-    left = MARGIN + max(text_size(row_label(timeline.schedule, r), TEXT)[0] for r in range(ranks)) + 12
-    top = MARGIN + LINE + 12  # below the title
-    plot_right = left + round(makespan * scale)
-    widths = [_legend_item_width(words, colours[0] is not None) for words, colours in legend_items(timeline)]
-    room = max(plot_right, MARGIN + text_size(timeline_title(timeline), TEXT)[0],
-               text_size(axis_title(timeline), TEXT)[0] + left, MARGIN + max(widths)) - MARGIN
-    axis_top = top + ranks * (ROW_HEIGHT + ROW_GAP) - ROW_GAP + 4
-    legend_top = axis_top + 10 + LINE + 6 + LINE + 14  # tick, tick labels, axis title, gap
-    legend = _wrap(widths, room, legend_top)
-    height = legend[-1][1] + LINE + MARGIN
-    return TimelineLayout(scale, left, top, ROW_HEIGHT, ROW_GAP, ranks, MARGIN + room + MARGIN, height,
-                          axis_top, legend_top, legend, _tick_step(makespan, scale))
+    plot_width = max(1, round(makespan * scale))
+    schedule = timeline.schedule
+    ranks = schedule.pipeline_ranks
+    label_width = max(text_size(row_label(schedule, r))[0] for r in range(ranks))
+    left = MARGIN + ceil(label_width + Y_PAD * POINT) + 4
+    title_height = text_size(timeline_title(timeline), TITLE_FONT)[1]
+    top = MARGIN + ceil(title_height) + 10 + ROW_GAP  # row 0, under the title and one row gap
+    axis_top = top + ranks * (ROW_HEIGHT + ROW_GAP)  # the axes end one row gap under the last row
+    tick_step = _tick_step(makespan, scale)
+    line = text_size("0123456789")[1]
+    legend_top = axis_top + ceil((TICK_LENGTH + TICK_PAD + LABEL_PAD) * POINT + 2 * line) + 16
+    last_tick = _number(int(makespan / tick_step + 1e-9) * tick_step)
+    room = max(left + plot_width + ceil(text_size(last_tick)[0] / 2),
+               MARGIN + ceil(text_size(timeline_title(timeline), TITLE_FONT)[0]),
+               left + ceil(text_size(axis_title(timeline))[0])) + MARGIN
+    labels = [words for words, _ in legend_items(timeline)]
+    columns, *size = fit_legend(lambda: _legend_handles(timeline), labels, room - 2 * MARGIN)
+    width = max(room, MARGIN + size[0] + MARGIN)
+    height = legend_top + size[1] + MARGIN
+    return TimelineLayout(scale, left, top, ROW_HEIGHT, ROW_GAP, ranks, width, height, axis_top, legend_top,
+                          columns, tick_step, MARGIN, plot_width)
 
 
-def render_timeline(timeline: Timeline, *, pixels_per_unit: float | None = None) -> Canvas:
-    """Draw ``timeline`` (see the module docstring) on a new Canvas."""
+def render_timeline(timeline: Timeline, *, pixels_per_unit: float | None = None):
+    """Draw ``timeline`` (see the module docstring) on a new matplotlib Figure."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
     layout = timeline_layout(timeline, pixels_per_unit=pixels_per_unit)
     schedule = timeline.schedule
-    canvas = Canvas(layout.width, layout.height, BACKGROUND)
-    canvas.draw_text(MARGIN, layout.title_top, timeline_title(timeline), INK, TEXT)
+    width, height = layout.width, layout.height
+    figure = new_figure(width, height, "the timeline picture")
+    figure.text(MARGIN / width, 1 - layout.title_top / height, plain(timeline_title(timeline)), fontsize=TITLE_FONT,
+                ha="left", va="top", color=rgb(INK))
+    # The axes cover rows and gaps to the pixel: data x is time, data y is pixels down from the axes' top.
+    axes_top = layout.top - layout.row_gap
+    axes_height = layout.axis_top - axes_top
+    axes = figure.add_axes((layout.left / width, 1 - layout.axis_top / height, layout.plot_width / width,
+                            axes_height / height), facecolor=rgb(BACKGROUND))
+    axes.set_xlim(0, layout.plot_width / layout.pixels_per_unit)
+    axes.set_ylim(axes_height, 0)
+
+    def data(x, y):  # picture pixels -> data coordinates
+        return (x - layout.left) / layout.pixels_per_unit, y - axes_top
+
+    boxes, fills = [], []  # pixel boxes (x0, y0, x1, y1), drawn in this order as one collection
+
+    def rectangle(x0, y0, x1, y1, colour):
+        boxes.append((x0, y0, x1, y1))
+        fills.append(rgb(colour))
+
     for rank in range(layout.ranks):
         top = layout.row_top(rank)
-        canvas.fill_rect(layout.left, top, layout.x(timeline.makespan), top + layout.row_height, IDLE)
-        canvas.draw_text(MARGIN, top + (layout.row_height - CAP) // 2, row_label(schedule, rank), INK, TEXT)
+        rectangle(layout.left, top, layout.x(timeline.makespan), top + layout.row_height, IDLE)
     for entry in timeline.entries:
         x0, y0, x1, y1 = layout.box(entry)
         fill = action_colour(entry.action)
-        canvas.fill_rect(x0, y0, x1, y1, fill)
+        rectangle(x0, y0, x1, y1, fill)
         strip = 0
         if schedule.virtual_stages > 1:
             chunk = entry.action.stage // schedule.pipeline_ranks
-            canvas.fill_rect(x0, y0, x1, y0 + STRIP, CHUNK_COLOURS[chunk % len(CHUNK_COLOURS)])
+            rectangle(x0, y0, x1, y0 + STRIP, CHUNK_COLOURS[chunk % len(CHUNK_COLOURS)])
             strip = STRIP
         label = str(entry.action.micro_batch)
-        for scale in (TEXT, 1):  # the largest label that leaves 2 pixels either side
-            width, height = text_size(label, scale)[0], GLYPH_HEIGHT * scale  # digits have no descent
-            if width <= x1 - x0 - 4:
-                canvas.draw_text(x0 + (x1 - x0 - width) // 2, y0 + strip + (y1 - y0 - strip - height) // 2,
-                                 label, _ink_on(fill), scale)
+        for size in NUMBER_FONTS:  # the largest number that leaves 2 pixels either side
+            if text_size(label, size)[0] <= x1 - x0 - 4:
+                axes.text(*data((x0 + x1) / 2, (y0 + strip + y1) / 2), label, fontsize=size, ha="center",
+                          va="center_baseline", color=rgb(_ink_on(fill)))
                 break
-    _draw_time_axis(canvas, layout, timeline)
-    _draw_legend(canvas, layout, timeline)
-    return canvas
-
-
-def _draw_time_axis(canvas: Canvas, layout: TimelineLayout, timeline: Timeline) -> None:
-    y, makespan = layout.axis_top, float(timeline.makespan)
-    canvas.fill_rect(layout.left, y, layout.x(makespan) + 1, y + 1, INK)
-    tick, count = layout.tick_step, int(makespan / layout.tick_step + 1e-9)
-    for index in range(count + 1):
-        x, label = layout.x(index * tick), _number(index * tick)
-        canvas.fill_rect(x, y, x + 1, y + 6, INK)
-        width = text_size(label, TEXT)[0]
-        canvas.draw_text(min(max(x - width // 2, layout.left - 6), canvas.width - MARGIN - width), y + 10,
-                         label, INK, TEXT)
-    canvas.draw_text(layout.left, y + 10 + LINE + 6, axis_title(timeline), INK, TEXT)
-
-
-def _draw_legend(canvas: Canvas, layout: TimelineLayout, timeline: Timeline) -> None:
-    for (words, (box, strip)), (x, y) in zip(legend_items(timeline), layout.legend):
-        if box is not None:  # a swatch, framed so that the light grey of idle shows on white
-            canvas.fill_rect(x, y, x + SWATCH, y + SWATCH, box)
-            if strip is not None:
-                canvas.fill_rect(x, y, x + SWATCH, y + STRIP, strip)
-            canvas.outline_rect(x, y, x + SWATCH, y + SWATCH, (150, 150, 150))
-        canvas.draw_text(x + (SWATCH + 8 if box is not None else 0), y + 1, words, INK, TEXT)
+    # without anti-aliasing, so that each box is exactly its colour, to the pixel
+    axes.add_collection(PolyCollection([[data(x0, y0), data(x1, y0), data(x1, y1), data(x0, y1)]
+                                        for x0, y0, x1, y1 in boxes], facecolors=fills, linewidths=0,
+                                       antialiaseds=False), autolim=False)
+    axes.set_yticks([layout.row_top(r) + layout.row_height / 2 - axes_top for r in range(layout.ranks)],
+                    [plain(row_label(schedule, r)) for r in range(layout.ranks)])
+    axes.tick_params(axis="y", length=0, pad=Y_PAD, labelsize=FONT)
+    axes.tick_params(axis="x", length=TICK_LENGTH, pad=TICK_PAD, labelsize=FONT)
+    axes.xaxis.set_major_locator(MultipleLocator(layout.tick_step))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _number(round(value, 9))))
+    axes.set_xlabel(plain(axis_title(timeline)), fontsize=FONT, loc="left", labelpad=LABEL_PAD)
+    for side in ("left", "top", "right"):
+        axes.spines[side].set_visible(False)
+    add_legend(figure, _legend_handles(timeline), [words for words, _ in legend_items(timeline)],
+               layout.legend_columns, MARGIN, layout.legend_top)
+    return figure
 
 
 def render_timeline_png(timeline: Timeline, *, pixels_per_unit: float | None = None) -> bytes:
-    return render_timeline(timeline, pixels_per_unit=pixels_per_unit).to_png()
+    """The timeline picture as PNG bytes, ``timeline_layout(...).width`` x ``.height`` pixels."""
+    return png_bytes(render_timeline(timeline, pixels_per_unit=pixels_per_unit))
 
 
 def write_timeline_png(timeline: Timeline, path, *, pixels_per_unit: float | None = None) -> Path:
     """Write the timeline picture to ``path`` and return it as a Path."""
-    path = Path(path)
-    path.write_bytes(render_timeline_png(timeline, pixels_per_unit=pixels_per_unit))
-    return path
+    return write_png(render_timeline(timeline, pixels_per_unit=pixels_per_unit), path, option="--timeline")

@@ -1,5 +1,6 @@
-"""The memory picture: a valid PNG whose bars are as tall as the plan's memory figures, to the pixel,
-with its title, axis, values and legend written where its layout says."""
+"""The memory picture (matplotlib): a PNG of the size its layout asks for whose bars are as tall as
+the plan's memory figures, to the pixel, with the limit line, and a figure that carries the title,
+axis, values, rank labels and legend in words."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,13 +10,14 @@ import torch
 
 import xirang
 from examples.gpt import build_gpt
-from tests.codegen.png_reader import read_png
-from xirang.codegen.viz.memory_picture import (BAR, INK, LIMIT, OVER, PLOT_HEIGHT, SCALE, draw_memory, layout,
-                                           write_memory_png)
-from xirang.codegen.viz.png_canvas import Canvas, text_size
+from tests.codegen.png_reader import colours, read_png
+from xirang.codegen.viz.memory_picture import (BAR, LIMIT, OVER, PLOT_HEIGHT, draw_memory, memory_layout,
+                                               render_memory_png, write_memory_png)
+from xirang.ir.errors import XirangError
 from xirang.ir.plan_parts import Prediction
 
 GiB = 1024**3
+WHITE = (255, 255, 255)
 
 
 @pytest.fixture(scope="module")
@@ -31,92 +33,92 @@ def plan_pp4():
     return dataclasses.replace(plan, predicted=predicted, stages=stages)
 
 
-def _column_height(width, rgb, x, colour, rows) -> int:
-    return sum(1 for y in rows if tuple(rgb[(y * width + x) * 3:(y * width + x) * 3 + 3]) == colour)
+def with_memory(plan, *figures):
+    return dataclasses.replace(plan, predicted=Prediction(step_seconds=1.0, tflops_per_device=1.0,
+                                                          memory_bytes_per_device=tuple(figures)))
+
+
+def picture(plan):
+    """(layout, pixel(x, y) -> RGB, the set of colours) of the PNG drawn for ``plan``."""
+    layout = memory_layout(plan)
+    width, height, rows = read_png(render_memory_png(plan))
+    assert (width, height) == (layout.width, layout.height)
+    return layout, (lambda x, y: tuple(rows[y][3 * x:3 * x + 3])), colours(rows)
+
+
+def column_height(pixel, layout, x, colour) -> int:
+    return sum(pixel(x, y) == colour for y in range(layout.plot_top, layout.base))
+
+
+def bar_top(pixel, layout, x, colour) -> int:
+    return min(y for y in range(layout.plot_top, layout.base) if pixel(x, y) == colour)
 
 
 def test_bars_are_proportional_to_memory_and_the_limit_is_drawn(plan_pp4, tmp_path):
     path = write_memory_png(plan_pp4, tmp_path / "mem.png")
-    width, height, rows = read_png(path.read_bytes())
-    rgb = b"".join(rows)
-    geometry = layout(plan_pp4)
-    assert (width, height) == (geometry["width"], geometry["height"])
-    plot = range(geometry["plot_top"], geometry["base"])
-    (x0a, _, x1a, _), (x0b, _, x1b, _) = geometry["bars"]
-    # count bar pixels in a column away from the limit line's rows: rank 0 fits (blue), rank 1 does not
-    a = _column_height(width, rgb, (x0a + x1a) // 2, BAR, plot)
-    b = _column_height(width, rgb, (x0b + x1b) // 2, OVER, plot) + 2  # the 2-pixel limit line crosses bar 1
+    assert path == (tmp_path / "mem.png").resolve()
+    layout, pixel, seen = picture(plan_pp4)
+    assert read_png(path.read_bytes())[:2] == (layout.width, layout.height)
     # 60 GiB x 1.1 = 66 GiB of room: ticks every 20 GiB, so the scale ends on the 80 GiB tick
-    assert geometry["ticks"][-1] == (geometry["plot_top"], "80") and geometry["ticks"][0] == (geometry["base"], "0")
-    top = 80 * GiB
-    assert a == round(30 * GiB / top * PLOT_HEIGHT) and b == round(60 * GiB / top * PLOT_HEIGHT)
+    assert layout.ticks == (0, 20, 40, 60, 80) and layout.top_bytes == 80 * GiB
+    (a0, a1), (b0, b1) = layout.bar(0), layout.bar(1)
+    # rank 0 fits (blue), rank 1 does not (orange); a bar's height runs from the x axis to its top row
+    a = layout.base - bar_top(pixel, layout, (a0 + a1) // 2, BAR)
+    b = layout.base - bar_top(pixel, layout, (b0 + b1) // 2, OVER)
+    assert abs(a - 30 / 80 * PLOT_HEIGHT) <= 1 and abs(b - 60 / 80 * PLOT_HEIGHT) <= 1, (a, b)
     assert abs(b / a - 2.0) < 0.02  # 60 GiB is twice 30 GiB
-    line_y = geometry["limit_y"]
-    assert tuple(rgb[(line_y * width + geometry["axis_x"] + 5) * 3:][:3]) == LIMIT
-    assert round((geometry["base"] - line_y) / PLOT_HEIGHT * top / GiB) == 50
+    line = round(layout.y(50 * GiB))
+    assert 1 <= sum(pixel((b0 + b1) // 2, y) == LIMIT for y in range(line - 3, line + 4)) <= 3  # over the bar
+    assert pixel((a0 + a1) // 2, layout.base - 2) == BAR and pixel((b0 + b1) // 2, layout.base - 2) == OVER
+    assert pixel((a0 + a1) // 2, round(layout.y(30 * GiB)) - 3) != BAR  # nothing above the bar's top
+    # the limit line runs across the plot left of the bars, at 50 GiB
+    assert any(pixel(layout.left + 5, y) == LIMIT for y in range(line - 1, line + 2))
+    assert {BAR, OVER, LIMIT, WHITE} <= seen and len(seen) > 20
 
 
-def test_a_zero_figure_draws_no_bar_and_a_small_one_keeps_a_pixel(plan_pp4, tmp_path):
-    real = dataclasses.replace(plan_pp4, predicted=Prediction(
-        step_seconds=1.0, tflops_per_device=1.0, memory_bytes_per_device=(0, 1024)))
-    path = write_memory_png(real, tmp_path / "m.png")
-    width, _, rows = read_png(path.read_bytes())
-    rgb = b"".join(rows)
-    geometry = layout(real)
-    plot = range(geometry["plot_top"], geometry["base"])
-    (x0, _, x1, _), (x0b, _, x1b, _) = geometry["bars"]
-    assert _column_height(width, rgb, (x0 + x1) // 2, BAR, plot) == 0  # zero bytes draws no bar
-    assert _column_height(width, rgb, (x0b + x1b) // 2, BAR, plot) == 1  # 1 KiB of 50 GiB still shows
-    assert [value for value, _, _ in geometry["values"]] == ["0 B", "1.0 KiB"]
+def test_a_zero_figure_draws_no_bar_and_a_small_one_keeps_a_pixel(plan_pp4):
+    layout, pixel, seen = picture(with_memory(plan_pp4, 0, 1024))
+    (x0, x1), (y0, y1) = layout.bar(0), layout.bar(1)
+    assert column_height(pixel, layout, (x0 + x1) // 2, BAR) == 0  # zero bytes draws no bar
+    assert column_height(pixel, layout, (y0 + y1) // 2, BAR) == 1  # 1 KiB of 50 GiB still shows
+    assert [value for value, _ in layout.values] == ["0 B", "1.0 KiB"]
 
 
-# --- text: each label's pixels are where the layout says --------------------------------------
-
-
-def text_is_at(canvas: Canvas, text: str, x: int, y: int, colour) -> bool:
-    """Whether the pixels of ``colour`` in the box ``text`` covers at (x, y) are exactly its glyphs'."""
-    reference = Canvas(canvas.width, canvas.height, (1, 2, 3))
-    reference.draw_text(x, y, text, colour, SCALE)
-    width, height = text_size(text, SCALE)
-    assert 0 <= x and x + width <= canvas.width and 0 <= y and y + height <= canvas.height, text
-    return all((reference.pixel(i, j) == colour) == (canvas.pixel(i, j) == colour)
-               for i in range(x, x + width) for j in range(y, y + height))
-
-
-def test_the_picture_carries_its_title_axis_labels_values_and_legend(plan_pp4):
-    canvas, geometry = draw_memory(plan_pp4), layout(plan_pp4)
-    title, x, y = geometry["title"]
-    assert title == "Predicted memory per device, by pipeline rank" and text_is_at(canvas, title, x, y, INK)
-    subtitle, x, y = geometry["subtitle"]
+def test_the_figure_carries_its_title_axis_labels_values_and_legend(plan_pp4):
+    figure = draw_memory(plan_pp4)
+    title, subtitle = (t.get_text() for t in figure.texts)
+    assert title == "Predicted memory per device, by pipeline rank"
     assert subtitle == "dp=2 x pp=2 x tp=1 on 4 cpu, 1f1b m=4, recompute none, fp32"
-    assert text_is_at(canvas, subtitle, x, y, INK)
-    assert not text_is_at(canvas, "Predicted memory per device, by pipeline rand", *geometry["title"][1:], INK)
-    label, x, y = geometry["limit_label"]
-    assert label == "usable 50.0 GiB" and text_is_at(canvas, label, x, y, LIMIT)
-    assert abs(y + 7 - geometry["limit_y"]) <= 1  # the label is level with the line
-    axis_x = geometry["axis_x"]
-    for tick_y, tick in geometry["ticks"]:
-        assert text_is_at(canvas, tick, axis_x - 8 - text_size(tick, SCALE)[0], tick_y - 7, INK)
-    for rank, ((x0, y0, x1, _), (value, value_y, inside)) in enumerate(zip(geometry["bars"], geometry["values"])):
-        assert value == ("30.0 GiB", "60.0 GiB")[rank] and not inside and value_y + 14 < y0
-        assert text_is_at(canvas, value, x0 + (x1 - x0 - text_size(value, SCALE)[0]) // 2, value_y, INK)
-        for line, text in enumerate(geometry["bar_labels"][rank]):
-            assert text == (f"rank {rank}", f"stage {rank}")[line]
-            assert text_is_at(canvas, text, x0 + (x1 - x0 - text_size(text, SCALE)[0]) // 2,
-                              geometry["base"] + 10 + line * text_size(text, SCALE)[1], INK)
-    words = ["fits in usable memory", "over usable memory", "usable memory: smallest limit of the stages"]
-    for (x, y), text, colour in zip(geometry["legend"], words, (BAR, OVER, LIMIT)):
-        assert text_is_at(canvas, text, x + 24, y + 1, INK) and canvas.pixel(x + 8, y + 8) == colour
-    assert max(x + 24 + text_size(text, SCALE)[0] for (x, _), text in zip(geometry["legend"], words)) <= canvas.width
+    (axes,) = figure.axes
+    assert axes.get_ylabel() == "GiB per device"
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["0", "20", "40", "60", "80"]
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["rank 0\nstage 0", "rank 1\nstage 1"]
+    texts = [t.get_text() for t in axes.texts]
+    assert "  usable 50.0 GiB" in texts and "30.0 GiB" in texts and "60.0 GiB" in texts
+    words = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert words == ["fits in usable memory", "over usable memory", "usable memory: smallest limit of the stages"]
+    renderer = figure.canvas.get_renderer()
+    for artist in [*figure.texts, *axes.texts, figure.legends[0]]:  # nothing is cut off at the edges
+        box = artist.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= figure.bbox.width and 0 <= box.y0 and box.y1 <= figure.bbox.height, artist
 
 
 def test_a_value_the_limit_line_would_cross_goes_inside_its_bar(plan_pp4):
     near = dataclasses.replace(plan_pp4, predicted=dataclasses.replace(
         plan_pp4.predicted, memory_bytes_per_device=(49 * GiB, 51 * GiB)))
-    canvas, geometry = draw_memory(near), layout(near)
-    line = geometry["limit_y"]
-    for (x0, y0, x1, y1), (value, value_y, inside) in zip(geometry["bars"], geometry["values"]):
-        assert not value_y - 4 <= line <= value_y + 18  # the line never runs through a value
-        colour = (255, 255, 255) if inside else INK
-        assert text_is_at(canvas, value, x0 + (x1 - x0 - text_size(value, SCALE)[0]) // 2, value_y, colour)
-    assert [inside for _, _, inside in geometry["values"]] == [True, False]  # 49 GiB: the line is just above
+    layout = memory_layout(near)
+    assert layout.values == (("49.0 GiB", True), ("51.0 GiB", False))  # 49 GiB: the line is just above
+    figure = draw_memory(near)
+    renderer = figure.canvas.get_renderer()
+    line = figure.bbox.height - layout.y(50 * GiB)  # the line's height in display pixels (from the bottom)
+    values = {t.get_text(): t for t in figure.axes[0].texts}
+    for value, _ in layout.values:
+        box = values[value].get_window_extent(renderer)
+        assert not box.y0 - 1 <= line <= box.y1 + 1, value  # the line never runs through a value
+    assert values["49.0 GiB"].get_color() == (1.0, 1.0, 1.0)
+
+
+def test_the_folder_must_exist(plan_pp4, tmp_path):
+    with pytest.raises(XirangError, match="does not exist") as error:
+        write_memory_png(plan_pp4, tmp_path / "missing" / "mem.png")
+    assert error.value.where == "--picture"
