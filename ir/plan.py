@@ -30,6 +30,9 @@ from xirang.ir.world import World
 
 SCHEMA_VERSION = 1
 RECOMPUTE_MODES = ("none", "selective", "full")
+# activation offload: "none", or "blocks": each block's saved activations go to host memory after its
+# forward and are prefetched back one block ahead of its backward (passes/lowering, codegen/runtime)
+OFFLOAD_MODES = ("none", "blocks")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -47,6 +50,7 @@ class Plan:
     schedule: str
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved only)
     recompute: str = "none"
+    offload: str = "none"
     precision: str = "fp32"
     grad_reduce_dtype: str = "fp32"
     placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
@@ -88,6 +92,7 @@ class Plan:
                             f"multiple of pp ({mesh.pp})", where="num_micro_batches",
                             hint=f"use num_micro_batches in {mesh.pp}, {2 * mesh.pp}, ... or schedule '1f1b'")
         check_choice(self.recompute, RECOMPUTE_MODES, "recompute")
+        check_choice(self.offload, OFFLOAD_MODES, "offload")
         check_choice(self.precision, PRECISIONS, "precision")
         check_choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
         check_type(self.placements, Mapping, "placements", "mapping node name -> NodeStrategy")
@@ -179,9 +184,9 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives came after the first plans were written: optional when reading
+            # alternatives and offload came after the first plans were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
-                       required=tuple(f.name for f in fields(cls) if f.name != "alternatives"))
+                       required=tuple(f.name for f in fields(cls) if f.name not in ("alternatives", "offload")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):

@@ -28,8 +28,8 @@ from pathlib import Path
 from xirang.codegen.runtime.schedule_sim import TimedAction, Timeline, idle_fractions
 from xirang.codegen.viz.plotting import (DPI, FONT, TITLE_FONT, Colour, add_legend, fit_legend, new_figure, plain,
                                         png_bytes, rgb, text_size, write_png)
-from xirang.ir.schedules import (ACTIVATION, Action, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
-                                 Send)
+from xirang.ir.schedules import (ACTIVATION, SCHEDULE_SPECS, Action, Backward, BackwardInput, BackwardWeight, Forward,
+                                 Recv, Schedule, Send)
 
 KIND_COLOURS: dict[type, Colour] = {Forward: (66, 133, 244), Backward: (52, 168, 83),
                                     BackwardInput: (244, 180, 0), BackwardWeight: (219, 68, 55)}
@@ -41,7 +41,6 @@ KIND_NAMES = {Forward: "forward", Backward: "backward", BackwardInput: "backward
               BackwardWeight: "backward, weight part"}
 DURATION_NAMES = {Forward: "forward", Backward: "backward", BackwardInput: "backward-input",
                   BackwardWeight: "backward-weight"}
-SCHEDULE_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
 MARGIN, ROW_HEIGHT, ROW_GAP, STRIP = 14, 28, 6, 4  # pixels
 NUMBER_FONTS = (9, 7)  # points: the micro-batch number in a box, the larger one that fits
 POINT = DPI / 72  # pixels a point
@@ -89,7 +88,7 @@ def _number(value) -> str:
 def timeline_title(timeline: Timeline) -> str:
     """E.g. "1F1B schedule: p=4 pipeline ranks, m=8 micro-batches, simulated bubble 27.3%"."""
     schedule = timeline.schedule
-    name = SCHEDULE_TITLES.get(schedule.name, schedule.name)
+    name = SCHEDULE_SPECS[schedule.name].title if schedule.name in SCHEDULE_SPECS else schedule.name
     chunks = f", v={schedule.virtual_stages} chunks per rank" if schedule.virtual_stages > 1 else ""
     p, m = schedule.pipeline_ranks, schedule.num_micro_batches
     title = (f"{name} schedule: p={p} pipeline rank{'s' * (p != 1)}{chunks}, "

@@ -133,8 +133,10 @@ def _rank_main(rank, world, jobs):
             program = lower(traced[name], plan, rank=rank).program  # what compile does, on the shared trace
             if how == "model":
                 compiled = CompiledModel(build(name), plan, program, groups=groups)
-            else:  # from a state dict alone: a rank needs neither the model class nor a trace
-                compiled = CompiledModel(build(name).state_dict(keep_vars=True), plan, program, groups=groups)
+            else:  # from the model's tensors alone (non-persistent buffers too): no model class, no trace
+                model = build(name)
+                state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+                compiled = CompiledModel(state, plan, program, groups=groups)
         checks = _api_checks(compiled, name, plan.mesh.coords(rank)["dp"], plan.mesh.dp) if api_checks else None
         results[label] = _train(compiled)
         results[label]["checks"] = checks
