@@ -56,7 +56,7 @@ def cmd_explain(args) -> int:
                           hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
     plan = Plan.load(args.plan)
     if args.json:  # for scripts: the same table as data, nothing else on stdout
-        from xirang.explain import explain_data
+        from xirang.ir.plan_explain import explain_data
         print(json.dumps(explain_data(plan), indent=2))
     else:
         print(plan.explain())
