@@ -11,6 +11,8 @@ The process group and communication counter are module attributes of every stage
 the same source runs with any group object, and ``code(rank)`` can be printed for ranks this
 process does not run. Data parallelism adds nothing to a program: dp ranks run the same program on
 their share of the batch, and their gradients are averaged by the runtime (codegen/runtime).
+Random ops read a third attribute, ``self.rng``: the runtime's streams, which know the dp rank,
+step and micro-batch (codegen/ops/random_ops.py).
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from xirang.ir.errors import XirangError
-from xirang.ir.meta_keys import PARAM_ALIASES, PARAM_NAME, PARAM_SHARD, ROLE, STAGE_MODULES, SYMBOL_DIMS, SYMBOLS
+from xirang.ir.meta_keys import (PARAM_ALIASES, PARAM_NAME, PARAM_SHARD, RANDOM_SITES, ROLE, STAGE_MODULES,
+                                 SYMBOL_DIMS, SYMBOLS)
 from xirang.passes.lowering.precision import COMPUTE_DTYPES
+from xirang.passes.lowering.regions import region_source
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Program:
     aliases: dict  # FQN -> every FQN bound to that tensor (tied weights)
     trainable: frozenset  # FQNs of parameters (buffers and constants are bound but not trained)
     shards: dict = field(default_factory=dict)  # FQN -> ParamShard (this rank's tp placement)
+    random_sites: tuple = ()  # RandomSite of every random op (passes/lowering/random_streams.py)
 
 
 def check_emittable(plan) -> None:
@@ -54,23 +59,29 @@ def emit_program(gm, plan) -> Program:
         aliases={PARAM_NAME.get(n): tuple(PARAM_ALIASES.get(n, (PARAM_NAME.get(n),)))
                  for n in placeholders if PARAM_NAME.get(n, None) is not None},
         trainable=frozenset(PARAM_NAME.get(n) for n in placeholders if ROLE.get(n, None) == "parameter"),
-        shards=shards)
+        shards=shards, random_sites=tuple(RANDOM_SITES.get(gm, ())))
 
 
-def attach(program: Program, *, tp_group=None, counter: Optional[object] = None) -> Program:
-    """Point every stage module at this process's live tp group and communication counter."""
+def attach(program: Program, *, tp_group=None, counter: Optional[object] = None, rng=None) -> Program:
+    """Point every stage module at this process's live tp group and communication counter, and (when
+    given) the runtime's RNG streams (``codegen/ops/random_ops.RngContext``)."""
     for stage in program.stages:
         stage.module.tp_group, stage.module.comm_counter = tp_group, counter
+        if rng is not None:
+            stage.module.rng = rng
     return program
 
 
 def program_source(program: Program, plan, rank: int, stages: tuple[int, ...]) -> str:
-    """Python source of the stage modules ``stages`` of ``program``, headed by the rank's mesh place."""
+    """Python source of the stage modules ``stages`` of ``program``, headed by the rank's mesh place;
+    each stage's recompute and offload regions follow it (none: nothing added)."""
     coords = plan.mesh.coords(rank)
     parts = [f"# Xirang program of rank {rank}: mesh {plan.mesh}, dp {coords['dp']} pp {coords['pp']} "
              f"tp {coords['tp']}, precision {plan.precision}, schedule {plan.schedule}\n"]
     for index in stages:
         stage = program.stages[index]
+        code, regions = stage.module.code.lstrip("\n"), region_source(stage.module)
         parts.append(f"# stage {index}: receives {[c.name for c in stage.crossing_in]}, sends "
-                     f"{[c.name for c in stage.crossing_out] or ['the loss']}\n" + stage.module.code.lstrip("\n"))
+                     f"{[c.name for c in stage.crossing_out] or ['the loss']}\n"
+                     + (code.rstrip() + "\n\n" + regions if regions else code))
     return "\n".join(parts)

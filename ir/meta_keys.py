@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 import sympy
 
-from xirang.ir.facts import BlockInfo, ByteCount, FlopCount, ParamShard, SourceLocation, TensorInfo
+from xirang.ir.facts import BlockInfo, ByteCount, FlopCount, ParamShard, RandomSite, SourceLocation, TensorInfo
 from xirang.ir.plan_parts import NodeStrategy
 
 T = TypeVar("T")
@@ -83,6 +83,15 @@ PARAM_SHARD = MetaKey("xr_param_shard", ParamShard, "how this rank holds the sta
 INSERTED = MetaKey("xr_inserted", str, "why a lowering pass inserted the node (a resharding collective, a "
                    "precision cast); absent on nodes of the traced graph", sparse=True)
 STAGE = MetaKey("xr_stage", int, "pipeline stage (index into plan.stages) the node runs in")
+RANDOM = MetaKey("xr_random", RandomSite, "how an op that draws random numbers draws in this rank's program: its "
+                 "index, stream (shared by the tp group or per tp rank) and exact-replay shape "
+                 "(passes/lowering/random_streams.py)", sparse=True)
+RECOMPUTE = MetaKey("xr_recompute", str, "recompute region of the node under plan.recompute: 'full:<unit>' (a "
+                   "whole block) or 'selective:<unit>' (its attention core); the region keeps only its inputs and "
+                   "runs again in the backward (passes/lowering/recompute.py)", sparse=True)
+OFFLOAD = MetaKey("xr_offload", str, "block (its unit) whose saved activations go to host memory after its forward "
+                  "and come back, prefetched, before its backward (plan.offload; passes/lowering/offload.py)",
+                  sparse=True)
 
 # --- graph facts (gm.meta) --------------------------------------------------------------------
 SYMBOLS = MetaKey("xr_symbols", dict, "symbol name -> value at the example inputs (e.g. batch, seq)",
@@ -102,6 +111,8 @@ UNPRICED_OPS = MetaKey("xr_unpriced_ops", tuple, "ops with no FLOP rule (counted
 BLOCK_KINDS = MetaKey("xr_block_kinds", dict, "structural hash -> list of block paths of that kind",
                       scope="graph")
 
+RANDOM_SITES = MetaKey("xr_random_sites", tuple, "every RandomSite of the rank's program, in index order "
+                       "(empty when the model draws no random numbers)", scope="graph")
 STAGE_MODULES = MetaKey("xr_stage_modules", tuple, "the rank's program cut into its pipeline stages: one "
                         "StageModule per plan stage (passes/lowering/split_stages.py)", scope="graph")
 

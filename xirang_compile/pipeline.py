@@ -16,7 +16,10 @@ from xirang.passes.analysis.tensors import annotate_tensors
 from xirang.passes.analysis.trace import trace_model
 from xirang.passes.lowering.apply_plan import apply_plan
 from xirang.passes.lowering.compute_dtypes import plan_run_dtypes
+from xirang.passes.lowering.offload import mark_offload
 from xirang.passes.lowering.precision import insert_precision_casts
+from xirang.passes.lowering.random_streams import place_random_streams
+from xirang.passes.lowering.recompute import mark_recompute
 from xirang.passes.lowering.rewrite_tp import insert_collectives
 from xirang.passes.lowering.shard_parameters import shard_parameters
 from xirang.passes.lowering.split_stages import assign_stages, split_stages
@@ -40,7 +43,10 @@ LOWERING_PASSES = [
     shard_parameters,        # the shard of each parameter/buffer this rank binds
     insert_collectives,      # this tp rank's program: local shapes, collectives on the edges
     insert_precision_casts,  # fp32 master weights read in the compute dtype, fp32 loss
+    place_random_streams,    # random ops draw on runtime-owned streams (tp-shared or per tp rank)
     assign_stages,           # pipeline stage of every node (pp = 1: one stage)
+    mark_recompute,          # regions the backward recomputes (plan.recompute: blocks or attention cores)
+    mark_offload,            # blocks whose saved activations go to host memory (plan.offload)
     split_stages,            # one module per stage, sizes fixed at one micro-batch
 ]
 

@@ -39,9 +39,11 @@ from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
 
 from xirang.codegen.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets
+from xirang.codegen.runtime.offload import attach_offload
 from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
 from xirang.codegen.runtime.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
 from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.rng_streams import make_rng
 from xirang.codegen.runtime.schedule_check import check_schedule
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
@@ -63,11 +65,16 @@ class CompiledModel:
 
     def __init__(self, model, plan, program: Program, *, groups=None, bucket_bytes: Optional[int] = None,
                  device="cpu", counter=None, event_log: Optional[list] = None,
-                 source_of: Optional[Callable[[int], str]] = None):
+                 source_of: Optional[Callable[[int], str]] = None, seed: Optional[int] = None,
+                 rng: str = "streams"):
         self.groups = groups or build_mesh_groups(plan.mesh)
         self.rank = self.groups.rank
         self.tp, self.tp_rank = self.groups.axis_size("tp"), self.groups.axis_index("tp")
-        attach(program, tp_group=self.groups.tp, counter=counter)
+        # random ops draw on streams the runtime owns: one seed, the step and micro-batch it runs
+        self.rng = make_rng(program, plan, seed=seed, mode=rng, dp_rank=self.groups.axis_index("dp"))
+        attach(program, tp_group=self.groups.tp, counter=counter, rng=self.rng)
+        # plan.offload: the program's offloaded blocks share one ActivationOffload (None: no block offloads)
+        self.activation_offload = attach_offload(program, device)
         self._forward = model.forward if isinstance(model, torch.nn.Module) else None
         self._source_of = source_of
         self.plan, self.device, self.program = plan, torch.device(device), program
@@ -91,7 +98,7 @@ class CompiledModel:
         self.executor = PipelineExecutor(
             self.schedule, self.pp_rank, stages, peers=self.groups.pp_ranks, device=self.device,
             tensors_per_cut=max((len(p.crossing_in) for p in self.programs), default=1) or 1,
-            grad_buckets=buckets)
+            grad_buckets=buckets, offload=self.activation_offload, rng=self.rng)
         self.last_step: Optional[StepRecord] = None
 
     def _grad_buckets(self, stages: dict, bucket_bytes: int) -> dict:
@@ -146,6 +153,17 @@ class CompiledModel:
     def _gather(self, local: dict) -> dict:
         return gather_full(local, shards=self.program.shards, groups=self.groups, aliases=self._aliases)
 
+    # --- randomness --------------------------------------------------------------------------------
+
+    def rng_state(self) -> dict:
+        """What a checkpoint saves of the randomness: ``{"seed", "step", "mode"}`` (draws are
+        counter-based: the seed and the next step fix every future draw; codegen/ops/random_ops.py)."""
+        return self.rng.state()
+
+    def load_rng_state(self, state: dict) -> None:
+        """Continue from a checkpoint's ``rng_state()``: the next step draws as it would have."""
+        self.rng.load_state(state)
+
     # --- a step ----------------------------------------------------------------------------------
 
     def code(self, rank: Optional[int] = None) -> str:
@@ -174,6 +192,7 @@ class CompiledModel:
         record.timestamps = [(rank, action, start - origin, end - origin)
                              for rank, action, start, end in record.timestamps]
         self.last_step = record
+        self.rng.step += 1  # the next step draws anew
         for fqn, group in self._tied:
             param = self._state[fqn]
             if param.grad is None:  # every holder must join the sum, used this step or not

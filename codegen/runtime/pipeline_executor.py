@@ -15,6 +15,13 @@ The executor only interprets the schedule (docs/architecture.md: schedules are d
   per-op split (Qi et al. 2024) would avoid it, and needs nothing new here.
 - ``Send``/``Recv``: non-blocking (codegen/p2p.py). A receive is waited on by its consumer only,
   so it overlaps whatever this rank computes in between; sends are waited on at the end of the step.
+- Activation offload (plan.offload): the forward of (stage, mb) runs inside ``offload.forward``, so
+  its offloaded blocks know whose activations they send to host memory; each backward first asks
+  ``offload.begin_backward`` to prefetch the stage's last block, and the last one of (stage, mb)
+  (Backward, or BackwardWeight after BackwardInput) ends with ``offload.end_backward``
+  (codegen/runtime/offload.py). Recompute needs nothing here: the stage modules checkpoint it.
+- Randomness: before every compute action the program's ``RngContext`` is told its micro-batch,
+  so random ops draw per micro-batch, and a backward that recomputes a forward draws the same.
 - Data parallelism: each local stage's ``GradientBuckets`` runs under ``no_sync()`` except in that
   stage's last backward of the step, whose hooks launch the bucket all-reduces during the backward.
 
@@ -75,12 +82,16 @@ class PipelineExecutor:
 
     ``peers[r]``: the global rank of pipeline rank r in this rank's pp group. ``grad_buckets``:
     {stage index: GradientBuckets} when dp > 1. ``tensors_per_cut``: the most tensors any cut
-    carries (for message tags; the same on every rank).
+    carries (for message tags; the same on every rank). ``offload``: the ``ActivationOffload`` the
+    stages' offloaded blocks use (told which (stage, micro-batch) runs, and when its backward starts
+    and ends), or None. ``rng``: the programs' ``RngContext`` (codegen/ops/random_ops.py), or None.
     """
 
     def __init__(self, schedule: Schedule, pp_rank: int, stages: dict, *, peers, tensors_per_cut: int,
-                 device="cpu", grad_buckets: dict | None = None):
+                 device="cpu", grad_buckets: dict | None = None, offload=None, rng=None):
         self.schedule, self.pp_rank, self.stages = schedule, pp_rank, dict(stages)
+        self.offload = offload  # codegen/runtime/offload.ActivationOffload when blocks offload, else None
+        self.rng = rng  # codegen/ops/random_ops.RngContext: told the micro-batch of every compute
         self.actions = schedule.ranks[pp_rank]
         self.peers, self.tensors_per_cut, self.grad_buckets = tuple(peers), tensors_per_cut, grad_buckets or {}
         missing = sorted(set(schedule.stages_of(pp_rank)) - set(self.stages))
@@ -152,6 +163,8 @@ class PipelineExecutor:
             raise XirangError(f"unknown action {action!r}", where=f"pp rank {self.pp_rank}",
                               hint="schedules hold Forward, Backward(Input/Weight), Send and Recv only")
         inputs = self._inputs_of(action)  # may wait on a receive: idle, before the clock starts
+        if self.rng is not None:  # random ops draw per micro-batch, in a recompute too
+            self.rng.micro_batch = action.micro_batch
         start = time.perf_counter()
         with self._sync_context(action, position):
             run(action, inputs)
@@ -226,7 +239,8 @@ class PipelineExecutor:
         leaves = [tensor.detach().requires_grad_(spec.requires_grad)
                   for tensor, spec in zip(received, program.crossing_in)]
         user = [self._micro_batches[mb][name] for name in program.user_inputs]
-        outputs = stage.program(stage.parameters, leaves, user)
+        with self.offload.forward(action.stage, mb) if self.offload else nullcontext():
+            outputs = stage.program(stage.parameters, leaves, user)
         if program.returns_loss:
             loss = outputs[0]
             self._record.losses.append(loss.detach())
@@ -252,10 +266,12 @@ class PipelineExecutor:
 
     def _backward(self, action: Backward, received) -> None:
         held = self._held.pop((action.stage, action.micro_batch))
+        self._begin_backward(action)
         with received or nullcontext():
             outputs, grads = self._differentiable(held, received.tensors if received else None)
             if outputs:
                 torch.autograd.backward(outputs, grads)
+        self._end_backward(action)
         self._send_input_grads(action, [leaf.grad if leaf is not None else None for leaf in held.inputs], held)
 
     def _backward_input(self, action: BackwardInput, received) -> None:
@@ -266,6 +282,7 @@ class PipelineExecutor:
         held.output_grads = grads
         outputs, grads = self._differentiable(held, grads)
         leaves = [leaf for leaf in held.inputs if leaf is not None]
+        self._begin_backward(action)
         found = iter(torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
                      if leaves and outputs else [None] * len(leaves))
         self._send_input_grads(action, [next(found) if leaf is not None else None for leaf in held.inputs], held)
@@ -275,7 +292,17 @@ class PipelineExecutor:
         weights = [p for p in self.stages[action.stage].parameters if p.requires_grad]
         outputs, grads = self._differentiable(held, held.output_grads)
         if weights and outputs:
+            self._begin_backward(action)
             torch.autograd.backward(outputs, grads, inputs=weights)
+        self._end_backward(action)
+
+    def _begin_backward(self, action) -> None:
+        if self.offload is not None:
+            self.offload.begin_backward(action.stage, action.micro_batch)
+
+    def _end_backward(self, action) -> None:
+        if self.offload is not None:
+            self.offload.end_backward(action.stage, action.micro_batch)
 
     def _send_input_grads(self, action, grads: list, held: _Held) -> None:
         if action.stage == 0:

@@ -32,6 +32,11 @@ receiving it across every cut in between: a tied embedding's bf16 cast would oth
 the first stage to the last, a vocabulary x hidden tensor on every link each micro-batch and its
 gradient back, where fp32 needs one tied-gradient sum per step.
 
+Recompute and offload: the nodes ``mark_recompute`` and ``mark_offload`` (passes/lowering/
+recompute.py, offload.py) put in a region are outlined into a sub-module the stage calls
+(passes/lowering/regions.py): a checkpointed region, a block whose saved activations go to host
+memory. A stage with no region is built exactly as before (golden files unchanged).
+
 Symbolic sizes: shapes are static per plan (micro-batch and sequence fixed), so every SymInt node
 (``aten.sym_size.int`` and arithmetic on it) is folded to a Python int evaluated at ``symbols``.
 That removes the scalar from the cut altogether: no stage needs an input only to read its size, and
@@ -49,11 +54,12 @@ from torch import fx
 
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
-from xirang.ir.meta_keys import (INSERTED, PARAM_NAME, REQUIRES_GRAD, ROLE, STAGE, STAGE_MODULES, SYMBOLS, TENSOR,
-                                 TORCH_SYMBOLS, UNIT)
+from xirang.ir.meta_keys import (INSERTED, OFFLOAD, PARAM_NAME, RECOMPUTE, REQUIRES_GRAD, ROLE, STAGE,
+                                 STAGE_MODULES, SYMBOLS, TENSOR, TORCH_SYMBOLS, UNIT)
 from xirang.ir.pass_spec import compiler_pass
 
 from xirang.codegen.ops.local_ops import local_size
+from xirang.passes.lowering.regions import copy_with_regions, has_regions
 
 BOUND_ROLES = ("parameter", "buffer", "constant")
 # Pure int -> int functions a tp rank's program applies to sizes; folded like the sizes they read.
@@ -106,9 +112,10 @@ def assign_stages(gm, ctx):
     return gm
 
 
-@compiler_pass(requires=(STAGE, TENSOR, REQUIRES_GRAD), provides=(STAGE_MODULES,))
+@compiler_pass(requires=(STAGE, TENSOR, REQUIRES_GRAD, RECOMPUTE, OFFLOAD), provides=(STAGE_MODULES,))
 def split_stages(gm, ctx):
-    """Cut the program into one module per stage, sizes fixed at one micro-batch."""
+    """Cut the program into one module per stage, sizes fixed at one micro-batch, its recompute and
+    offload regions outlined."""
     symbols = {**SYMBOLS.get(gm, {}), "batch": ctx.plan.micro_batch}
     STAGE_MODULES.set(gm, build_stage_modules(gm, len(ctx.plan.stages), symbols))
     return gm
@@ -281,14 +288,22 @@ def _build_stage(gm, index, stage_of, folded, crossing_in, crossing_out, loss) -
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node in reads:
             env[node] = graph.get_attr(node.target)  # GraphModule(gm, ...) copies the attribute
-    for node in own:
-        env[node] = graph.node_copy(node, lambda arg: env[arg])
+    modules: dict = {}  # region modules (recompute, offload): passes/lowering/regions.py
+    if has_regions(own):
+        copy_with_regions(graph, own, env, modules)
+    else:
+        for node in own:
+            env[node] = graph.node_copy(node, lambda arg: env[arg])
     if loss is not None:
         graph.output((env[loss],))
     else:
         graph.output(tuple(env[by_name[crossing.name]] for crossing in crossing_out))
     graph.lint()
-    module = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
+    if modules:  # the root holds what the graph's get_attr and call_module nodes name
+        root = {node.target: getattr(gm, node.target) for node in graph.nodes if node.op == "get_attr"}
+        module = fx.GraphModule({**root, **modules}, graph, class_name=f"Stage{index}")
+    else:
+        module = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
     return StageModule(index=index, module=module, parameters=tuple(parameters), crossing_in=tuple(crossing_in),
                        user_inputs=tuple(user_inputs), crossing_out=tuple(crossing_out),
                        returns_loss=loss is not None)

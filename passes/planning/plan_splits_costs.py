@@ -8,12 +8,18 @@ costs, what each link's collectives cost, and the per-node facts both read.
   with no FLOPs that needs a gradient).
 - Bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
 - Collectives: ``cost_collectives.collective_cost`` on the tp group (alpha-beta, cheapest algorithm).
-- Saved activations: BYTES.saved_for_backward times the local share of the tensors the op reads
-  (most ops keep their inputs: a column-parallel linear keeps its whole input, a row-parallel one
-  its shard; Korthikanti et al. 2022 count the same way), weighted by their sizes.
+- Saved activations, by liveness: the storages the ops of a unit keep for the backward (each
+  ``SavedTensor`` of BYTES.saved), each storage once per unit however many ops keep it, in the
+  plan's precision (floating storages; masks, indices and float32 statistics keep their dtype), each
+  at its local share on one tp rank: a storage the op reads through an input at the layout it reads
+  it in (a column-parallel linear keeps its whole input, a row-parallel one its shard; Korthikanti et
+  al. 2022 count the same way), one it makes itself at its output's layout.
 - Selective recompute (Korthikanti et al. 2022, sec. 5): the attention core is the ops whose output
   or saved tensors grow with seq² (an eager softmax(QKᵀ)·V, as BERT's eager attention); a fused
   ``scaled_dot_product_attention`` keeps no seq² tensor of its own, so there it changes nothing.
+  The rule is ``passes/analysis/attention_core.in_eager_core``, which the lowering's recompute reads too.
+  Recomputing the core drops the storages core ops make and keep, and keeps every storage the core
+  reads from outside it (what the recompute starts from: q, k, v, the causal mask).
 """
 from __future__ import annotations
 
@@ -23,23 +29,32 @@ import sympy
 import torch
 from torch.fx import Node
 
-from xirang.ir.meta_keys import BYTES, FLOPS, PARAM_COUNT, REQUIRES_GRAD, ROLE, symbol
+from xirang.ir.meta_keys import BYTES, FLOPS, PARAM_COUNT, REQUIRES_GRAD, ROLE
 from xirang.ir.placement import Shard
 
 from xirang.passes.planning.cost_collectives import CollectiveCost, collective_cost
 from xirang.passes.planning.cost_model import Efficiency, compute_time
-from xirang.passes.analysis.memory_traffic import is_persistent
+from xirang.passes.analysis.attention_core import FUSED_ATTENTION, in_eager_core
+from xirang.passes.analysis.memory_traffic import input_saved, storage_of, tensors
 from xirang.passes.analysis.op_tables import op_packet
 from xirang.passes.planning.plan_splits_graph import ExprTable, tensor_info
 from xirang.passes.planning.plan_splits_problem import Decision, Term
 
 aten = torch.ops.aten
 FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8, "fp8": 1}
-FUSED_ATTENTION = frozenset({aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
-                             aten._scaled_dot_product_efficient_attention,
-                             aten._scaled_dot_product_flash_attention_for_cpu})
 MATMUL_OPS = FUSED_ATTENTION | {aten.linear, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul,
                                 aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d}
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One storage a node keeps (or, for the attention core, needs kept to recompute from)."""
+
+    storage: str  # SavedTensor.storage: two Kept of one unit with the same storage are one storage
+    producer: str  # the node that makes it
+    nbytes: int  # ExprTable index of its bytes at the traced dtype
+    scale: float  # plan precision / traced itemsize for a floating storage, else 1
+    input: int | None  # read through node.all_input_nodes[input]; None: the node's own (output layout)
 
 
 @dataclass(frozen=True)
@@ -49,14 +64,22 @@ class NodeFacts:
     forward: int  # forward FLOPs
     total: int  # forward + backward FLOPs
     traffic: int  # bytes read + written, traced itemsize
-    saved: int  # BYTES.saved_for_backward, traced itemsize
     byte_scale: float  # plan precision / traced itemsize of the node's floating tensors
     matmul: bool
     needs_grad: bool
     core: bool  # in the attention core that selective recompute drops
     params: int  # elements of the parameter a placeholder binds, else 0
     param_bytes: float  # the same in the plan's precision
-    activations: tuple[tuple[int, int, float], ...]  # (input position, element count, bytes/elem) read
+    saved: tuple[Kept, ...] = ()  # the storages it keeps for its backward (BYTES.saved)
+    inputs: tuple[Kept, ...] = ()  # the storage of every activation input (what a recompute starts from)
+
+
+def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
+    source = storage_of(node.all_input_nodes[item.input]) if item.input is not None else node
+    found = tensors(source)
+    itemsize = found[0].itemsize if found else 1
+    return Kept(item.storage, item.producer, table.index(item.nbytes),
+                float_bytes / itemsize if item.floating else 1.0, item.input)
 
 
 def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) -> NodeFacts:
@@ -64,34 +87,19 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
     traffic = BYTES.get(node, None)
     floats = [i for i in [tensor_info(node)] + [tensor_info(v) for v in node.all_input_nodes]
               if i is not None and i.is_floating]
-    activations = []
-    for k, value in enumerate(node.all_input_nodes):
-        info = tensor_info(value)
-        if info is not None and not is_persistent(value):
-            activations.append((k, table.index(info.numel), float(float_bytes if info.is_floating else info.itemsize)))
     zero = sympy.Integer(0)
     params = PARAM_COUNT.get(node, 0) if ROLE.get(node, None) == "parameter" else 0
-    saved = traffic.saved_for_backward if traffic is not None else zero
+    items = traffic.saved if traffic is not None else ()
+    reads = [item for value in node.all_input_nodes for item in input_saved(node, value)]
     return NodeFacts(
         forward=table.index(flops.forward if flops else zero), total=table.index(flops.total if flops else zero),
-        traffic=table.index(traffic.read + traffic.written if traffic else zero), saved=table.index(saved),
+        traffic=table.index(traffic.read + traffic.written if traffic else zero),
         byte_scale=float_bytes / floats[0].itemsize if floats else 1.0,
         matmul=op_packet(node) in MATMUL_OPS, needs_grad=bool(REQUIRES_GRAD.get(node, False)),
-        core=seq_known and node.op == "call_function" and REQUIRES_GRAD.get(node, False)
-        and op_packet(node) not in FUSED_ATTENTION and _grows_with_seq_squared(node, saved),
-        params=params, param_bytes=float(params * float_bytes), activations=tuple(activations))
-
-
-def _grows_with_seq_squared(node: Node, saved) -> bool:
-    seq = symbol("seq")
-    info = tensor_info(node)
-    for expr in ([info.numel] if info is not None else []) + [saved]:
-        try:
-            if sympy.degree(sympy.expand(expr), seq) >= 2:
-                return True
-        except sympy.PolynomialError:  # ceiling/floor of seq: not a polynomial, not an attention score
-            continue
-    return False
+        core=in_eager_core(node, seq_known=seq_known),
+        params=params, param_bytes=float(params * float_bytes),
+        saved=tuple(_kept(node, item, table, float_bytes) for item in items),
+        inputs=tuple(_kept(node, item, table, float_bytes) for item in reads))
 
 
 def local_fraction(placement, tp: int) -> float:
@@ -148,13 +156,6 @@ class Pricing:
         memory = facts.param_bytes * local_fraction(strategy.output, self.tp)
         return seconds, memory
 
-    def saved(self, facts: NodeFacts, strategy) -> float:
-        """Bytes a node keeps for its backward on one rank (see the module docstring)."""
-        full = self.values[facts.saved] * facts.byte_scale
-        if not full:
-            return 0.0
-        weights = [(self.values[count] * size, local_fraction(strategy.inputs[k], self.tp))
-                   for k, count, size in facts.activations]
-        total = sum(w for w, _ in weights)
-        share = sum(w * f for w, f in weights) / total if total else local_fraction(strategy.output, self.tp)
-        return full * share
+    def kept_bytes(self, kept: Kept, placement) -> float:
+        """Bytes of one kept storage on one rank, in the plan's precision, at ``placement``'s share."""
+        return self.values[kept.nbytes] * kept.scale * local_fraction(placement, self.tp)
