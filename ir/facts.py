@@ -7,6 +7,7 @@ without re-tracing; ``evaluate`` turns them into numbers at given symbol values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import sympy
 
@@ -101,3 +102,40 @@ class ParamShard:
     role: str
     placement: object
     full_shape: tuple
+
+
+class RandomSite(NamedTuple):
+    """One op of a rank's program that draws random numbers, as the lowering pass
+    ``place_random_streams`` placed it (passes/lowering/random_streams.py); the emitted program
+    passes it to the function in codegen/ops/random_ops.py that draws for the op. A NamedTuple,
+    so the emitted code spells it out (``RandomSite(3, 'dropout', ...)``).
+
+    - ``index``: the op's position among the graph's random ops, in graph order (the order the
+      model calls them): with the compile seed, the step and the ranks of its stream it names the
+      draw, so a re-run of a forward draws the same numbers.
+    - ``kind``: "dropout" (aten dropout / native_dropout), "attention" (scaled dot-product attention
+      with dropout), "factory" (a draw of a given size: rand, randn, randint), "shaped" (a draw
+      shaped like its input whose values it ignores: rand_like, bernoulli(x, p), uniform_), or
+      "valued" (any other: its draws depend on its input values).
+    - ``stream``: "tp-shared" (the op's draw is replicated over tp: one stream for the tp group) or
+      "tp-rank" (tp-sharded: a stream per tp rank). dp ranks and micro-batches always differ; each
+      op runs in one pipeline stage, so stages differ by ``index``.
+    - ``shape``: the full draw at the global batch (for exact replay): the op's output, or the
+      attention's scores (batch, heads, queries, keys).
+    - ``batch_dim``: the dim of ``shape`` holding the batch (-1: none); ``rows_per_sample`` of it
+      per sample (the sequence length where batch and sequence are flattened together).
+    - ``shard``: ``()`` or ``(dim, chunks, tp_rank, tp)``: this rank's tp slice of the draw.
+    - ``exact``: "" when exact mode can replay the op as one device draws it, else why not.
+    - ``node``, ``op``: the graph node and aten op, for messages.
+    """
+
+    index: int
+    kind: str
+    stream: str
+    shape: tuple
+    batch_dim: int
+    rows_per_sample: int
+    shard: tuple
+    exact: str
+    node: str
+    op: str

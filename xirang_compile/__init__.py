@@ -24,5 +24,6 @@ __all__ = [
 from xirang.codegen.runtime.launch import launch  # noqa: E402  (local CPU ranks for xirang.compile)
 
 from xirang.compile_api import compile  # noqa: E402,A001
+from xirang.codegen.ops.random_ops import ExactReference  # noqa: E402  (the eager reference of rng="exact")
 
-__all__ += ["compile", "launch"]
+__all__ += ["compile", "launch", "ExactReference"]

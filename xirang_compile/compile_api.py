@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from xirang.codegen.emit import check_emittable
+from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch import ensure_distributed
 from xirang.codegen.runtime.process_groups import build_mesh_groups
@@ -32,7 +33,8 @@ from .plan_api import as_world, plan as make_plan
 def compile(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None,  # noqa: A001
             plan: Optional[Plan] = None, global_batch: Optional[int] = None, device=None,
             runtime_device="cpu", bucket_bytes: Optional[int] = None, counter=None,
-            event_log: Optional[list] = None, dump_dir=None, **plan_pins) -> CompiledModel:
+            event_log: Optional[list] = None, dump_dir=None, seed: Optional[int] = None, rng: str = "streams",
+            **plan_pins) -> CompiledModel:
     """This rank's ``CompiledModel`` of ``model`` on ``world`` (see the module docstring).
 
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
@@ -41,7 +43,17 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     ``bucket_bytes``: size of the dp gradient buckets (default 25 MiB); ``counter`` (a
     ``CommCounter``) records every collective; ``event_log`` receives the buckets' launch/wait
     events; ``dump_dir`` writes this rank's graph after every lowering pass.
+
+    Randomness (dropout, ``torch.rand`` in forward) draws on streams the runtime owns
+    (codegen/ops/random_ops.py): ``seed`` (default: rank 0's ``torch.initial_seed()``, given to every
+    rank) and the step fix every draw; ``rng="streams"`` draws independently per dp rank,
+    micro-batch and tp shard and identically where tp replicates; ``rng="exact"`` (verification)
+    draws what one device would for the global batch and keeps this rank's piece, so the program
+    equals the eager model under ``ExactReference(seed)``.
     """
+    if rng not in RNG_MODES:
+        raise XirangError(f"unknown rng mode {rng!r}", where="xirang.compile(rng=...)",
+                          hint=f"use one of {', '.join(RNG_MODES)}")
     if plan is not None:
         check_emittable(plan)  # before asking for a launch the program could not use
     if plan is not None and device is None and not isinstance(world, World):
@@ -68,5 +80,5 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     dump = None if dump_dir is None else f"{dump_dir}/rank{groups.rank}"
     program = lower(gm, plan, rank=groups.rank, device=runtime_device, dump_dir=dump).program
     return CompiledModel(model, plan, program, groups=groups, device=runtime_device, bucket_bytes=bucket_bytes,
-                         counter=counter, event_log=event_log,
+                         counter=counter, event_log=event_log, seed=seed, rng=rng,
                          source_of=lambda rank: rank_source(gm, plan, rank, runtime_device))
