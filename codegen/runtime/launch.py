@@ -10,17 +10,26 @@ pipe that closes without a result means that rank died, and on the first failure
 rank is terminated. The process-group timeout bounds how long a collective inside a rank waits
 for a peer that is gone, so the survivors fail too instead of hanging until they are killed.
 
+A rank can also stop without dying (SIGSTOP, a debugger, a frozen host): each rank's heartbeat
+thread writes to its pipe several times per ``heartbeat_s``, and a rank silent for longer is named
+as frozen and the launch fails then, not at the deadline. And ranks never outlive the launch: the
+parent turns SIGTERM (what ``timeout``, CI and Slurm send) into an exit that stops every rank, and
+each rank asks the kernel to kill it when its parent (the forkserver, which exits with the
+launching process) dies, so even a SIGKILLed launcher leaves no orphan training on.
+
 Real runs, on GPUs or several nodes, go through torch's own launcher; ``launch_command`` spells
 its command line and ``ensure_distributed`` joins the world it sets up, or says how to start one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -32,6 +41,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from xirang.ir.errors import XirangError
+
+HEARTBEAT_S = 10.0  # default: a rank silent this long is reported as frozen
+_BEATS_PER_INTERVAL = 5
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # After the first failure, how long to keep listening for the others before reporting: a peer
 # that dies usually makes its neighbours fail in a collective within milliseconds, and listing
@@ -46,12 +59,52 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world, port, backend, pg_timeout_s, threads, environment, payload, conn):
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (elsewhere: nothing to ask)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request: nobody would kill us
+        os._exit(1)
+
+
+class _Reporter:
+    """This rank's pipe to the parent, shared by the heartbeat thread and the final report."""
+
+    def __init__(self, conn, heartbeat_s: float):
+        self.conn, self.lock, self.done = conn, threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._beat, args=(heartbeat_s / _BEATS_PER_INTERVAL,),
+                                       name="xirang-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self, period: float) -> None:
+        while not self.done.wait(period):
+            self.send(("beat",))
+
+    def send(self, message) -> None:
+        with self.lock:
+            if not self.conn.closed:
+                self.conn.send_bytes(pickle.dumps(message))
+
+    def finish(self, message) -> None:
+        self.done.set()
+        with self.lock:
+            self.conn.send_bytes(pickle.dumps(message))
+            self.conn.close()
+
+
+def _rank_main(rank, world, port, backend, pg_timeout_s, threads, environment, payload, conn, heartbeat_s=HEARTBEAT_S):
     """Body of one spawned rank: join the world, run fn, send back ("ok", bytes) or an error.
 
     ``payload`` is ``pickle.dumps((fn, args))`` made by the parent: unpickling it here, inside the
     try, makes an error (or a hang) while rebuilding the arguments this rank's reported failure or
     the launch deadline's business, instead of blocking the parent inside ``Process.start``."""
+    _die_with_parent(os.getppid())
+    reporter = _Reporter(conn, heartbeat_s)
     os.environ.clear()  # the forkserver's environment is from its start: use the parent's of now
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -74,8 +127,7 @@ def _rank_main(rank, world, port, backend, pg_timeout_s, threads, environment, p
         message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
     # Report before tearing down: destroying the group resets the peers' connections, and their
     # errors must not reach the parent before this rank's own.
-    conn.send_bytes(pickle.dumps(message))
-    conn.close()
+    reporter.finish(message)
     if initialised:
         dist.destroy_process_group()
 
@@ -96,18 +148,23 @@ def _fn_name(fn) -> str:
 
 
 def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gloo",
-           timeout_s: float = 60.0, pg_timeout_s: Optional[float] = None) -> list:
+           timeout_s: float = 60.0, pg_timeout_s: Optional[float] = None, heartbeat_s: float = HEARTBEAT_S) -> list:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned local ranks; results in rank order.
 
     ``fn``, ``args`` and each result must be picklable (``fn`` defined at module top level).
     ``timeout_s`` bounds the whole run, start-up included; ``pg_timeout_s`` (default
     ``timeout_s``) is the process-group timeout after which a collective waiting on a missing
-    peer raises inside its rank. Any failing rank raises ``XirangError`` naming it.
+    peer raises inside its rank; a rank whose heartbeat is silent for ``heartbeat_s`` is reported
+    as frozen. Any failing rank raises ``XirangError`` naming it.
     """
     where = f"launch({_fn_name(fn)}, nprocs={nprocs}, backend={backend!r})"
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise XirangError(f"nprocs must be a positive int, got {nprocs!r}", where=where,
                           hint="pass the number of ranks the mesh needs (dp * pp * tp)")
+    for name, value in (("timeout_s", timeout_s), ("heartbeat_s", heartbeat_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise XirangError(f"{name} must be a positive number of seconds, got {value!r}", where=where,
+                              hint=f"pass {name}= greater than 0")
     try:
         payload = pickle.dumps((fn, tuple(args)))
     except Exception as exc:
@@ -122,15 +179,17 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
     procs, readers, failures = [], {}, None
     deadline = time.monotonic() + timeout_s
     try:
-        for rank in range(nprocs):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, name=f"xirang-rank-{rank}",
-                               args=(rank, nprocs, port, backend, pg_timeout_s, threads, environment, payload, writer))
-            proc.start()
-            writer.close()  # only the child holds the writer, so its death reads as EOF here
-            procs.append(proc)
-            readers[reader] = rank
-        results, failures = _collect(procs, readers, deadline)
+        with _sigterm_stops_ranks():
+            for rank in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_rank_main, name=f"xirang-rank-{rank}",
+                                   args=(rank, nprocs, port, backend, pg_timeout_s, threads, environment, payload,
+                                         writer, heartbeat_s))
+                proc.start()
+                writer.close()  # only the child holds the writer, so its death reads as EOF here
+                procs.append(proc)
+                readers[reader] = rank
+            results, failures = _collect(procs, readers, deadline, heartbeat_s)
     finally:
         # On success the ranks are only tearing down their process groups: let them finish.
         _stop_all(procs, wait_s=2.0 if failures == [] else 0.0)
@@ -159,32 +218,70 @@ def _start_context():
     return ctx
 
 
-def _collect(procs, readers, deadline):
-    """Read each rank's message until all arrived, one failed (plus a grace), or the deadline.
+class _Terminated(BaseException):
+    """SIGTERM reached the launching process: stop every rank, then exit as the signal asks."""
 
-    Failures come back root cause first: ranks that died (exit, signal) before ranks that raised,
-    since a rank gone silent makes its peers raise in their next collective, never the reverse;
-    among ranks that raised, the earliest first.
+
+@contextlib.contextmanager
+def _sigterm_stops_ranks():
+    """While ranks run, SIGTERM raises in the launching thread, so ``launch``'s cleanup stops every
+    rank before the process exits (only from the main thread, where Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except _Terminated:
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _collect(procs, readers, deadline, heartbeat_s: float = HEARTBEAT_S):
+    """Read each rank's messages until all results arrived, one failed (plus a grace), or the deadline.
+
+    Failures come back root cause first: ranks that died (exit, signal) or froze (no heartbeat for
+    ``heartbeat_s``) before ranks that raised, since a rank gone silent makes its peers raise in
+    their next collective, never the reverse; among ranks that raised, the earliest first.
     """
     results, failures, pending, grace_end = {}, [], dict(readers), None
+    heard = {rank: time.monotonic() for rank in readers.values()}
     while pending:
         now = time.monotonic()
         if grace_end is not None:
             deadline = min(deadline, grace_end)
         if now >= deadline:
             break
-        for conn in wait(list(pending), timeout=deadline - now):
-            rank = pending.pop(conn)
+        for conn in wait(list(pending), timeout=min(deadline - now, heartbeat_s / _BEATS_PER_INTERVAL)):
+            rank = pending[conn]
             try:
                 message = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
+                pending.pop(conn)
                 procs[rank].join(timeout=5)
                 failures.append(((0, 0.0), rank, _describe_exit(procs[rank].exitcode)))
                 continue
+            heard[rank] = time.monotonic()
+            if message[0] == "beat":
+                continue
+            pending.pop(conn)
             if message[0] == "ok":
                 results[rank] = pickle.loads(message[1])
             else:
                 failures.append(((1, message[3]), rank, f"raised {message[1]}\n{message[2]}"))
+        now = time.monotonic()
+        for conn, rank in list(pending.items()):
+            if now - heard[rank] > heartbeat_s:
+                pending.pop(conn)
+                procs[rank].kill()  # SIGKILL also ends a stopped process; SIGTERM would wait for SIGCONT
+                failures.append(((0, 0.0), rank, f"stopped answering: no heartbeat for {now - heard[rank]:.1f} s "
+                                                 f"(heartbeat_s={heartbeat_s}); it was stopped (SIGSTOP, a debugger), "
+                                                 f"frozen, or starved of CPU"))
         if failures and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
     if not failures:

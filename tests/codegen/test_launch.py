@@ -1,14 +1,18 @@
 """The local launcher: results in rank order, and failing ranks reported by rank, never a hang.
 
-Each launch spawns fresh interpreters (seconds each), so this file launches four times in all:
-a good run, a rank that raises, a rank that dies with os._exit, and a rank that never returns.
+Ranks are forks of a preloaded forkserver; this file launches a good run, a rank that raises, a
+rank that dies with os._exit, one that never returns, one that is frozen (SIGSTOP), and sends
+SIGTERM to a running `xirang run`.
 """
 from __future__ import annotations
 
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +102,79 @@ def test_a_hanging_rank_is_terminated_at_the_deadline():
     # The deadline may pass while the rank is still importing torch; either way it never returns.
     with pytest.raises(XirangError, match=r"rank\(s\) 0 of 1 did not finish within 4 s"):
         launch(_never_returns, 1, timeout_s=4)
+
+
+def _stop_rank_1(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, silent, never answering
+    dist.barrier()
+
+
+def test_a_stopped_rank_is_named_within_the_heartbeat_interval():
+    """SIGSTOP freezes rank 1's heartbeat thread with the rest of it: the launch names rank 1 as
+    frozen once its heartbeat has been silent for heartbeat_s (3 s), long before the deadline."""
+    start = time.monotonic()
+    with pytest.raises(XirangError) as info:
+        launch(_stop_rank_1, 2, timeout_s=120, pg_timeout_s=120, heartbeat_s=3)
+    took = time.monotonic() - start
+    assert str(info.value).startswith("rank 1 of 2 failed"), str(info.value)
+    assert "rank 1 stopped answering: no heartbeat for" in str(info.value)
+    assert took < 30, took  # heartbeat_s plus start-up on a loaded 2-core machine, not the 120 s deadline
+
+
+def _descendants(pid: int) -> set:
+    """Every live process whose chain of parents reaches ``pid`` (read from /proc)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] != "Z":
+                parent_of[int(entry)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_xirang_run_leaves_no_process_behind():
+    """What timeout, CI and Slurm send: the ranks and the forkserver go with the parent within 5 s."""
+    run = subprocess.Popen([sys.executable, "-m", "xirang", "run", "examples/catalog.py:gpt_tiny", "--world", "2",
+                            "--steps", "100000", "--timeout", "600"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).parents[2])
+    try:
+        assert run.stdout.readline().startswith("plan:")  # the ranks are being started
+        deadline = time.monotonic() + 120
+        while len(_descendants(run.pid)) < 3 and time.monotonic() < deadline:  # forkserver + 2 ranks
+            time.sleep(0.5)
+        children = _descendants(run.pid)
+        assert len(children) >= 3, children
+        time.sleep(2)  # let the ranks train
+        run.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 5
+        while any(_alive(pid) for pid in children | {run.pid}) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not [pid for pid in children if _alive(pid)], "processes left behind after SIGTERM"
+    finally:
+        for pid in _descendants(run.pid) | {run.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        run.wait(timeout=10)
 
 
 def test_unpicklable_function_is_refused_before_spawning():
