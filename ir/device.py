@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 GiB = 1024**3
 
@@ -44,6 +44,10 @@ class DeviceSpec:
     peak_flops: Mapping[str, float]
     memory_bytes: int
     memory_bandwidth: float
+    # bytes/s one way between device memory and host memory (the link activation offload copies
+    # over; PCIe is full duplex, so a copy out and a copy back can run at once); None: unknown, and
+    # the planner does not offer offload on this device
+    host_link_bytes_per_s: Optional[float] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -66,15 +70,27 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name!r}: memory_bandwidth must be a positive "
                              f"number of bytes/s, got {self.memory_bandwidth!r}")
         object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
+        if self.host_link_bytes_per_s is not None:
+            if not _positive_number(self.host_link_bytes_per_s):
+                raise ValueError(f"DeviceSpec {self.name!r}: host_link_bytes_per_s must be a positive "
+                                 f"number of bytes/s or None, got {self.host_link_bytes_per_s!r}")
+            object.__setattr__(self, "host_link_bytes_per_s", float(self.host_link_bytes_per_s))
 
     # A read-only mapping is neither hashable nor picklable; these two restore both.
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth))
+                     self.memory_bandwidth, self.host_link_bytes_per_s))
 
     def __reduce__(self):
         return (DeviceSpec, (self.name, dict(self.peak_flops), self.memory_bytes,
-                             self.memory_bandwidth))
+                             self.memory_bandwidth, self.host_link_bytes_per_s))
+
+    @property
+    def offload_frees_memory(self) -> bool:
+        """Whether offloading activations to the host frees memory of this device: it has a host link,
+        and its host memory is not its own (a CPU's "host" is the same memory, so there an offload
+        only copies; it can still be pinned, to run the mechanism)."""
+        return self.host_link_bytes_per_s is not None and not self.name.lower().startswith("cpu")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (any spelling ``canonical_dtype`` accepts)."""
@@ -85,16 +101,28 @@ class DeviceSpec:
         return self.peak_flops[key]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "peak_flops": dict(self.peak_flops),
+        data = {"name": self.name, "peak_flops": dict(self.peak_flops),
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth}
+        if self.host_link_bytes_per_s is not None:
+            data["host_link_bytes_per_s"] = self.host_link_bytes_per_s
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceSpec":
+        """The spec ``to_json`` wrote. ``host_link_bytes_per_s`` came later and is optional: a file
+        without it gets the preset's link when it describes that preset exactly (so a plan saved before
+        it still matches the preset's World), else none."""
         fields = ("name", "peak_flops", "memory_bytes", "memory_bandwidth")
-        if not isinstance(data, dict) or set(data) != set(fields):
-            raise ValueError(f"bad device spec {data!r}: expected an object with exactly the keys "
-                             f"{', '.join(fields)}")
-        return cls(**data)
+        if not isinstance(data, dict) or not set(fields) <= set(data) \
+                or not set(data) <= {*fields, "host_link_bytes_per_s"}:
+            raise ValueError(f"bad device spec {data!r}: expected an object with the keys "
+                             f"{', '.join(fields)} (and optionally host_link_bytes_per_s)")
+        spec = cls(**data)
+        preset = DEVICE_PRESETS.get(spec.name)
+        if "host_link_bytes_per_s" not in data and preset is not None \
+                and preset == cls(**data, host_link_bytes_per_s=preset.host_link_bytes_per_s):
+            return preset
+        return spec
 
 
 def _positive_number(value) -> bool:
@@ -111,6 +139,9 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
                     "fp64": 19.5e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=2.039e12,
+        # host link: PCIe Gen4 x16 (A100 datasheet, "PCIe Gen4: 64 GB/s", both directions together),
+        # 32 GB/s each way
+        host_link_bytes_per_s=32e9,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column, dense figures (the datasheet's
     # headline numbers are with sparsity, twice these): BF16/FP16 989 TFLOPS, FP8 1,979 TFLOPS,
@@ -122,6 +153,9 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
                     "fp64": 67e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
+        # host link: PCIe Gen5 x16 (H100 datasheet, "PCIe Gen5: 128 GB/s", both directions together),
+        # 64 GB/s each way
+        host_link_bytes_per_s=64e9,
     ),
     # NVIDIA H200 datasheet, H200 SXM column: the H100 SXM's compute (same GH100 die and clocks),
     # 141 GB HBM3e at 4.8 TB/s. Memory as 140 GiB, what nvidia-smi reports (143771 MiB, about
@@ -132,6 +166,8 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
                     "fp64": 67e12},
         memory_bytes=140 * GiB,
         memory_bandwidth=4.8e12,
+        # host link: PCIe Gen5 x16 (H200 datasheet, "PCIe Gen5: 128GB/s"), 64 GB/s each way
+        host_link_bytes_per_s=64e9,
     ),
     # A modest generic CPU, deliberately conservative: 0.5 TFLOP/s is roughly a 16-core AVX-512
     # server at sustained clocks; bf16 is given the same rate because most CPUs without AMX gain
@@ -142,6 +178,9 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         peak_flops={"fp32": 0.5e12, "bf16": 0.5e12, "fp16": 0.5e12, "fp64": 0.25e12},
         memory_bytes=64 * GiB,
         memory_bandwidth=100e9,
+        # a CPU's "host" is its own memory: an offloaded activation is a copy within it, at its
+        # bandwidth (read and written: half of it each way), and frees nothing (see plan_costs)
+        host_link_bytes_per_s=50e9,
     ),
 }
 

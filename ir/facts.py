@@ -73,12 +73,45 @@ class FlopCount:
 
 
 @dataclass(frozen=True)
+class SavedTensor:
+    """One storage an op keeps alive for its backward.
+
+    - ``storage``: which storage, so that two ops keeping the same one count it once: the name of the
+      node whose output owns it (views and aliases followed to the tensor they view), or
+      ``"<node>:<what>"`` for an intermediate the op makes and keeps itself (a dropout mask, a norm's
+      statistics, the log-probabilities of a cross-entropy).
+    - ``nbytes``: bytes of the whole storage at the traced dtype (a view keeps all of its base alive).
+    - ``floating``: its bytes follow the plan's activation precision; False for masks, indices and the
+      float32 statistics, which keep their dtype.
+    - ``input``: the position in ``node.all_input_nodes`` of the input it is read through (so its tp
+      share is that input's layout as the op reads it), or None for what the op makes itself (its
+      output's layout).
+    """
+
+    storage: str
+    nbytes: Size
+    floating: bool
+    input: int | None = None
+
+    @property
+    def producer(self) -> str:
+        """Name of the node that makes the storage (an op's own intermediates: the op)."""
+        return self.storage.split(":", 1)[0]
+
+
+@dataclass(frozen=True)
 class ByteCount:
-    """Memory traffic of one node and what it keeps alive for the backward pass."""
+    """Memory traffic of one node and what it keeps alive for the backward pass.
+
+    ``saved_for_backward`` is the bytes of the storages in ``saved``, each once and whole; summed over
+    several ops it counts a storage two ops keep twice, so memory per unit is the union of their
+    ``saved`` by storage (``memory_traffic.live_saved_bytes``).
+    """
 
     read: Size
     written: Size
     saved_for_backward: Size
+    saved: tuple[SavedTensor, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,18 @@ from xirang.ir.plan_parts import Alternative
 
 GiB = 1024**3
 CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"), ("pp_p2p", "p2p"),
-          ("dp_exposed", "DP exposed"))
+          ("dp_exposed", "DP exposed"), ("offload", "offload"))
 # the configuration fields that drive each cause; a sentence names those that differ
 _DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m"), "tp_comm": ("tp", "pp", "b", "m"),
-            "pp_bubble": ("pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp")}
+            "pp_bubble": ("pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp"),
+            "offload": ("offload", "recompute", "tp", "b")}
+PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
+               ("activations", "activations"), ("working_set", "work set"), ("buffers", "buffers"))
 
 
 def _fields(row: Alternative) -> dict:
-    return {"recompute": row.recompute, "tp": row.mesh.tp, "pp": row.mesh.pp, "dp": row.mesh.dp,
-            "b": row.micro_batch, "m": row.num_micro_batches, "v": row.virtual_stages,
+    return {"recompute": row.recompute, "offload": row.offload, "tp": row.mesh.tp, "pp": row.mesh.pp,
+            "dp": row.mesh.dp, "b": row.micro_batch, "m": row.num_micro_batches, "v": row.virtual_stages,
             "stages": row.mesh.pp * row.virtual_stages}
 
 
@@ -32,10 +35,11 @@ def _context(key: str, other: Alternative, winner: Alternative) -> str:
 
 
 def label(row: Alternative) -> str:
-    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full'."""
+    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full' (and ' offload=blocks')."""
     v = f" v={row.virtual_stages}" if row.schedule == "interleaved" else ""
+    offload = f" offload={row.offload}" if row.offload != "none" else ""
     return (f"dp={row.mesh.dp} pp={row.mesh.pp} tp={row.mesh.tp} b={row.micro_batch} "
-            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}")
+            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}{offload}")
 
 
 def as_row(plan) -> Alternative:
@@ -43,6 +47,7 @@ def as_row(plan) -> Alternative:
     p = plan.predicted
     return Alternative(mesh=plan.mesh, micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches,
                        schedule=plan.schedule, virtual_stages=plan.virtual_stages, recompute=plan.recompute,
+                       offload=plan.offload,
                        step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
                        memory_bytes_per_device=p.memory_bytes_per_device, breakdown=p.breakdown)
 
@@ -93,35 +98,57 @@ def explain_data(plan) -> dict:
         return {"configuration": label(item), "chosen": chosen,
                 "dp": item.mesh.dp, "pp": item.mesh.pp, "tp": item.mesh.tp, "micro_batch": item.micro_batch,
                 "num_micro_batches": item.num_micro_batches, "schedule": item.schedule,
-                "virtual_stages": item.virtual_stages, "recompute": item.recompute,
+                "virtual_stages": item.virtual_stages, "recompute": item.recompute, "offload": item.offload,
                 "step_seconds": item.step_seconds, "tflops_per_device": item.tflops_per_device,
                 "seconds_by_cause": {key: item.breakdown.get(key, 0.0) for key, _ in CAUSES},
                 "memory_bytes_per_pipeline_rank": list(item.memory_bytes_per_device),
                 "fits": item.fits, "why": why}
     return {"world": plan.world.describe(), "global_batch": plan.global_batch, "precision": plan.precision,
             "usable_bytes_per_device": min(stage.memory_limit_bytes for stage in plan.stages),
+            "memory_parts_per_pipeline_rank": [dict(part) for part in plan.predicted.memory_parts],
             "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, a.why) for a in plan.alternatives],
             "notes": list(plan.predicted.notes)}
+
+
+def _memory_table(plan) -> list[str]:
+    """Each pipeline rank's predicted memory by part (GiB), when the plan records the parts."""
+    parts = plan.predicted.memory_parts
+    if not parts:
+        return []
+    mode = f"recompute {plan.recompute}" + (f", offload {plan.offload}" if plan.offload != "none" else "")
+    lines = [f"  by part (GiB; activations: kept for the backward by the micro-batches in flight at the "
+             f"schedule's peak, {mode}; work set: what recompute rebuilds, offload holds on the device):",
+             f"  {'pp rank':>7} " + " ".join(f"{title:>11}" for _, title in PART_TITLES) + f" {'total':>9}"]
+    for rank, part in enumerate(parts):
+        lines.append(f"  {rank:>7} " + " ".join(f"{part[key] / GiB:>11.2f}" for key, _ in PART_TITLES)
+                     + f" {sum(part.values()) / GiB:>9.2f}")
+    return lines
 
 
 def explain_plan(plan) -> str:
     """The text table ``Plan.explain()`` returns."""
     winner = as_row(plan)
+    rows = [winner, *plan.alternatives]
+    # the offload column only where some configuration offloads
+    causes = [(key, title) for key, title in CAUSES
+              if key != "offload" or any(row.breakdown.get(key, 0.0) for row in rows)]
     header = (f"{'':2}{'configuration':<56} {'step s':>8} {'TFLOP/s':>8} "
-              + " ".join(f"{title:>10}" for _, title in CAUSES) + f" {'max GiB':>8}  fits")
+              + " ".join(f"{title:>10}" for _, title in causes) + f" {'max GiB':>8}  fits")
     lines = [f"Plan for {plan.world.describe()}, global batch {plan.global_batch}, precision {plan.precision}",
              "", header, "-" * len(header)]
     for mark, row in [("* ", winner)] + [("  ", a) for a in plan.alternatives]:
-        causes = " ".join(f"{row.breakdown.get(key, 0.0):>10.4g}" for key, _ in CAUSES)
+        seconds = " ".join(f"{row.breakdown.get(key, 0.0):>10.4g}" for key, _ in causes)
         memory = max(row.memory_bytes_per_device, default=0) / GiB
-        lines.append(f"{mark}{label(row):<56} {row.step_seconds:>8.4g} {row.tflops_per_device:>8.1f} {causes} "
+        lines.append(f"{mark}{label(row):<56} {row.step_seconds:>8.4g} {row.tflops_per_device:>8.1f} {seconds} "
                      f"{memory:>8.1f}  {'yes' if row.fits else 'NO'}")
     lines.append("-" * len(header))
     lines.append("* chosen. Seconds per step by cause: compute (recompute included), tensor-parallel "
-                 "collectives, pipeline bubble, pipeline sends, data-parallel all-reduce left after the backward.")
+                 "collectives, pipeline bubble, pipeline sends, data-parallel all-reduce left after the backward"
+                 + (", activation copies to and from the host not hidden behind compute." if len(causes) > 5 else "."))
     usable = min(stage.memory_limit_bytes for stage in plan.stages)
     per_rank = ", ".join(f"{b / GiB:.1f}" for b in plan.predicted.memory_bytes_per_device)
     lines.append(f"Memory per device by pipeline rank (GiB): {per_rank}; usable {usable / GiB:.1f} GiB.")
+    lines.extend(_memory_table(plan))
     lines.append("")
     lines.append(f"Why this plan: {why_won(plan)}")
     for a in plan.alternatives:

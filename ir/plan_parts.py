@@ -127,17 +127,25 @@ class CollectiveChoice:
         return cls(**data)
 
 
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the cost model expects of the plan. ``memory_bytes_per_device`` has one entry per
-    pipeline rank (the busiest device of that rank's stages); ``breakdown`` is seconds per step by
-    cause (compute, tp_comm, pp_bubble, pp_p2p, dp_exposed, ...)."""
+    pipeline rank (the busiest device of that rank's stages); ``memory_parts``, when given, splits
+    each of them by ``MEMORY_PARTS`` (bytes of parameters, gradients, optimizer state, activations
+    kept for the backward by the micro-batches in flight at the schedule's peak, the working set of
+    recompute and offload on top of them (a block rebuilt in its backward, the blocks on the host
+    link), and model buffers), summing to it; ``breakdown`` is seconds per step by cause (compute, tp_comm, pp_bubble,
+    pp_p2p, dp_exposed, offload, ...)."""
 
     step_seconds: float
     tflops_per_device: float
     memory_bytes_per_device: tuple[int, ...]
     breakdown: Mapping[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    memory_parts: tuple[Mapping[str, int], ...] = ()  # one per pipeline rank, or () (plans saved before it)
 
     def __post_init__(self):
         object.__setattr__(self, "step_seconds", check_float(self.step_seconds, "step_seconds"))
@@ -150,6 +158,17 @@ class Prediction:
         object.__setattr__(self, "breakdown", MappingProxyType(
             {check_str(k, "breakdown key"): check_float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
         object.__setattr__(self, "notes", check_seq(self.notes, "notes", check_str))
+        parts = check_seq(self.memory_parts, "memory_parts", lambda v, w: check_type(v, Mapping, w, "mapping"))
+        if parts and len(parts) != len(self.memory_bytes_per_device):
+            raise PlanError(f"memory_parts has {len(parts)} entries but memory_bytes_per_device "
+                            f"{len(self.memory_bytes_per_device)}: one per pipeline rank", where="memory_parts",
+                            hint=REPLAN)
+        checked = []
+        for rank, part in enumerate(parts):
+            with errors_at(f"memory_parts[{rank}]"):
+                check_keys(dict(part), MEMORY_PARTS, "memory parts")
+                checked.append(MappingProxyType({k: check_int(part[k], k, minimum=0) for k in MEMORY_PARTS}))
+        object.__setattr__(self, "memory_parts", tuple(checked))
 
     # A read-only mapping is neither hashable nor picklable; these restore both.
     def __hash__(self) -> int:
@@ -159,14 +178,17 @@ class Prediction:
         return (Prediction.from_json, (self.to_json(),))
 
     def to_json(self) -> dict:
-        return {"step_seconds": self.step_seconds, "tflops_per_device": self.tflops_per_device,
+        data = {"step_seconds": self.step_seconds, "tflops_per_device": self.tflops_per_device,
                 "memory_bytes_per_device": list(self.memory_bytes_per_device),
                 "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+        if self.memory_parts:
+            data["memory_parts"] = [dict(part) for part in self.memory_parts]
+        return data
 
     @classmethod
     def from_json(cls, data) -> "Prediction":
-        check_keys(data, ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes"),
-                   "prediction")
+        names = ("step_seconds", "tflops_per_device", "memory_bytes_per_device", "breakdown", "notes")
+        check_keys(data, (*names, "memory_parts"), "prediction", required=names)  # memory_parts came later
         return cls(**data)
 
 
@@ -189,6 +211,7 @@ class Alternative:
     breakdown: Mapping[str, float] = field(default_factory=dict)
     fits: bool = True
     why: str = ""
+    offload: str = "none"
 
     def __post_init__(self):
         check_type(self.mesh, Mesh, "mesh")
@@ -196,6 +219,7 @@ class Alternative:
             check_int(getattr(self, name), name)
         check_str(self.schedule, "schedule")
         check_str(self.recompute, "recompute")
+        check_str(self.offload, "offload")
         for name in ("step_seconds", "tflops_per_device"):
             object.__setattr__(self, name, check_float(getattr(self, name), name))
         object.__setattr__(self, "memory_bytes_per_device", check_seq(
@@ -207,7 +231,7 @@ class Alternative:
         check_type(self.why, str, "why")
 
     def __hash__(self) -> int:
-        return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute))
+        return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute, self.offload))
 
     def __reduce__(self):
         return (Alternative.from_json, (self.to_json(),))
@@ -220,7 +244,8 @@ class Alternative:
 
     @classmethod
     def from_json(cls, data) -> "Alternative":
-        check_keys(data, tuple(f.name for f in fields(cls)), "alternative")
+        names = tuple(f.name for f in fields(cls))
+        check_keys(data, names, "alternative", required=tuple(n for n in names if n != "offload"))  # came later
         with errors_at("mesh"):
             mesh = Mesh.from_json(data["mesh"])
         return cls(**{**data, "mesh": mesh})

@@ -67,7 +67,8 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
     assert rows[0]["chosen"] and not any(row["chosen"] for row in rows[1:])
     assert chosen[0].startswith("* " + rows[0]["configuration"])
     assert rows[0]["dp"] * rows[0]["pp"] * rows[0]["tp"] == 2 and rows[0]["fits"]
-    assert set(rows[0]["seconds_by_cause"]) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed"}
+    assert set(rows[0]["seconds_by_cause"]) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed",
+                                                "offload"}
     assert abs(sum(rows[0]["seconds_by_cause"].values()) - rows[0]["step_seconds"]) <= 1e-6 * rows[0]["step_seconds"]
 
 

@@ -36,7 +36,7 @@ def cmd_plan(args) -> int:
     from xirang.plan_api import plan as make_plan
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
-                                                   "virtual_stages", "recompute", "precision")}
+                                                   "virtual_stages", "recompute", "offload", "precision")}
     from xirang.cli_progress import PlanProgressDisplay
     with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
         plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
                              ("schedule", str, "gpipe, 1f1b or interleaved"),
                              ("virtual-stages", int, "model chunks per pipeline rank (interleaved)"),
                              ("recompute", str, "none, selective or full"),
+                             ("offload", str, "activation offload: none, or blocks (to host memory)"),
                              ("precision", str, "fp32, bf16 or fp16")):
         plan.add_argument(f"--{name}", type=kind, help=f"pin the {text} (default: searched)")
     plan.add_argument("--json", metavar="OUT", help="save the plan as JSON to OUT")

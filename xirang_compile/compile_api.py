@@ -7,7 +7,9 @@
 
 Every rank calls it with the same arguments. Without ``plan`` it plans (``xirang.plan``, every
 rank deterministically reaching the same plan); with one, the plan is checked against this model's
-traced graph and World first, so a stale plan is refused. The model is traced once; the lowering
+traced graph and World first, so a stale plan is refused. A plan whose predicted memory is more than
+this rank's device holds (a plan for 80 GB devices on a smaller one) is refused before anything is
+built (``memory_probe.check_plan_fits``). The model is traced once; the lowering
 passes (xirang_compile/pipeline.py) turn the analysed graph into this rank's program, its pipeline
 stages (one when pp = 1), which the one runtime (codegen/runtime/compiled_model.py) runs.
 """
@@ -19,6 +21,7 @@ from xirang.codegen.emit import check_emittable
 from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch import ensure_distributed
+from xirang.codegen.runtime.memory_probe import check_plan_fits
 from xirang.codegen.runtime.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
@@ -77,6 +80,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
                          global_batch=global_batch, analysed=report, **plan_pins)
         check_emittable(plan)
     groups = build_mesh_groups(plan.mesh)
+    check_plan_fits(plan, groups.rank, runtime_device)  # before building: a plan for a bigger device is refused
     dump = None if dump_dir is None else f"{dump_dir}/rank{groups.rank}"
     program = lower(gm, plan, rank=groups.rank, device=runtime_device, dump_dir=dump).program
     return CompiledModel(model, plan, program, groups=groups, device=runtime_device, bucket_bytes=bucket_bytes,

@@ -46,7 +46,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
          seq: Optional[int] = None, device: Union[str, DeviceSpec, None] = None, precision: Optional[str] = None,
          tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
          micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
-         recompute: Optional[str] = None, efficiency: Optional[Efficiency] = None,
+         recompute: Optional[str] = None, offload: Optional[str] = None, efficiency: Optional[Efficiency] = None,
          progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
@@ -54,8 +54,9 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     (default "a100-80g") or gives a DeviceSpec when ``world`` is not a World. ``global_batch``:
     samples per optimizer step. ``seq``: sequence length to plan for (default: the example inputs').
     ``precision``: "bf16" on GPUs, "fp32" on "cpu" unless given. ``tp``, ``pp``, ``dp``,
-    ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved"), ``virtual_stages`` and
-    ``recompute`` ("none", "selective", "full") pin a choice. ``progress`` receives a
+    ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved"), ``virtual_stages``,
+    ``recompute`` ("none", "selective", "full") and ``offload`` ("none", "blocks": each block's
+    activations to host memory, prefetched back for its backward) pin a choice. ``progress`` receives a
     ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
     has it already (``xirang.compile`` traces once for planning and lowering).
     """
@@ -84,7 +85,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
         return split
     result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
                          memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
-                         schedule=schedule, virtual_stages=virtual_stages, recompute=recompute)
+                         schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload)
     report_progress(PlanProgress("splits", result.price_seconds, f"solved {result.splits_priced} tensor splits "
                                                                  f"(tp, micro-batch) in {result.price_seconds:.2f} s"))
     report_progress(PlanProgress("search", result.search_seconds,

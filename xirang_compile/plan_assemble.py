@@ -55,10 +55,10 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
     alternatives = tuple(replace(row, why=why_lost(winner, row, usable)) for row in map(_row, result.alternatives))
     predicted = Prediction(step_seconds=winner.step_seconds, tflops_per_device=winner.tflops_per_device,
                            memory_bytes_per_device=winner.memory_bytes_per_device, breakdown=winner.breakdown,
-                           notes=tuple(notes))
+                           notes=tuple(notes), memory_parts=memory_parts(best))
     return Plan(fingerprint=graph_fingerprint(gm), world=world, mesh=mesh, micro_batch=c.micro_batch,
                 num_micro_batches=c.num_micro_batches, global_batch=global_batch, schedule=c.schedule,
-                virtual_stages=c.virtual_stages, recompute=c.recompute, precision=precision,
+                virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload, precision=precision,
                 grad_reduce_dtype=precision, placements=split.placements, stages=stages, buckets=buckets,
                 fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives)
 
@@ -67,10 +67,21 @@ def _row(p: Priced) -> Alternative:
     """A priced candidate as the Plan records it (bytes rounded up to ints)."""
     c = p.candidate
     return Alternative(mesh=c.mesh, micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
-                       schedule=c.schedule, virtual_stages=c.virtual_stages, recompute=c.recompute,
+                       schedule=c.schedule, virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload,
                        step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
                        memory_bytes_per_device=tuple(int(math.ceil(b)) for b in p.memory_per_rank),
                        breakdown={key: p.breakdown[key] for key in CAUSES}, fits=p.fits)
+
+
+def memory_parts(p: Priced) -> tuple[dict[str, int], ...]:
+    """Each pipeline rank's memory by part, in whole bytes that sum to its ``memory_bytes_per_device``
+    (each part rounded up, the rounding given to the activations so the sum stays exact)."""
+    found = []
+    for parts, total in zip(p.memory_parts, p.memory_per_rank):
+        whole = {key: int(math.ceil(value)) for key, value in parts.items()}
+        whole["activations"] += int(math.ceil(total)) - sum(whole.values())
+        found.append({key: max(0, value) for key, value in whole.items()})
+    return tuple(found)
 
 
 def _cheapest_all_reduce(nbytes: float, topology) -> str:

@@ -1,20 +1,25 @@
 """Count the bytes each node reads, writes, and keeps alive for the backward pass.
 
-Each op has a row in ``TRAFFIC_RULES``: which bytes autograd saves for its backward, and, where the
-default is wrong, what it reads and writes. The defaults: an op reads every tensor input in full
+Each op has a row in ``TRAFFIC_RULES``: which storages autograd saves for its backward, and, where
+the default is wrong, what it reads and writes. The defaults: an op reads every tensor input in full
 and writes its outputs. Views and aliases (``ALIAS_OPS``) move no bytes. All sizes are sympy
 expressions in the batch/seq symbols.
 
 What "saved" counts, and why:
+- Storages, not tensors: each saved tensor is named by the storage it keeps alive (``SavedTensor``),
+  a view followed to the tensor it views (``storage_of``), which it keeps alive whole: k and v read
+  as views of one fused qkv projection keep the one qkv storage. So memory is liveness: the storages
+  a set of ops saves, each once (``live_saved_bytes``), not a sum per op, which counted a tensor two
+  ops keep (a LayerNorm output fed to separate q, k and v Linears) at each.
 - Only activations. A saved parameter, buffer or constant (or a view of one) costs nothing extra:
   it is resident anyway, so it is left out.
 - Only what the gradients actually needed require: ``mm(a, b)`` keeps ``b`` to compute ``da`` and
   ``a`` to compute ``db`` (the autograd formulas in torch's derivatives.yaml), and nothing when the
   output needs no gradient.
+- An op's own intermediates are storages of their own: a dropout's mask (one byte per element), a
+  norm's float32 statistics, a cross-entropy's log-probabilities, a fused attention's logsumexp.
 - Attention is priced as the fused (flash / memory-efficient) kernels save it: q, k, v, the output
   and the float32 logsumexp, never the (seq x seq) score matrix.
-- Per node. A tensor two ops both save (e.g. a LayerNorm output fed to separate q, k and v Linears)
-  is counted at each, so a sum over nodes is an upper bound; a liveness pass can dedupe by producer.
 Ops with no row: the default read/write, and saved = every activation input when the output needs a
 gradient (an over-estimate, the safe side for memory); ``ops_without_traffic_rule`` lists them.
 """
@@ -29,7 +34,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from xirang.ir.facts import ByteCount, TensorInfo
+from xirang.ir.facts import ByteCount, SavedTensor, TensorInfo
 from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR
 from xirang.ir.pass_spec import compiler_pass
 
@@ -97,41 +102,150 @@ def activation_bytes(value) -> sympy.Expr:
     return ZERO if is_persistent(value) else nbytes(value)
 
 
+# --- storages: what a saved tensor keeps alive ------------------------------------------------
+
+def is_alias(node: Node) -> bool:
+    """Does ``node``'s output share its input's storage (a view, or an op that returns its input)?"""
+    packet = op_packet(node)
+    if packet in ALIAS_OPS:
+        return True
+    rule = TRAFFIC_RULES.get(packet)
+    return rule is not None and rule.is_alias is not None and rule.is_alias(node)
+
+
+def storage_of(value: Node) -> Node:
+    """The node whose output owns the storage ``value`` reads: views and aliases followed to the
+    tensor they view. An element of a multi-output op that is not a view (a norm's output, mean, rstd)
+    owns its storage; the pieces of a split or chunk share their input's."""
+    while (isinstance(value, Node) and value.op == "call_function" and value.args
+           and isinstance(value.args[0], Node) and is_alias(value)):
+        if value.target is operator.getitem and not is_alias(value.args[0]):
+            break  # an element of a real multi-output op
+        value = value.args[0]
+    return value
+
+
+def _floating(node) -> bool:
+    found = tensors(node)
+    return bool(found) and found[0].is_floating
+
+
+def input_saved(node: Node, value) -> tuple[SavedTensor, ...]:
+    """``node`` keeps input ``value``: the storage it views, whole (nothing for a parameter, buffer or
+    constant, or a non-tensor)."""
+    if not isinstance(value, Node) or is_persistent(value) or not tensors(value):
+        return ()
+    base = storage_of(value)
+    return (SavedTensor(base.name, nbytes(base), _floating(base), node.all_input_nodes.index(value)),)
+
+
+def own_saved(node: Node, what: str | None = None, size=None, floating: bool | None = None) -> tuple[SavedTensor, ...]:
+    """``node`` keeps its own output (``what`` None) or an intermediate of its own named ``what``."""
+    if what is None:
+        (out, *_) = tensors(node)
+        return (SavedTensor(node.name, out.nbytes, out.is_floating),)
+    return (SavedTensor(f"{node.name}:{what}", sympy.sympify(size), bool(floating)),)
+
+
+def distinct(items) -> tuple[SavedTensor, ...]:
+    """Saved storages, each once (the first item naming it)."""
+    found: dict[str, SavedTensor] = {}
+    for item in items:
+        found.setdefault(item.storage, item)
+    return tuple(found.values())
+
+
+def live_saved_bytes(nodes) -> sympy.Expr:
+    """Bytes the ops ``nodes`` keep for the backward together: the union of their saved storages,
+    each once, at the traced dtype."""
+    items = distinct(item for n in nodes if BYTES.has(n) for item in BYTES.get(n).saved)
+    return sympy.Add(*(item.nbytes for item in items))
+
+
 # --- what each op saves for its backward ------------------------------------------------------
 
 def _nothing(node):
-    return ZERO
+    return ()
 
 
 def _saves_inputs(*indices) -> Callable:
     """The op keeps these inputs (when its output needs a gradient): gelu, silu, log, ..."""
     def saved(node):
         if not REQUIRES_GRAD.get(node, False):
-            return ZERO
-        return sympy.Add(*(activation_bytes(node.args[i]) for i in indices if i < len(node.args)))
+            return ()
+        return tuple(item for i in indices if i < len(node.args) for item in input_saved(node, node.args[i]))
     return saved
 
 
 def _saves_output(node):
     """The op keeps its own result: sigmoid, tanh, relu, exp, softmax, ..."""
-    return nbytes(node) if REQUIRES_GRAD.get(node, False) else ZERO
+    return own_saved(node) if REQUIRES_GRAD.get(node, False) else ()
 
 
 def _saves_for_each_other(a: int, b: int) -> Callable:
     """Products keep each operand for the other's gradient: d(a@b)/da needs b, d/db needs a."""
     def saved(node):
         x, y = arg(node, a, ""), arg(node, b, "")
-        return (activation_bytes(x) if needs_grad(y) else ZERO) + \
-            (activation_bytes(y) if needs_grad(x) else ZERO)
+        return (input_saved(node, x) if needs_grad(y) else ()) + (input_saved(node, y) if needs_grad(x) else ())
     return saved
+
+
+def _hint(size) -> int:
+    """A size of a traced tensor as an int: a symbolic one at the example inputs' value."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _folds_to_view(value: Node, batch: int) -> bool:
+    """Does ``value`` (>= 3 dims) reshape to (batch, rows, cols) as a view of its storage? Read from
+    the traced tensor's strides at the example sizes; unknown strides: no (a copy, the common case
+    for the transposed q, k, v of attention)."""
+    val = value.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    try:
+        sizes, strides = [_hint(s) for s in val.shape], [_hint(s) for s in val.stride()]
+        torch.empty_strided(sizes, strides, device="meta").view(batch, sizes[-2], sizes[-1])
+        return True
+    except Exception:  # not viewable (RuntimeError), or sizes without a hint
+        return False
+
+
+def _matmul_saves(node):
+    """``a @ b`` keeps each operand for the other's gradient. With batch dims on both sides (attention's
+    q·kᵀ and probs·v) ATen folds each operand to (batch, rows, cols) for a bmm and keeps the folded
+    tensor: a view of the operand's storage where its strides allow, else a copy of its own (the
+    transposed heads of a fused qkv projection are copied, so the qkv storage is not what is kept)."""
+    x, y = arg(node, 0, "self"), arg(node, 1, "other")
+    (ax, *_), (ay, *_) = tensors(x) or (None,), tensors(y) or (None,)
+    if ax is None or ay is None or len(ax.shape) < 3 or len(ay.shape) < 3:
+        return _saves_for_each_other(0, 1)(node)
+    (out, *_) = tensors(node)
+    val = node.meta.get("val")
+    try:
+        batch = 1
+        for size in (val.shape[:-2] if isinstance(val, torch.Tensor) else ()):
+            batch *= _hint(size)
+    except Exception:
+        batch = 0
+    items = []
+    for k, (value, info, other) in enumerate(((x, ax, y), (y, ay, x))):
+        if not needs_grad(other) or is_persistent(value):
+            continue
+        folded = sympy.Mul(*out.shape[:-2]) * sympy.Mul(*info.shape[-2:])
+        same = sympy.expand(folded - info.numel) == 0  # no broadcast of batch dims
+        if same and batch and _folds_to_view(value, batch):
+            items += input_saved(node, value)
+        else:
+            items += own_saved(node, f"operand{k}", folded * info.itemsize, info.is_floating)
+    return tuple(items)
 
 
 def _saves_divisor(node):
     """a / b: da needs b; db needs a and b."""
     x, y = node.args[0], node.args[1]
     if not (needs_grad(x) or needs_grad(y)):
-        return ZERO
-    return activation_bytes(y) + (activation_bytes(x) if needs_grad(y) else ZERO)
+        return ()
+    return input_saved(node, y) + (input_saved(node, x) if needs_grad(y) else ())
 
 
 def _norm_rows(node) -> sympy.Expr:
@@ -143,15 +257,15 @@ def _norm_rows(node) -> sympy.Expr:
 def _layer_norm_saves(node):
     """Input, plus a float32 mean and rstd per normalized row."""
     if not REQUIRES_GRAD.get(node, False):
-        return ZERO
-    return activation_bytes(node.args[0]) + 2 * STAT_BYTES * _norm_rows(node)
+        return ()
+    return input_saved(node, node.args[0]) + own_saved(node, "stats", 2 * STAT_BYTES * _norm_rows(node), False)
 
 
 def _rms_norm_saves(node):
     """Input, plus a float32 rstd per normalized row."""
     if not REQUIRES_GRAD.get(node, False):
-        return ZERO
-    return activation_bytes(node.args[0]) + STAT_BYTES * _norm_rows(node)
+        return ()
+    return input_saved(node, node.args[0]) + own_saved(node, "stats", STAT_BYTES * _norm_rows(node), False)
 
 
 def _logsumexp_bytes(node) -> sympy.Expr:
@@ -162,11 +276,12 @@ def _logsumexp_bytes(node) -> sympy.Expr:
 def _attention_saves(node):
     """Fused attention keeps q, k, v, the output, the logsumexp and any mask (and a tiny RNG state)."""
     if not REQUIRES_GRAD.get(node, False):
-        return ZERO
+        return ()
     mask = arg(node, 3, "attn_mask") if node.target.overloadpacket is aten.scaled_dot_product_attention \
         else node.kwargs.get("attn_mask")
-    operands = sympy.Add(*(activation_bytes(node.args[i]) for i in range(3)))
-    return operands + tensors(node)[0].nbytes + _logsumexp_bytes(node) + activation_bytes(mask)
+    operands = tuple(item for i in range(3) for item in input_saved(node, node.args[i]))
+    return (operands + own_saved(node) + own_saved(node, "logsumexp", _logsumexp_bytes(node), False)
+            + input_saved(node, mask))
 
 
 def _dropout_active(node) -> bool:
@@ -179,7 +294,9 @@ def _mask_bytes(node) -> sympy.Expr:
 
 
 def _dropout_saves(node):
-    return _mask_bytes(node) if REQUIRES_GRAD.get(node, False) else ZERO
+    if not REQUIRES_GRAD.get(node, False) or not _dropout_active(node):
+        return ()
+    return own_saved(node, "mask", _mask_bytes(node), False)
 
 
 def _dropout_alias(node) -> bool:
@@ -187,10 +304,11 @@ def _dropout_alias(node) -> bool:
 
 
 def _cross_entropy_saves(node):
-    """The log-probabilities (logits-sized) and the integer targets."""
+    """The log-probabilities (logits-sized, made here) and the integer targets."""
     if not REQUIRES_GRAD.get(node, False):
-        return ZERO
-    return nbytes(node.args[0]) + nbytes(node.args[1])
+        return ()
+    logits = tensors(node.args[0])[0]
+    return own_saved(node, "log_probs", logits.nbytes, logits.is_floating) + input_saved(node, node.args[1])
 
 
 def _cross_entropy_log_probs(node):
@@ -199,7 +317,7 @@ def _cross_entropy_log_probs(node):
 
 def _embedding_saves(node):
     """The indices, to scatter the output gradient into the table rows."""
-    return nbytes(node.args[1]) if needs_grad(node.args[0]) else ZERO
+    return input_saved(node, node.args[1]) if needs_grad(node.args[0]) else ()
 
 
 def _embedding_reads(node):
@@ -210,8 +328,8 @@ def _embedding_reads(node):
 def _index_saves(node):
     """aten.index(self, [index tensors]) keeps the index tensors."""
     if not REQUIRES_GRAD.get(node, False):
-        return ZERO
-    return sympy.Add(*(nbytes(i) for i in node.args[1] if isinstance(i, Node)))
+        return ()
+    return tuple(item for i in node.args[1] if isinstance(i, Node) for item in input_saved(node, i))
 
 
 def _same_dtype(node) -> bool:
@@ -222,7 +340,7 @@ def _same_dtype(node) -> bool:
 
 def _saves_indices(index: int) -> Callable:
     def saved(node):
-        return nbytes(node.args[index]) if REQUIRES_GRAD.get(node, False) else ZERO
+        return input_saved(node, node.args[index]) if REQUIRES_GRAD.get(node, False) else ()
     return saved
 
 
@@ -230,7 +348,7 @@ def _saves_indices(index: int) -> Callable:
 class TrafficRule:
     """Bytes one op moves; a field left None takes the default (all inputs read, outputs written)."""
 
-    saved: Callable[[Node], sympy.Expr] = _nothing
+    saved: Callable[[Node], tuple[SavedTensor, ...]] = _nothing
     read: Callable[[Node], sympy.Expr] | None = None
     extra_written: Callable[[Node], sympy.Expr] | None = None  # intermediates besides the outputs
     is_alias: Callable[[Node], bool] | None = None  # when true the node moves nothing
@@ -245,7 +363,7 @@ _ATTENTION = TrafficRule(saved=_attention_saves, extra_written=_logsumexp_bytes)
 
 TRAFFIC_RULES: dict[object, TrafficRule] = {
     # products
-    aten.linear: _PRODUCT, aten.mm: _PRODUCT, aten.bmm: _PRODUCT, aten.matmul: _PRODUCT,
+    aten.linear: _PRODUCT, aten.mm: _PRODUCT, aten.bmm: _PRODUCT, aten.matmul: TrafficRule(saved=_matmul_saves),
     aten.addmm: _BIASED_PRODUCT, aten.baddbmm: _BIASED_PRODUCT,
     aten.conv1d: _PRODUCT, aten.conv2d: _PRODUCT, aten.conv3d: _PRODUCT, aten.convolution: _PRODUCT,
     aten.conv_transpose1d: _PRODUCT, aten.conv_transpose2d: _PRODUCT, aten.conv_transpose3d: _PRODUCT,
@@ -318,14 +436,17 @@ def node_bytes(node: Node) -> ByteCount:
     read = sympy.Add(*(nbytes(i) for i in node.all_input_nodes))
     written = nbytes(node)
     if rule is None:  # unknown op: assume every activation input is kept (see module docstring)
-        saved = sympy.Add(*(activation_bytes(i) for i in node.all_input_nodes)) \
-            if REQUIRES_GRAD.get(node, False) else ZERO
-        return ByteCount(read=read, written=written, saved_for_backward=saved)
-    if rule.read is not None:
-        read = rule.read(node)
-    if rule.extra_written is not None:
-        written = written + rule.extra_written(node)
-    return ByteCount(read=read, written=written, saved_for_backward=rule.saved(node))
+        saved = tuple(item for i in node.all_input_nodes for item in input_saved(node, i)) \
+            if REQUIRES_GRAD.get(node, False) else ()
+    else:
+        if rule.read is not None:
+            read = rule.read(node)
+        if rule.extra_written is not None:
+            written = written + rule.extra_written(node)
+        saved = rule.saved(node)
+    saved = distinct(saved)
+    return ByteCount(read=read, written=written, saved_for_backward=sympy.Add(*(t.nbytes for t in saved)),
+                     saved=saved)
 
 
 def ops_without_traffic_rule(gm) -> dict[str, list[str]]:
@@ -334,8 +455,10 @@ def ops_without_traffic_rule(gm) -> dict[str, list[str]]:
 
 
 def total_bytes(gm) -> ByteCount:
-    """Sum of every node's ByteCount (saved bytes: an upper bound, see the module docstring)."""
-    counts = [BYTES.get(n) for n in gm.graph.nodes if BYTES.has(n)]
+    """Sum of every node's bytes read and written; saved: the storages the whole graph keeps for the
+    backward, each once (``live_saved_bytes``)."""
+    nodes = [n for n in gm.graph.nodes if BYTES.has(n)]
+    counts = [BYTES.get(n) for n in nodes]
     return ByteCount(read=sympy.Add(*(c.read for c in counts)),
                      written=sympy.Add(*(c.written for c in counts)),
-                     saved_for_backward=sympy.Add(*(c.saved_for_backward for c in counts)))
+                     saved_for_backward=live_saved_bytes(nodes))

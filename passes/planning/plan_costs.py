@@ -15,6 +15,18 @@ Terms, each with its source:
   recompute rebuilds during its backward (Korthikanti et al. 2022).
 - Recompute applies to blocks only; segments (embedding, head, loss) keep their activations, as
   Megatron-LM checkpoints transformer layers only.
+- Activation offload ("blocks", blocks only): each block's kept activations are copied to host
+  memory after its forward and back before its backward, prefetched one block ahead, over the
+  device's host link (``DeviceSpec.host_link_bytes_per_s``; PCIe is full duplex, so the copy out of
+  one block and the copy back of another run at once). Resident: the segments' activations times
+  the micro-batches in flight, plus two blocks' (the one computing, and the one on the link) as a
+  working set, whatever the number in flight. Time: a copy overlaps the neighbouring block's
+  compute; what is exposed per block and micro-batch is max(0, copy - forward) going out plus
+  max(0, copy - backward) coming back (the "offload" cause). Host memory is not checked.
+- Memory parts per pipeline rank (``Priced.memory_parts``): parameters, gradients and optimizer
+  state (the 16 bytes per parameter split as the plan's precision holds them: 2 + 2 + 12 at bf16,
+  4 + 4 + 8 at fp32), activations (kept by the micro-batches in flight), the working set of recompute
+  (the largest block rebuilt in its backward) and offload (two blocks on the device), model buffers.
 - TFLOP/s per device counts hardware FLOPs as Megatron-LM does: model FLOPs plus the forward run
   again by full recompute (Narayanan et al. 2021, sec. 5.1).
 """
@@ -35,7 +47,8 @@ from xirang.passes.planning.unit_costs import TensorSplit
 
 STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed")
+CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload")
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
 
 
 def bucket_elements(dp: int) -> int:
@@ -57,6 +70,7 @@ class Priced:
     tflops_per_device: float
     exact: bool = False  # cuts and gradient buckets priced exactly (else the search's fast estimate)
     notes: tuple[str, ...] = field(default=())
+    memory_parts: tuple[Mapping[str, float], ...] = field(default=())  # per pp rank, by MEMORY_PARTS
 
     @property
     def fits(self) -> bool:
@@ -73,39 +87,55 @@ class _Units:
     tp_comm: tuple[float, ...]  # tensor-parallel collectives, recompute's included
     backward: tuple[float, ...]  # what the last micro-batch's backward takes, recompute included
     static: tuple[float, ...]
-    activation: tuple[float, ...]
+    activation: tuple[float, ...]  # per micro-batch in flight (0 for an offloaded block)
     cut_bytes: tuple[float, ...]
     grads: list  # prefix sums of local parameter elements
     backward_prefix: list
-    transient: float  # recompute working set
+    transient: float  # recompute and offload working set
     flops: float  # hardware FLOPs of one micro-batch, the whole model
+    offload: tuple[float, ...] = ()  # seconds of offload copies left exposed per micro-batch
+    buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
 
     def __post_init__(self):  # totals the search reads once per candidate
         object.__setattr__(self, "totals", (math.fsum(self.seconds), max(self.seconds),
                                             math.fsum(self.static), math.fsum(self.activation)))
 
 
-def _unit_numbers(split: TensorSplit, recompute: str) -> _Units:
+def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
+                  host_link: float | None = None) -> _Units:
     units = split.units
     modes = [recompute if u.name.startswith("block:") else "none" for u in units]
+    moved = [offload != "none" and u.name.startswith("block:") for u in units]
+    if any(moved) and not host_link:
+        raise ValueError(f"offload={offload!r} needs the devices' host link (DeviceSpec.host_link_bytes_per_s)")
     compute = [u.forward_seconds + u.backward_seconds
                + {"none": 0.0, "selective": u.selective_recompute_seconds, "full": u.forward_seconds}[mode]
                for u, mode in zip(units, modes)]
     tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds
                for u, mode in zip(units, modes)]
-    backward = [u.seconds(mode) - u.forward_seconds - u.tp_comm_forward_seconds for u, mode in zip(units, modes)]
+    kept = [u.activation_bytes(m) for u, m in zip(units, modes)]
+    forward = [u.forward_seconds + u.tp_comm_forward_seconds for u in units]
+    backward = [u.seconds(mode) - f for u, mode, f in zip(units, modes, forward)]
+    copy = [k / host_link if off else 0.0 for k, off in zip(kept, moved)]
+    out = [max(0.0, c - f) for c, f in zip(copy, forward)]  # the copy out of one block vs the next's forward
+    back = [max(0.0, c - b) for c, b in zip(copy, backward)]  # the prefetch vs the backward before it
+    backward = [b + e for b, e in zip(backward, back)]
     blocks = [u for u, mode in zip(units, modes) if mode != "none"]
+    rebuilt = max((u.saved_bytes - u.activation_bytes(recompute) for u in blocks), default=0.0)
+    held = 2 * max((k for k, off in zip(kept, moved) if off), default=0.0)
     prefix = lambda xs: list(itertools.accumulate(xs, initial=0.0))  # noqa: E731
     return _Units(
-        names=tuple(u.name for u in units), seconds=tuple(u.seconds(m) for u, m in zip(units, modes)),
+        names=tuple(u.name for u in units),
+        seconds=tuple(u.seconds(m) + o + b for u, m, o, b in zip(units, modes, out, back)),
         compute=tuple(compute), tp_comm=tuple(tp_comm), backward=tuple(backward),
-        static=tuple(u.params_local * STATE_BYTES_PER_PARAM for u in units),
-        activation=tuple(u.activation_bytes(m) for u, m in zip(units, modes)),
+        static=tuple(u.params_local * STATE_BYTES_PER_PARAM + u.buffer_bytes for u in units),
+        activation=tuple(0.0 if off else k for k, off in zip(kept, moved)),
         cut_bytes=tuple(u.cut_bytes_after for u in units[:-1]),
         grads=prefix(u.params_local for u in units), backward_prefix=prefix(backward),
-        transient=max((u.saved_bytes - u.activation_bytes(recompute) for u in blocks), default=0.0),
+        transient=rebuilt + held,
         flops=math.fsum(u.model_flops + (u.model_forward_flops if m == "full" else 0.0)
-                        for u, m in zip(units, modes)))
+                        for u, m in zip(units, modes)),
+        offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units))
 
 
 class CandidatePricer:
@@ -115,18 +145,20 @@ class CandidatePricer:
                  precision: str = "bf16", memory_fraction: float = 0.9):
         self.splits, self.world, self.global_batch = splits, world, global_batch
         self.grad_bytes, self.memory_fraction = GRAD_BYTES[precision], memory_fraction
+        links = [node.device.host_link_bytes_per_s for node in world.nodes]
+        self.host_link = None if None in links else min(links)  # the slowest device's link sets the pace
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
 
     # --- cached pieces ---------------------------------------------------------------------------
     def units(self, c: Candidate) -> _Units:
-        key = (c.tp, c.micro_batch, c.recompute)
+        key = (c.tp, c.micro_batch, c.recompute, c.offload)
         if key not in self._units:
-            self._units[key] = _unit_numbers(self.splits[key[:2]], c.recompute)
+            self._units[key] = _unit_numbers(self.splits[key[:2]], c.recompute, c.offload, self.host_link)
         return self._units[key]
 
     def table(self, c: Candidate) -> UnitTable:
         pair = self._slowest_pair(c)
-        key = (c.tp, c.micro_batch, c.recompute, pair)
+        key = (c.tp, c.micro_batch, c.recompute, c.offload, pair)
         if key not in self._tables:
             n = self.units(c)
             cuts = tuple(2 * self._cost("send", nbytes, pair) for nbytes in n.cut_bytes)
@@ -209,6 +241,7 @@ class CandidatePricer:
         worst = max(range(c.pp), key=rank_times.__getitem__)
         compute = math.fsum(math.fsum(n.compute[a:b]) for a, b in ranks[worst])
         tp_comm = math.fsum(math.fsum(n.tp_comm[a:b]) for a, b in ranks[worst])
+        offload = math.fsum(math.fsum(n.offload[a:b]) for a, b in ranks[worst])
         send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
         t_device = rank_times[worst]
         pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v)
@@ -216,14 +249,26 @@ class CandidatePricer:
         dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
         breakdown = {"compute": m * compute, "tp_comm": m * tp_comm,
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": m * send,
-                     "dp_exposed": dp_exposed}
+                     "dp_exposed": dp_exposed, "offload": m * offload}
         step = pipeline + dp_exposed
         in_flight = in_flight_by_rank(c.schedule, c.pp, m, v)
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
                        for r, stages in enumerate(ranks))
         flops = n.flops * self.global_batch / c.micro_batch
         return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
-                      flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes))
+                      flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes),
+                      tuple(self._parts(c, stages, in_flight[r]) for r, stages in enumerate(ranks)))
+
+    def _parts(self, c: Candidate, stages, in_flight: float) -> dict[str, float]:
+        """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``)."""
+        n = self.units(c)
+        params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
+        buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
+        activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
+        held = self.grad_bytes  # parameters in the plan's precision, gradients too; the rest is Adam's
+        return {"parameters": params * held, "gradients": params * self.grad_bytes,
+                "optimizer": params * (STATE_BYTES_PER_PARAM - held - self.grad_bytes),
+                "activations": activations, "working_set": n.transient, "buffers": buffers}
 
     def _rank_grads(self, c: Candidate, stages: Sequence[tuple[int, int]]) -> tuple[float, float]:
         n = self.units(c)

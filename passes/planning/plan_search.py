@@ -1,5 +1,6 @@
-"""Degree search: choose (dp, tp, pp), micro-batch, schedule and recompute with the fastest predicted
-step that fits device memory, reading only per-unit costs (``TensorSplit``) from a ``price`` callable.
+"""Degree search: choose (dp, tp, pp), micro-batch, schedule, recompute and activation offload with the
+fastest predicted step that fits device memory, reading only per-unit costs (``TensorSplit``) from a
+``price`` callable.
 
     price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None) -> TensorSplit
 
@@ -60,7 +61,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
                 **pins) -> SearchResult:
     """The fastest candidate that fits, with ``alternatives`` others to compare (see module doc).
 
-    ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute) fix a choice. Device
+    ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, offload) fix a choice. Device
     memory usable by the plan is ``memory_fraction`` of each device's: the rest is headroom for
     what the cost model leaves out (CUDA context and kernels' workspace, NCCL buffers, allocator
     fragmentation), about 8 GiB of an 80 GiB device at the default 0.9.
@@ -119,7 +120,9 @@ def _key(p: Priced) -> tuple:
 
 
 def _rank(p: Priced) -> tuple:
-    return (p.step_seconds, p.candidate)
+    """Fastest first; at equal speed no offload (its copies are hidden, not free: they load the host
+    link and host memory), then the candidates' order."""
+    return (p.step_seconds, p.candidate.offload != "none", p.candidate)
 
 
 def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
@@ -142,7 +145,7 @@ def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
         p = _fast_price(pricer, c)
         if p.fits:
             everything.append(p)
-        table, key = (bests, _key(p)) if p.fits else (failing, (_key(p), c.recompute))
+        table, key = (bests, _key(p)) if p.fits else (failing, (_key(p), c.recompute, c.offload))
         if key not in table or _rank(p) < _rank(table[key]):
             table[key] = p
         if p.fits and len(bests) >= keep:
@@ -173,7 +176,7 @@ def _faster_but_too_big(pricer: CandidatePricer, failing: list[Priced], skipped,
     for p in sorted(map(leanest, pool[:4 * count]), key=lambda p: (overflow(p), _rank(p))):
         same = (p.step_seconds, p.memory_per_rank)  # a recompute mode that changes nothing says nothing new
         if all((q.step_seconds, q.memory_per_rank) != same for q in found.values()):
-            found.setdefault((_key(p), p.candidate.recompute), p)
+            found.setdefault((_key(p), p.candidate.recompute, p.candidate.offload), p)
     return list(found.values())[:count]
 
 
@@ -236,7 +239,7 @@ def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
             leanest, need, rank = c, memory[worst], worst
     device = world.device_of(rank * leanest.tp)
     tried = {name: sorted({getattr(c, name) for c in todo}, key=str)
-             for name in ("micro_batch", "schedule", "recompute")}
+             for name in ("micro_batch", "schedule", "recompute", "offload")}
     meshes = sorted({(c.dp, c.pp, c.tp) for c in todo})
     return XirangError(
         f"no plan fits device memory: the leanest configuration tried, {leanest.label()}, needs "
@@ -245,6 +248,7 @@ def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
         f"GiB, of which the plan may use {memory_fraction:.0%} ({memory_fraction * device.memory_bytes / GiB:.1f} GiB)",
         where=f"{world.describe()}; tried {len(todo)} configurations: meshes (dp, pp, tp) "
               f"{', '.join(map(str, meshes[:12]))}{', ...' if len(meshes) > 12 else ''}; micro-batches "
-              f"{tried['micro_batch']}; schedules {tried['schedule']}; recompute {tried['recompute']}",
+              f"{tried['micro_batch']}; schedules {tried['schedule']}; recompute {tried['recompute']}; "
+              f"offload {tried['offload']}",
         hint=f"use devices with at least {need / memory_fraction / GiB:.1f} GiB each, more devices "
              f"(more pipeline or tensor parallelism), or a smaller model or sequence")

@@ -13,6 +13,10 @@ chunks per device when interleaved) and recompute mode. The rules, so a reader c
 - "interleaved" needs pp > 1 and m a multiple of pp (Megatron-LM's requirement). With one stage
   every schedule is plain gradient accumulation, so only "1f1b" is listed unless pinned.
 - Recompute modes apply to blocks only; a model without blocks is offered "none" unless pinned.
+- Activation offload ("blocks": each block's kept activations to host memory, prefetched back) is
+  offered with recompute "none" or "selective" (full recompute keeps only block inputs already), on
+  blocks only, and only where every device has a host link whose memory is not its own
+  (``DeviceSpec.offload_frees_memory``: not on CPUs); it can be pinned anywhere it is priced.
 
 Any of these choices can be pinned; a pin no candidate satisfies fails with what was wrong and
 the values that would work, given the other pins. No torch here.
@@ -26,12 +30,13 @@ from typing import Iterator, Optional
 
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
-from xirang.ir.plan import RECOMPUTE_MODES
+from xirang.ir.plan import OFFLOAD_MODES, RECOMPUTE_MODES
 from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
 
 MAX_MICRO_BATCH = 16
-PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute")
+PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload")
+OFFLOAD_WITH = ("none", "selective")  # the recompute modes offload is offered with
 
 
 @dataclass(frozen=True, order=True)
@@ -46,6 +51,7 @@ class Candidate:
     schedule: str
     virtual_stages: int
     recompute: str
+    offload: str = "none"
 
     @property
     def mesh(self) -> Mesh:
@@ -57,10 +63,11 @@ class Candidate:
         return self.pp * self.virtual_stages
 
     def label(self) -> str:
-        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full'."""
+        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full' (and ' offload=blocks')."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
+        offload = f" offload={self.offload}" if self.offload != "none" else ""
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.micro_batch} m={self.num_micro_batches} "
-                f"{self.schedule}{v} recompute={self.recompute}")
+                f"{self.schedule}{v} recompute={self.recompute}{offload}")
 
 
 def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, ...]:
@@ -102,6 +109,12 @@ def check_global_batch(global_batch) -> None:
                           where="global_batch=", hint="pass e.g. global_batch=1024")
 
 
+def offload_offered(world: World) -> bool:
+    """Whether the search tries activation offload unpinned: every device has a host link to memory
+    of its own (``DeviceSpec.offload_frees_memory``)."""
+    return all(node.device.offload_frees_memory for node in world.nodes)
+
+
 def candidates(world: World, units: int, global_batch: int, *, has_blocks: bool = True,
                pins: Optional[dict] = None) -> list[Candidate]:
     """Every candidate satisfying the rules and the pins (``PIN_NAMES`` -> value, None = free).
@@ -110,7 +123,13 @@ def candidates(world: World, units: int, global_batch: int, *, has_blocks: bool 
     """
     pins = {name: value for name, value in (pins or {}).items() if value is not None}
     _check_pin_values(pins)
-    found = list(_space(world, units, global_batch, has_blocks, pins))
+    if pins.get("offload", "none") != "none":
+        unlinked = sorted({node.device.name for node in world.nodes if node.device.host_link_bytes_per_s is None})
+        if unlinked:
+            raise XirangError(f"offload={pins['offload']!r} needs the host link of every device, and "
+                              f"{', '.join(unlinked)} has none", where="offload=",
+                              hint="give the DeviceSpec a host_link_bytes_per_s, or leave offload unset")
+    found = list(_space(world, units, global_batch, has_blocks, pins, offload_offered(world)))
     if not found:
         raise _no_candidate_error(world, units, global_batch, has_blocks, pins)
     return found
@@ -127,10 +146,25 @@ def _meshes(world: World, units: int, pins: dict) -> Iterator[tuple[int, int, in
                 yield tp, pp, dp
 
 
+def _modes(has_blocks: bool, pins: dict, offload: bool) -> list[tuple[str, str]]:
+    """(recompute, offload) pairs to try (see the module docstring)."""
+    pinned_rc, pinned_off = pins.get("recompute"), pins.get("offload")
+    recompute = (pinned_rc,) if pinned_rc else RECOMPUTE_MODES if has_blocks else ("none",)
+    pairs = []
+    for rc in recompute:
+        for off in OFFLOAD_MODES:
+            if pinned_off is not None and off != pinned_off:
+                continue
+            if off != "none" and pinned_off is None and not (offload and has_blocks and rc in OFFLOAD_WITH):
+                continue
+            pairs.append((rc, off))
+    return pairs
+
+
 def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: dict,
-           cap_micro_batch: bool = True) -> Iterator[Candidate]:
-    pinned_b, pinned_rc = pins.get("micro_batch"), pins.get("recompute")
-    modes = (pinned_rc,) if pinned_rc else RECOMPUTE_MODES if has_blocks else ("none",)
+           offload: bool = False, cap_micro_batch: bool = True) -> Iterator[Candidate]:
+    pinned_b = pins.get("micro_batch")
+    modes = _modes(has_blocks, pins, offload)
     for tp, pp, dp in _meshes(world, units, pins):
         if global_batch % dp:
             continue
@@ -141,8 +175,8 @@ def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: 
                 continue
             m = per_rank // b
             for schedule, v in _schedules(pp, m, units, pins):
-                for recompute in modes:
-                    yield Candidate(tp, pp, dp, b, m, schedule, v, recompute)
+                for recompute, offload_mode in modes:
+                    yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode)
 
 
 def _schedules(pp: int, m: int, units: int, pins: dict) -> Iterator[tuple[str, int]]:
@@ -171,6 +205,10 @@ def _check_pin_values(pins: dict) -> None:
             if value not in RECOMPUTE_MODES:
                 raise XirangError(f"recompute={value!r} is not a recompute mode", where="recompute=",
                                   hint=f"use one of: {', '.join(RECOMPUTE_MODES)}")
+        elif name == "offload":
+            if value not in OFFLOAD_MODES:
+                raise XirangError(f"offload={value!r} is not an activation offload mode", where="offload=",
+                                  hint=f"use one of: {', '.join(OFFLOAD_MODES)}")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise XirangError(f"{name}={value!r} must be a positive int", where=f"{name}=",
                               hint=f"pass a positive int, or leave {name} unset to let the planner choose")
@@ -197,7 +235,8 @@ def _no_candidate_error(world: World, units: int, global_batch: int, has_blocks:
     for name, value in pins.items():
         others = {k: v for k, v in pins.items() if k != name}
         valid = sorted({getattr(c, name) for c in _space(world, units, global_batch, has_blocks, others,
-                                                         cap_micro_batch=False)}, key=_order)
+                                                         offload_offered(world), cap_micro_batch=False)},
+                       key=_order)
         if value not in valid:
             reasons.append(f"{name}={value!r}" + _why(name, value, world, units, global_batch))
             shown = ", ".join(str(v) for v in valid[:24]) + (", ..." if len(valid) > 24 else "")

@@ -71,6 +71,11 @@ class SplitPricer:
         missing = {name for names in ops_without_sharding_rule(gm).values() for name in names}
         self.fallbacks = tuple(n.name for n in self.graph.nodes if n.name in missing)
         self.notes = self._notes()
+        # model buffers (rotary tables, masks), by the unit of their first reader
+        self.buffer_sizes = [(self.graph.unit_of.get(n), self.table.index(tensor_info(n).nbytes))
+                             for n in self.graph.nodes
+                             if n.op in ("placeholder", "get_attr") and ROLE.get(n, None) in ("buffer", "constant")
+                             and tensor_info(n) is not None]
         # parameters several groups read stay whole on every rank (a weight shared across blocks)
         self.shared_param_bytes = float(sum(
             PARAM_COUNT.get(n, 0) * self.float_bytes for n in self.graph.nodes
@@ -137,7 +142,7 @@ class SplitPricer:
         choice = self._solve(problem, pricing, memory_limit)
         assembly = Assembly(self.graph, problem, choice, pricing, self._facts)
         sums, collectives = assembly.sums()
-        units = assembly.units(sums, self.crossing, self.entering, self.flops)
+        units = assembly.units(sums, self.crossing, self.entering, self.flops, self.buffer_sizes)
         return TensorSplit(tp, micro_batch, seq, units, assembly.placements(), tuple(collectives),
                            self.fallbacks, self.notes)
 

@@ -19,7 +19,7 @@ run the same collectives at the same nodes of their own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.fx import Node
 
@@ -28,7 +28,7 @@ from xirang.ir.placement import Shard
 from xirang.ir.plan_parts import CollectiveChoice, Layout, NodeStrategy
 from xirang.passes.planning.unit_costs import UnitCost
 
-from xirang.passes.planning.plan_splits_costs import NodeFacts, Pricing, local_fraction
+from xirang.passes.planning.plan_splits_costs import Kept, NodeFacts, Pricing, local_fraction
 from xirang.passes.planning.plan_splits_graph import SplitGraph
 from xirang.passes.planning.plan_splits_problem import R, TpProblem, element
 
@@ -40,9 +40,8 @@ class _Sums:
     comm_forward: float = 0.0
     comm_backward: float = 0.0
     params: int = 0
-    saved: float = 0.0
-    core_saved: float = 0.0
-    core_inputs: float = 0.0
+    saved: dict = field(default_factory=dict)  # storage -> bytes on one rank, kept with no recompute
+    selective: dict = field(default_factory=dict)  # the same with the attention core recomputed
     recompute: float = 0.0
 
 
@@ -114,6 +113,7 @@ class Assembly:
         collectives: list[CollectiveChoice] = []
         pricing, tp = self.pricing, self.pricing.tp
         core = {d.node for d in self.problem.decisions if d.node is not None and self.facts[d.node].core}
+        producers = self.graph.by_name
         for decision in self.problem.decisions:
             if decision.node is None:
                 continue
@@ -128,14 +128,17 @@ class Assembly:
                 if cost.algorithm != "none":
                     collectives.append(CollectiveChoice(decision.name, "tp", kind, cost.algorithm,
                                                         round(cost.nbytes)))
-            saved = pricing.saved(facts, strategy)
-            unit.saved += saved
-            if decision.node in core:
-                unit.core_saved += saved
+            in_core = decision.node in core
+            for kept in facts.saved:
+                nbytes = self.kept_bytes(decision.node, kept, strategy)
+                _keep(unit.saved, kept.storage, nbytes)
+                if not (in_core and producers.get(kept.producer) in core):  # the core makes it: recomputed
+                    _keep(unit.selective, kept.storage, nbytes)
+            if in_core:
                 unit.recompute += seconds * share
-                inputs = decision.node.all_input_nodes
-                unit.core_inputs += sum(self.local_bytes(inputs[k], count, size) for k, count, size
-                                        in facts.activations if inputs[k] not in core)
+                for kept in facts.inputs:  # what the recompute starts from stays
+                    if producers.get(kept.producer) not in core:
+                        _keep(unit.selective, kept.storage, self.kept_bytes(decision.node, kept, strategy))
             if facts.params:
                 unit.params += facts.params // tp if isinstance(strategy.output, Shard) else facts.params
         for (rows, cols), link in self.problem.links.items():
@@ -151,8 +154,21 @@ class Assembly:
                                                         round(cost.nbytes)))
         return sums, collectives
 
-    def units(self, sums: dict[str, _Sums], crossing: list, entering: dict, flops: dict) -> list[UnitCost]:
-        """UnitCost per unit of the condensed graph, in execution order."""
+    def kept_bytes(self, node: Node, kept: Kept, strategy) -> float:
+        """Bytes of a storage ``node`` keeps, on one tp rank: at the layout ``node`` reads it in (an
+        input), or at ``node``'s output layout (what it makes itself)."""
+        if kept.input is None:
+            placement = element(strategy.output, 0) if isinstance(strategy.output, tuple) else strategy.output
+        else:
+            placement = strategy.inputs[kept.input] if kept.input < len(strategy.inputs) else None
+            if placement is None:
+                placement = self._read(node, node.all_input_nodes[kept.input])
+        return self.pricing.kept_bytes(kept, placement)
+
+    def units(self, sums: dict[str, _Sums], crossing: list, entering: dict, flops: dict,
+              buffer_sizes=()) -> list[UnitCost]:
+        """UnitCost per unit of the condensed graph, in execution order (``buffer_sizes``: (unit,
+        ExprTable index of the bytes) of each model buffer)."""
         graph, values = self.graph, self.pricing.values
         cut = [0.0] * len(graph.units)
         for node, count, size, whole, first, last in crossing:
@@ -160,10 +176,13 @@ class Assembly:
             for i in range(first, last):
                 cut[i] += local
         shared: dict[str, int] = {}
+        buffers: dict[str, float] = {}
         for node in graph.nodes:
             if node.op == "placeholder" and graph.owner.get(node) is None and ROLE.get(node, None) == "parameter":
                 unit = graph.unit_of.get(node)
                 shared[unit] = shared.get(unit, 0) + PARAM_COUNT.get(node, 0)
+        for unit, index in buffer_sizes:  # held whole, in their own dtype
+            buffers[unit] = buffers.get(unit, 0.0) + values[index]
         found = []
         for i, unit in enumerate(graph.units):
             own = sums.get(graph.rep_unit.get(unit, unit), _Sums())
@@ -172,10 +191,16 @@ class Assembly:
             found.append(UnitCost(
                 name=unit, kind=kind, forward_seconds=own.forward, backward_seconds=own.backward,
                 tp_comm_forward_seconds=own.comm_forward, tp_comm_backward_seconds=own.comm_backward,
-                params_local=own.params + shared.get(unit, 0), saved_bytes=own.saved,
-                selective_saved_bytes=max(0.0, own.saved - own.core_saved + own.core_inputs),
+                params_local=own.params + shared.get(unit, 0), saved_bytes=sum(own.saved.values()),
+                selective_saved_bytes=sum(own.selective.values()),
                 selective_recompute_seconds=own.recompute,
                 input_bytes=sum(self.local_bytes(*tensor) for tensor in entering.get(unit, ())),
                 cut_bytes_after=cut[i] if i < len(graph.units) - 1 else 0.0,
-                model_flops=values[total_flops], model_forward_flops=values[forward_flops]))
+                model_flops=values[total_flops], model_forward_flops=values[forward_flops],
+                buffer_bytes=buffers.get(unit, 0.0)))
         return found
+
+
+def _keep(kept: dict, storage: str, nbytes: float) -> None:
+    """Count a storage once per unit (at the larger share if two ops read it in different layouts)."""
+    kept[storage] = max(kept.get(storage, 0.0), nbytes)

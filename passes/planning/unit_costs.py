@@ -37,6 +37,8 @@ class UnitCost:
     - ``model_flops``: forward + backward FLOPs of the whole unit (not the local share, no
       recompute), for TFLOP/s figures; ``model_forward_flops`` the forward part of it (what full
       recompute runs again, counted in hardware FLOP/s as Megatron-LM's figures do).
+    - ``buffer_bytes``: the model buffers (non-trainable state: rotary tables, masks) the unit holds
+      on one rank, resident like the parameters.
     """
 
     name: str
@@ -53,12 +55,13 @@ class UnitCost:
     cut_bytes_after: float
     model_flops: float
     model_forward_flops: float
+    buffer_bytes: float = 0.0
 
     def __post_init__(self):
         for name in ("forward_seconds", "backward_seconds", "tp_comm_forward_seconds",
                      "tp_comm_backward_seconds", "saved_bytes", "selective_saved_bytes",
                      "selective_recompute_seconds", "input_bytes", "cut_bytes_after", "model_flops",
-                     "model_forward_flops"):
+                     "model_forward_flops", "buffer_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")

@@ -60,6 +60,33 @@ def test_round_trip_is_identical():
     assert isinstance(again.stages, tuple) and isinstance(again.buckets[0], tuple)
 
 
+def test_memory_parts_and_offload_round_trip_and_older_files_still_load():
+    """Memory by part per pipeline rank, an offloading alternative and the devices' host link survive
+    JSON; a file written before them (no memory_parts, no alternative offload, device specs without
+    host_link_bytes_per_s) loads, and its World still equals the presets' (so it matches the model)."""
+    from xirang.ir.plan import Alternative
+    parts = tuple({"parameters": 2 * GiB, "gradients": 2 * GiB, "optimizer": 12 * GiB, "activations": 20 * GiB,
+                   "working_set": GiB, "buffers": 1} for _ in range(2))
+    other = Alternative(mesh=Mesh(dp=2, pp=2, tp=2), micro_batch=1, num_micro_batches=8, schedule="1f1b",
+                        virtual_stages=1, recompute="none", offload="blocks", step_seconds=0.4, tflops_per_device=1.0,
+                        memory_bytes_per_device=(GiB, GiB), breakdown={"offload": 0.01})
+    plan = make_plan(offload="blocks", alternatives=(other,), predicted=dataclasses.replace(
+        make_plan().predicted, memory_parts=parts))
+    again = through_json(plan)
+    assert again == plan and again.predicted.memory_parts[1]["optimizer"] == 12 * GiB
+    assert again.alternatives[0].offload == "blocks" and again.world.nodes[0].device.host_link_bytes_per_s == 64e9
+    assert "offload=blocks" in plan.explain() and "work set" in plan.explain()
+    old = plan.to_json()
+    del old["predicted"]["memory_parts"], old["alternatives"][0]["offload"], old["offload"]
+    for node in old["world"]["nodes"]:
+        del node["device"]["host_link_bytes_per_s"]
+    loaded = Plan.from_json(json.loads(json.dumps(old)))
+    assert loaded.world == WORLD and loaded.predicted.memory_parts == () and loaded.offload == "none"
+    assert loaded.alternatives[0].offload == "none"
+    with pytest.raises(PlanError, match="memory_parts"):
+        Prediction(1.0, 1.0, (GiB, GiB), memory_parts=parts[:1])
+
+
 def test_layout_json_names_only_sharded_axes():
     assert Layout().to_json() == {}
     assert Layout(dp=Shard(0), tp=Partial()).to_json() == {"dp": {"shard": 0}, "tp": {"partial": "sum"}}

@@ -51,7 +51,7 @@ def test_two_identical_units_on_two_stages_take_one_each():
     assert best.bounds == ((0, 1), (1, 2))
     assert best.step_seconds == pytest.approx(3.0)
     assert dict(best.breakdown) == pytest.approx({"compute": 2.0, "tp_comm": 0.0, "pp_bubble": 1.0,
-                                                  "pp_p2p": 0.0, "dp_exposed": 0.0})
+                                                  "pp_p2p": 0.0, "dp_exposed": 0.0, "offload": 0.0})
     assert price.calls == [(1, 1)]  # one split for the one (tp, micro-batch) pinned
 
 
