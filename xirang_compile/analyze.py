@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 import sympy
 
 from xirang.ir.facts import evaluate
-from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, BYTES, FLOPS, MODULE_PARAMS, MODULE_PATH,
+from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, FLOPS, MODULE_PARAMS, MODULE_PATH,
                                  MODULE_TYPE, PARAM_COUNT, SYMBOLS, TRACE_INFO, UNIT, UNPRICED_OPS)
 from xirang.ir.pass_spec import CompileContext
+from xirang.passes.analysis.memory_traffic import live_saved_bytes
 
 from xirang.pass_manager import PassManager, PassTiming
 from xirang.pipeline import ANALYSIS_PASSES
@@ -23,7 +24,7 @@ class BlockRow:
     module_type: str
     params: int
     flops: sympy.Expr  # forward + backward, per step, symbolic in batch/seq
-    activation_bytes: sympy.Expr  # saved for backward
+    activation_bytes: sympy.Expr  # saved for backward: the storages the unit keeps, each once
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _segment_name(nodes) -> str:
 def _sum_facts(nodes) -> tuple[int, sympy.Expr, sympy.Expr]:
     params = sum(PARAM_COUNT.get(n, 0) for n in nodes)
     flops = sympy.Add(*[FLOPS.get(n).total for n in nodes if FLOPS.has(n)])
-    saved = sympy.Add(*[BYTES.get(n).saved_for_backward for n in nodes if BYTES.has(n)])
+    saved = live_saved_bytes(nodes)  # each storage the unit keeps once
     return params, sympy.expand(flops), sympy.expand(saved)
 
 
