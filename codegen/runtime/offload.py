@@ -13,12 +13,13 @@ Mechanism (the one ``torch.autograd.graph.save_on_cpu`` uses, plus a prefetch):
 - Backward: the executor calls ``begin_backward(stage, mb)`` before a backward, which prefetches
   the stage's last block; the backward of each block (a hook on its outputs' gradients) prefetches
   the block before it: the copy back runs while this block's backward computes. The unpack hook
-  waits for its block's copy only; a tensor whose prefetch did not start is fetched on demand.
+  waits for its block's copy only; a tensor whose prefetch did not start is fetched on demand. One
+  copy back serves every op that saved the tensor and is dropped once the last has it.
 - The host copies are kept until ``end_backward`` (after Backward, or after BackwardWeight when the
   schedule splits the backward: its second pass over the graph fetches them again).
 
-``stats`` counts what moved: tensors and bytes packed, bytes fetched back, fetches that found their
-prefetch started and those that waited on a copy of their own. On CPU ranks "host" and "device"
+``stats`` counts what moved: tensors and bytes packed, bytes fetched back, copies back the prefetch
+started and those a backward had to start itself. On CPU ranks "host" and "device"
 are one memory, so the bytes held do not fall there; the mechanism (copies, threads, order) is the
 same code a GPU runs, and the tests check it restores every tensor exactly.
 """
@@ -42,8 +43,8 @@ class OffloadStats:
     packed_tensors: int = 0
     packed_bytes: int = 0  # device -> host
     fetched_bytes: int = 0  # host -> device (twice per tensor under a split backward)
-    prefetched: int = 0  # fetches whose copy the prefetch had started
-    waited: int = 0  # fetches that started their own copy (no prefetch reached them)
+    prefetched: int = 0  # copies back the prefetch had started before a slot asked
+    waited: int = 0  # copies back a slot had to start itself (no prefetch reached it)
     kept: int = 0  # saved tensors left in place (parameters, received inputs)
 
     def reset(self) -> None:
@@ -96,12 +97,19 @@ class ActivationOffload:
     def begin_backward(self, stage: int, micro_batch: int) -> None:
         """Prefetch the last block of (stage, micro_batch): the first whose backward runs."""
         blocks = self._blocks.get((stage, micro_batch))
+        for block in blocks or ():
+            block.reset()  # a second pass (BackwardWeight after BackwardInput) fetches anew
         if blocks:
             blocks[-1].prefetch()
 
     def end_backward(self, stage: int, micro_batch: int) -> None:
         """Forget (stage, micro_batch)'s blocks: their host copies go with the freed graph."""
-        self._blocks.pop((stage, micro_batch), None)
+        for block in self._blocks.pop((stage, micro_batch), ()):
+            block.reset()
+
+    def blocks(self, stage: int, micro_batch: int) -> list:
+        """The offloaded block runs of (stage, micro_batch) held now, in forward order."""
+        return list(self._blocks.get((stage, micro_batch), ()))
 
     def held(self) -> list:
         """(stage, micro-batch) whose offloaded activations are still held."""
@@ -155,6 +163,7 @@ class _Block:
             return tensor
         seen = self._seen.get(id(tensor))
         if seen is not None and seen[0]() is tensor:
+            seen[1].refs += 1
             return seen[1]
         saved = _Saved(self.owner, tensor)
         self._seen[id(tensor)] = (weakref.ref(tensor), saved)
@@ -170,35 +179,48 @@ class _Block:
         for saved in self.saved:
             saved.prefetch()
 
+    def reset(self) -> None:
+        for saved in self.saved:
+            saved.reset()
+
 
 class _Saved:
-    """A saved tensor in host memory, and its way back."""
+    """A saved tensor in host memory, and its way back. ``refs``: how many saved-tensor slots of the
+    graph hold it (one tensor saved by several ops is copied once); the copy back serves them all
+    in one pass over the graph and is dropped after the last (``reset`` starts a new pass)."""
 
     def __init__(self, owner: ActivationOffload, tensor: torch.Tensor):
         self.owner, self.device = owner, tensor.device
         self.host = owner.copier.to_host(tensor)  # a pending copy; holds the device tensor until done
+        self.refs, self.unpacked = 1, 0
         self.incoming = None  # a started copy back
-        self.back = None  # weak reference to the last device copy handed out
+        self.back = None  # the copy back, until every slot of this pass has it
         self.lock = threading.Lock()
 
     def prefetch(self) -> None:
         with self.lock:
-            if self.incoming is None and (self.back is None or self.back() is None):
+            if self.incoming is None and self.back is None:
                 self.incoming = self.owner.copier.to_device(self.host, self.device)
 
     def fetch(self) -> torch.Tensor:
         with self.lock:
-            live = self.back() if self.back is not None else None
-            if live is not None:
-                return live  # two ops of the block saved it: one copy back serves both
-            incoming, self.incoming = self.incoming, None
-            self.owner.count(**({"prefetched": 1} if incoming is not None else {"waited": 1}))
-            if incoming is None:
-                incoming = self.owner.copier.to_device(self.host, self.device)
-            tensor = incoming.wait()
-            self.back = weakref.ref(tensor)
-        self.owner.count(fetched_bytes=tensor.numel() * tensor.element_size())
+            tensor = self.back
+            if tensor is None:
+                incoming, self.incoming = self.incoming, None
+                self.owner.count(**({"prefetched": 1} if incoming is not None else {"waited": 1}))
+                if incoming is None:
+                    incoming = self.owner.copier.to_device(self.host, self.device)
+                tensor = self.back = incoming.wait()
+                self.owner.count(fetched_bytes=tensor.numel() * tensor.element_size())
+            self.unpacked += 1
+            if self.unpacked >= self.refs:  # every slot has it: the graph holds it as long as it needs
+                self.back, self.unpacked = None, 0
         return tensor
+
+    def reset(self) -> None:
+        """A new pass over the graph (or none): forget the copy back of the last one."""
+        with self.lock:
+            self.back, self.unpacked = None, 0
 
 
 # --- the copy engines ----------------------------------------------------------------------------
