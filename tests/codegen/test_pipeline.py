@@ -268,6 +268,7 @@ def test_pipeline_4_ranks_matches_single_device():
     assert "global batch of 10 samples" in error and "pass 8 samples per step" in error, error
 
 
+@pytest.mark.matrix
 def test_pipeline_8_ranks_dp_and_deep_pipeline_match_single_device():
     configs = [config(f"{model} ({dp},1,{pp}) {schedule}", model if pp == 4 else f"{model}_6",
                       dp=dp, pp=pp, schedule=schedule)
