@@ -7,6 +7,11 @@ tallest bar and the limit, so bar heights are proportional to the bytes (a non-z
 pixel above the axis, so a small model's bars still show against a big device) and a bar crossing
 the line does not fit. A bar over the limit is drawn red-orange instead of blue.
 
+With ``measured`` (bytes per pipeline rank, from a run: ``xirang run --memory-picture``), a
+purple marker crosses each bar at the measured figure, and the title says so: predicted bar,
+measured marker. What was measured is said in the legend (``measured_what``): on CUDA ranks the
+allocator's peak, on CPU ranks the plan's states plus the saved activations the probe measured.
+
 Drawn with matplotlib (the ``viz`` extra; see ``plotting``): a title and a line naming the plan
 (mesh, devices, schedule, recompute), the y axis in GiB with light grid lines, each bar's value
 above it (inside its top, in white, when the limit line would cross the text), "rank r" and its
@@ -24,6 +29,8 @@ from xirang.codegen.viz.plotting import (DPI, FONT, TITLE_FONT, add_legend, fit_
                                          rgb, text_size, write_png)
 
 BAR, OVER, LIMIT, AXIS, INK = (66, 133, 244), (234, 110, 40), (219, 0, 0), (120, 120, 120), (0, 0, 0)
+MEASURED = (128, 0, 160)  # the measured marker
+MARKER = 3  # pixels: its thickness; it reaches this far past each side of the bar
 GRID, WHITE = (232, 232, 232), (255, 255, 255)
 PLOT_HEIGHT, MARGIN, GAP = 300, 14, 24  # pixels: the plot's height, the picture's margin, between bars
 HEADROOM = 1.1  # at least this much room above the larger of the tallest bar and the limit
@@ -31,6 +38,7 @@ POINT = DPI / 72  # pixels a point
 TICK_LENGTH, TICK_PAD, LABEL_PAD, VALUE_OFFSET = 4, 4, 6, 4  # points
 GiB = 1024**3
 TITLE = "Predicted memory per device, by pipeline rank"
+TITLE_MEASURED = "Predicted (bars) and measured (markers) memory per device, by pipeline rank"
 
 
 def _amount(nbytes: float) -> str:
@@ -61,12 +69,13 @@ def bar_labels(plan, rank: int) -> tuple[str, str]:
     return f"rank {rank}", f"stage{'s' * (len(stages) > 1)} {','.join(map(str, shown))}"
 
 
-def legend_items(memory, limit) -> list[tuple[str, tuple, str]]:
+def legend_items(memory, limit, measured_what: str = "") -> list[tuple[str, tuple, str]]:
     """(words, colour, swatch kind) of each legend entry: 'box' or 'line'."""
     items = [("fits in usable memory", BAR, "box")] if any(m <= limit for m in memory) else []
     if any(m > limit for m in memory):
         items.append(("over usable memory", OVER, "box"))
-    return items + [("usable memory: smallest limit of the stages", LIMIT, "line")]
+    items.append(("usable memory: smallest limit of the stages", LIMIT, "line"))
+    return items + ([(f"measured: {measured_what}", MEASURED, "line")] if measured_what else [])
 
 
 def _legend_handles(items) -> list:
@@ -94,6 +103,8 @@ class MemoryLayout:
     values: tuple[tuple[str, bool], ...]  # each bar's value and whether it is written inside the bar
     legend_top: int
     legend_columns: int
+    measured: tuple = ()  # bytes per pipeline rank (None: not measured), or () when nothing was
+    measured_what: str = ""
 
     def y(self, nbytes: float) -> float:
         """The pixel row (from the top) of ``nbytes`` on the y axis."""
@@ -117,10 +128,14 @@ def _inside(bar_top: float, bar_height: float, limit_y: float) -> bool:
     return above[0] <= limit_y <= above[1] and bar_height >= text + 2 * VALUE_OFFSET * POINT + 4
 
 
-def memory_layout(plan) -> MemoryLayout:
+def memory_layout(plan, measured=None, measured_what: str = "") -> MemoryLayout:
     memory = tuple(plan.predicted.memory_bytes_per_device)
+    measured = tuple(measured or ())
+    if measured and len(measured) != len(memory):
+        raise ValueError(f"measured has {len(measured)} figures, the plan {len(memory)} pipeline ranks")
+    measured_what = measured_what or ("as measured" if measured else "")
     limit = min(stage.memory_limit_bytes for stage in plan.stages)
-    room_gib = max(max(memory, default=0), limit, 1) * HEADROOM / GiB
+    room_gib = max(max(memory, default=0), max((m or 0 for m in measured), default=0), limit, 1) * HEADROOM / GiB
     step = _tick_step(room_gib)
     intervals = ceil(room_gib / step - 1e-9)
     ticks = tuple(k * step for k in range(intervals + 1))
@@ -128,7 +143,8 @@ def memory_layout(plan) -> MemoryLayout:
     line = text_size("rank 0")[1]
     tick_width = max(text_size(f"{t:g}")[0] for t in ticks)
     left = MARGIN + ceil(line + (LABEL_PAD + TICK_PAD + TICK_LENGTH) * POINT + tick_width) + 4
-    title_height = text_size(TITLE, TITLE_FONT)[1]
+    title = TITLE_MEASURED if measured else TITLE
+    title_height = text_size(title, TITLE_FONT)[1]
     plot_top = MARGIN + ceil(title_height + 6 + line) + 20
     base = plot_top + PLOT_HEIGHT
     labels = [bar_labels(plan, rank) for rank in range(len(memory))]
@@ -137,15 +153,15 @@ def memory_layout(plan) -> MemoryLayout:
     slot = bar_width + GAP
     plot_right = left + GAP + len(memory) * slot
     limit_label = ceil(text_size(f"usable {_amount(limit)}")[0])
-    room = max(plot_right + 8 + limit_label, MARGIN + ceil(text_size(TITLE, TITLE_FONT)[0]),
+    room = max(plot_right + 8 + limit_label, MARGIN + ceil(text_size(title, TITLE_FONT)[0]),
                MARGIN + ceil(text_size(subtitle(plan))[0])) + MARGIN
     legend_top = base + ceil((TICK_LENGTH + TICK_PAD) * POINT + 2 * line * 1.2) + 16
-    items = legend_items(memory, limit)
+    items = legend_items(memory, limit, measured_what)
     columns, legend_width, legend_height = fit_legend(lambda: _legend_handles(items), [w for w, _, _ in items],
                                                       room - 2 * MARGIN)
     width = max(room, 2 * MARGIN + legend_width)
     partial = MemoryLayout(width, legend_top + legend_height + MARGIN, left, plot_top, base, slot, bar_width,
-                           top_bytes, ticks, memory, limit, (), legend_top, columns)
+                           top_bytes, ticks, memory, limit, (), legend_top, columns, measured, measured_what)
     values = tuple((_amount(m), _inside(partial.y(_shown(m, top_bytes)), base - partial.y(_shown(m, top_bytes)),
                                         partial.y(limit))) for m in memory)
     return MemoryLayout(**{**partial.__dict__, "values": values})
@@ -157,16 +173,18 @@ def _shown(nbytes: float, top_bytes: float) -> float:
     return max(nbytes, 2 * top_bytes / PLOT_HEIGHT) if nbytes else 0.0
 
 
-def draw_memory(plan):
-    """The memory picture of ``plan`` (see the module docstring) as a matplotlib Figure."""
+def draw_memory(plan, measured=None, measured_what: str = ""):
+    """The memory picture of ``plan`` (see the module docstring) as a matplotlib Figure; ``measured``:
+    bytes per pipeline rank from a run, drawn as markers (``measured_what`` says what they are)."""
     from matplotlib.ticker import FixedLocator
     from matplotlib.transforms import blended_transform_factory
-    layout = memory_layout(plan)
+    layout = memory_layout(plan, measured, measured_what)
+    title = TITLE_MEASURED if layout.measured else TITLE
     width, height = layout.width, layout.height
     figure = new_figure(width, height, "the memory picture")
-    figure.text(MARGIN / width, 1 - MARGIN / height, TITLE, fontsize=TITLE_FONT, ha="left", va="top",
+    figure.text(MARGIN / width, 1 - MARGIN / height, title, fontsize=TITLE_FONT, ha="left", va="top",
                 color=rgb(INK))
-    figure.text(MARGIN / width, 1 - (MARGIN + text_size(TITLE, TITLE_FONT)[1] + 6) / height, plain(subtitle(plan)),
+    figure.text(MARGIN / width, 1 - (MARGIN + text_size(title, TITLE_FONT)[1] + 6) / height, plain(subtitle(plan)),
                 fontsize=FONT, ha="left", va="top", color=rgb(INK))
     # data x: pixels right of the y axis; data y: GiB
     plot_width = layout.plot_right - layout.left
@@ -200,17 +218,24 @@ def draw_memory(plan):
         axes.annotate(value, (centre, _shown(nbytes, layout.top_bytes) / GiB), textcoords="offset points",
                       xytext=(0, -VALUE_OFFSET if inside else VALUE_OFFSET), ha="center",
                       va="top" if inside else "bottom", fontsize=FONT, color=rgb(WHITE if inside else INK), zorder=4)
-    items = legend_items(layout.memory, layout.limit)
+    for rank, nbytes in enumerate(layout.measured):
+        if nbytes is None:
+            continue
+        x0, x1 = layout.bar(rank)
+        y = nbytes / GiB
+        axes.plot([x0 - layout.left - MARKER, x1 - layout.left + MARKER], [y, y], color=rgb(MEASURED),
+                  linewidth=MARKER * 72 / DPI, solid_capstyle="butt", antialiased=False, zorder=5)
+    items = legend_items(layout.memory, layout.limit, layout.measured_what)
     add_legend(figure, _legend_handles(items), [words for words, _, _ in items], layout.legend_columns, MARGIN,
                layout.legend_top)
     return figure
 
 
-def render_memory_png(plan) -> bytes:
+def render_memory_png(plan, measured=None, measured_what: str = "") -> bytes:
     """The memory picture as PNG bytes, ``memory_layout(plan).width`` x ``.height`` pixels."""
-    return png_bytes(draw_memory(plan))
+    return png_bytes(draw_memory(plan, measured, measured_what))
 
 
-def write_memory_png(plan, path) -> Path:
+def write_memory_png(plan, path, measured=None, measured_what: str = "", option: str = "--picture") -> Path:
     """Write the memory picture of ``plan`` to ``path`` (PNG); returns the resolved path."""
-    return write_png(draw_memory(plan), path, option="--picture").resolve()
+    return write_png(draw_memory(plan, measured, measured_what), path, option=option).resolve()

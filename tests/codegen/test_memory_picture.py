@@ -11,8 +11,8 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.codegen.png_reader import colours, read_png
-from xirang.codegen.viz.memory_picture import (BAR, LIMIT, OVER, PLOT_HEIGHT, draw_memory, memory_layout,
-                                               render_memory_png, write_memory_png)
+from xirang.codegen.viz.memory_picture import (BAR, LIMIT, MEASURED, OVER, PLOT_HEIGHT, TITLE_MEASURED, draw_memory,
+                                               memory_layout, render_memory_png, write_memory_png)
 from xirang.ir.errors import XirangError
 from xirang.ir.plan_parts import Prediction
 
@@ -122,3 +122,27 @@ def test_the_folder_must_exist(plan_pp4, tmp_path):
     with pytest.raises(XirangError, match="does not exist") as error:
         write_memory_png(plan_pp4, tmp_path / "missing" / "mem.png")
     assert error.value.where == "--picture"
+
+
+def test_measured_figures_are_markers_across_the_bars(plan_pp4):
+    """A run's figures (xirang run --memory-picture) cross each predicted bar at the measured bytes;
+    the scale makes room for a measurement above every bar; the legend says what was measured."""
+    measured = (25 * GiB, 70 * GiB)
+    layout = memory_layout(plan_pp4, measured, "allocator peak")
+    assert layout.top_bytes >= 1.1 * 70 * GiB
+    width, height, rows = read_png(render_memory_png(plan_pp4, measured, "allocator peak"))
+    assert (width, height) == (layout.width, layout.height)
+
+    def pixel(x, y):
+        return tuple(rows[y][3 * x:3 * x + 3])
+    for rank, nbytes in enumerate(measured):
+        x0, x1 = layout.bar(rank)
+        row = round(layout.y(nbytes))
+        assert any(pixel((x0 + x1) // 2, y) == MEASURED for y in range(row - 2, row + 3)), rank
+        assert not any(pixel((x0 + x1) // 2, y) == MEASURED for y in range(layout.plot_top, row - 4)), rank
+    figure = draw_memory(plan_pp4, measured, "allocator peak")
+    assert figure.texts[0].get_text() == TITLE_MEASURED
+    assert "measured: allocator peak" in [t.get_text() for t in figure.legends[0].get_texts()]
+    with pytest.raises(ValueError, match="pipeline ranks"):
+        memory_layout(plan_pp4, (GiB,))
+
