@@ -103,6 +103,38 @@ def test_a_memory_limit_forces_full_recompute():
     assert rejected == {"none": pytest.approx(400.0), "selective": pytest.approx(340.0)}
 
 
+@pytest.mark.parametrize("link, expected", [(1000.0, ("none", "blocks", 8.0, 200.0)),
+                                             (10.0, ("full", "none", 11.2, 170.0))])
+def test_offload_is_chosen_where_it_beats_recompute_and_fits(link, expected):
+    """Eight blocks of 1 s (forward 0.4, backward 0.6) each keeping 100 B (80 B selective, 10 B input),
+    one micro-batch, 450 B usable. none (800 B) and selective (660 B) do not fit; full fits (8 x 10 +
+    90 B) at 8 x 1.4 = 11.2 s. Offload keeps two blocks on the device (200 B) and copies 100 B per
+    block each way: over a 1000 B/s link 0.1 s, hidden behind the 0.4 s forward and 0.6 s backward,
+    so 8 s wins; over 10 B/s, 10 s per copy leaves 9.6 + 9.4 s exposed per block, and full wins."""
+    price = pricer(lambda tp, b: [unit(f"block:{i}", saved=100, selective=80, inputs=10) for i in range(8)])
+    device = DeviceSpec("tiny", {"bf16": 1e12, "fp32": 1e12}, 500, 1e9, host_link_bytes_per_s=link)
+    result = search_plan(price, World.uniform(1, 1, device), global_batch=1, seq=8)
+    best = result.best
+    assert (best.candidate.recompute, best.candidate.offload) == expected[:2]
+    assert best.step_seconds == pytest.approx(expected[2]) and best.memory_per_rank == (pytest.approx(expected[3]),)
+    if link == 10.0:
+        slow = search_plan(price, World.uniform(1, 1, device), global_batch=1, seq=8, offload="blocks",
+                           recompute="none").best
+        assert slow.breakdown["offload"] == pytest.approx(8 * (9.6 + 9.4))
+        assert slow.step_seconds == pytest.approx(8 + 8 * 19.0)
+
+
+def test_offload_is_not_offered_without_a_host_link_or_on_cpus():
+    price = pricer(lambda tp, b: [unit(f"block:{i}", saved=100) for i in range(2)])
+    result = search_plan(price, World.uniform(1, 1, tiny_device(10**6)), global_batch=1, seq=8, alternatives=50)
+    assert {a.candidate.offload for a in result.alternatives} | {result.best.candidate.offload} == {"none"}
+    with pytest.raises(XirangError, match="host link"):
+        search_plan(price, World.uniform(1, 1, tiny_device(10**6)), global_batch=1, seq=8, offload="blocks")
+    assert not DeviceSpec("cpu", {"fp32": 1e12}, 10**9, 1e9, host_link_bytes_per_s=1e9).offload_frees_memory
+    cpu = search_plan(price, parse_world(1, "cpu"), global_batch=1, seq=8, offload="blocks").best  # pinned: runs
+    assert cpu.candidate.offload == "blocks"
+
+
 def test_segments_keep_their_activations_under_recompute():
     """Recompute touches blocks only: the segment's 1000 B stay whatever the mode."""
     price = pricer(lambda tp, b: [unit("segment:0", saved=1000), unit("block:a", saved=100, inputs=10)])
