@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from examples.gpt import build_gpt
+from examples.gpt import GPTConfig, build_gpt
 
 
 def _tokens(batch: int, seq: int, device="meta") -> dict:
@@ -16,6 +16,13 @@ def _tokens(batch: int, seq: int, device="meta") -> dict:
 def gpt_tiny(batch: int = 8, seq: int = 64):
     """The in-repo GPT, 2 layers, hidden 64 (real CPU tensors)."""
     return build_gpt("tiny"), _tokens(batch, seq, device="cpu")
+
+
+def gpt_tiny_dropout(batch: int = 8, seq: int = 64):
+    """The in-repo GPT tiny with dropout 0.1 (embeddings, attention, residuals): ``xirang verify``
+    checks it exactly (rng="exact": every rank draws what one device draws)."""
+    config = GPTConfig(vocab_size=512, seq_len=64, hidden=64, heads=4, layers=2, dropout=0.1)
+    return build_gpt(config), _tokens(batch, seq, device="cpu")
 
 
 def gpt_175b(batch: int = 1, seq: int = 2048):

@@ -5,6 +5,11 @@ Both plan once in this process (or load ``--plan``) and send the plan to the ran
 do not each search the same configurations again. Every rank and the single-device reference
 build the model under the same seed and train on the same batches: random data shaped like the
 factory's example inputs (integers below the model's smallest vocabulary, see ``_int_bound``).
+
+Randomness: ``verify`` compiles with ``rng="exact"`` and ``seed=VERIFY_SEED``, and the single-device
+reference runs under ``ExactReference(VERIFY_SEED)`` (codegen/ops/random_ops.py), so a model with
+dropout is checked exactly: every random op draws what the one-device model draws. ``run`` trains
+with the default streams (correct in distribution, not equal to one device).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 
 from xirang.ir.errors import XirangError
 
-MODEL_SEED, LR = 0, 1e-3
+MODEL_SEED, LR, VERIFY_SEED = 0, 1e-3, 0
 # Adam's eps: some gradients are exactly zero in exact arithmetic (the bias of k in attention:
 # softmax ignores a per-row constant), so both runs compute rounding noise there, in different
 # summation orders; with eps 1e-8 Adam's first step is lr * sign(noise) and the parameters differ by
@@ -99,7 +104,7 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
 
 
 def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps: int, gather: bool, say: bool,
-                trace: bool = False):
+                trace: bool = False, rng: str = "streams"):
     """One rank: compile, train ``steps`` AdamW steps; with ``gather`` return losses, gradients of the
     last step and final parameters (full tensors; the gathers are collectives, so every rank runs them);
     with ``trace`` each step's executor timestamps, the rank in front (``chrome_trace.with_rank``)."""
@@ -108,7 +113,7 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
     model, example_kwargs = _build(spec, global_batch)
     bound = _int_bound(model)
     compiled = xirang.compile(model, world=world, example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
-                              plan=plan)
+                              plan=plan, rng=rng, seed=VERIFY_SEED if rng == "exact" else None)
     optimizer, losses, grads, records = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=ADAM_EPS), [], {}, []
     for step in range(steps):
         loss = compiled.train_step(**random_batch(example_kwargs, bound, step, global_batch)).item()
@@ -123,15 +128,20 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
         optimizer.step()
         optimizer.zero_grad()
     params = {k: v.detach().clone() for k, v in compiled.full_state_dict().items()} if gather else {}
-    return {"losses": losses, "grads": grads, "params": params, "trace": records}
+    return {"losses": losses, "grads": grads, "params": params, "trace": records,
+            "random_sites": compiled.program.random_sites}
 
 
-def _train_single(spec: str, global_batch: int, steps: int) -> dict:
+def _train_single(spec: str, global_batch: int, steps: int, reference=None) -> dict:
+    """The model on one device; ``reference`` (an ``ExactReference``) draws its random numbers."""
+    from contextlib import nullcontext
     model, example_kwargs = _build(spec, global_batch)
     bound = _int_bound(model)
     optimizer, losses, grads = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS), [], {}
     for step in range(steps):
-        loss = loss_of(model(**random_batch(example_kwargs, bound, step, global_batch)))
+        inputs = random_batch(example_kwargs, bound, step, global_batch)
+        with reference.forward(step) if reference is not None else nullcontext():
+            loss = loss_of(model(**inputs))
         loss.backward()
         losses.append(loss.item())
         if step == steps - 1:
@@ -194,9 +204,16 @@ def cmd_verify(args) -> int:
                                  {k: getattr(args, k) for k in ("tp", "pp", "dp")})
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
           f"{args.steps} AdamW steps (lr {LR}, eps {ADAM_EPS}) on {args.world} ranks against one device", flush=True)
-    results = xirang.launch(_train_rank, args.world, args=(args.model, plan, global_batch, args.steps, True, False),
-                            timeout_s=args.timeout)
-    single = _train_single(args.model, global_batch, args.steps)
+    results = xirang.launch(_train_rank, args.world, args=(args.model, plan, global_batch, args.steps, True, False,
+                                                         False, "exact"), timeout_s=args.timeout)
+    reference = xirang.ExactReference(VERIFY_SEED)
+    single = _train_single(args.model, global_batch, args.steps, reference)
+    sites = [site for result in results for site in result["random_sites"]]
+    if sites:
+        from xirang.codegen.ops.random_ops import check_replay
+        check_replay(reference.seen, sites)  # the one device drew what the program drew, op by op
+        print(f"random ops: {len({site.index for site in sites})} drawn as one device draws them "
+              f"(rng='exact', seed {VERIFY_SEED})")
     grads, params = {}, {}
     for result in results:  # with pp > 1 each pipeline rank holds only its stages' tensors
         grads.update({k: v for k, v in result["grads"].items() if k not in grads})

@@ -60,7 +60,8 @@ class CompiledModel:
     ``groups``: the mesh's process groups (``build_mesh_groups(plan.mesh)`` by default).
     ``counter``: a ``CommCounter`` every collective records on; ``event_log``: receives the dp
     buckets' launch/wait events. ``source_of``: rank -> that rank's program source, for ``code(rank)``
-    of other ranks (given by ``xirang.compile``, which can lower the model for any rank).
+    of other ranks (given by ``xirang.compile``, which can lower the model for any rank). ``seed``
+    and ``rng`` ("streams" or "exact"): the random ops' streams (codegen/runtime/rng_streams.py).
     """
 
     def __init__(self, model, plan, program: Program, *, groups=None, bucket_bytes: Optional[int] = None,

@@ -29,7 +29,10 @@ Choices, so a reader can argue with them:
   offered as ``Shard(last, chunks=k)``, which the split turns into a per-head shard of each piece;
   parameters read that way are offered the chunked shard too (see sharding_rules_fused).
 - Ops that draw random numbers (dropout, attention dropout) are correct in distribution only: a
-  replicated dropout needs the same seed on every tp rank, a sharded one distinct streams.
+  replicated dropout needs the same mask on every tp rank, a sharded one distinct streams. The
+  lowering pass ``place_random_streams`` (passes/lowering/random_streams.py) gives each exactly
+  that, from the placement chosen here; an op with no row (``torch.rand_like``) stays replicated,
+  on a stream its tp group shares.
 - Backward: ``gradient_placements`` gives the placement each input's gradient has under a strategy
   (S stays S, a Partial input gets an R gradient, an R input gets a Partial gradient when the output
   is split). An edge therefore costs its forward reshard plus the backward reshard of that gradient

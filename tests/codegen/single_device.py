@@ -2,25 +2,33 @@
 plain model, recording the loss and every gradient per step and the parameters after the last; and
 the same loop on a compiled model inside a rank (``compiled_run``), gathering to full tensors.
 
+With ``rng`` (an ``xirang.ExactReference``) the model draws its random numbers (dropout) as programs
+compiled with ``rng="exact"`` and the same seed do, so a model with dropout is compared exactly.
+
 AdamW uses eps=1e-3 (see tests/codegen/test_equivalence.py: a gradient that is zero in exact
 arithmetic is rounding noise, which Adam's first step with a tiny eps would amplify to lr * sign).
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
 from xirang.cli_verify import loss_of  # a tensor, a tuple's first element or HF `.loss`
 
 
-def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False) -> dict:
+def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False, rng=None) -> dict:
     """{"steps": [(loss, {name: grad})...], "params": {name: tensor}} for ``steps`` AdamW steps on
-    ``batch(step)``; ``keep_duplicates`` lists a tied parameter under every name."""
+    ``batch(step)``; ``keep_duplicates`` lists a tied parameter under every name; ``rng``: an
+    ``ExactReference`` the forward of step k draws under (``rng.forward(k)``)."""
     def named():
         return model.named_parameters(remove_duplicate=not keep_duplicates)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
     found = []
     for step in range(steps):
-        loss = loss_of(model(**batch(step)))
+        inputs = batch(step)
+        with rng.forward(step) if rng is not None else nullcontext():
+            loss = loss_of(model(**inputs))
         loss.backward()
         found.append((loss.item(), {n: p.grad.clone() for n, p in named()}))
         optimizer.step()
