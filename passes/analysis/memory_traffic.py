@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import sympy
@@ -35,7 +35,7 @@ import torch
 from torch.fx import Node
 
 from xirang.ir.facts import ByteCount, SavedTensor, TensorInfo
-from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR
+from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR, TORCH_SYMBOLS, symbol
 from xirang.ir.pass_spec import compiler_pass
 
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
@@ -190,23 +190,36 @@ def _saves_for_each_other(a: int, b: int) -> Callable:
     return saved
 
 
-def _hint(size) -> int:
-    """A size of a traced tensor as an int: a symbolic one at the example inputs' value."""
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+def _at_point(size, names: dict, batch_one: bool) -> int:
+    """A size of a traced tensor as an int: a symbolic one at the example inputs' values, or with the
+    batch at 1 (``batch_one``: a compiled program runs one micro-batch, often of 1)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = size.node.expr
+    env = size.node.shape_env
+    known = getattr(env, "backed_var_to_val", None) or env.var_to_val
+    return int(expr.xreplace({sym: 1 if batch_one and names.get(str(sym)) == "batch" else known[sym]
+                              for sym in expr.free_symbols}))
 
 
-def _folds_to_view(value: Node, batch: int) -> bool:
-    """Does ``value`` (>= 3 dims) reshape to (batch, rows, cols) as a view of its storage? Read from
-    the traced tensor's strides at the example sizes; unknown strides: no (a copy, the common case
-    for the transposed q, k, v of attention)."""
-    val = value.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+def _folds_to_view(value: Node, out: Node, batch_one: bool) -> bool:
+    """Does ``value`` (>= 3 dims) reshape to (batch, rows, cols), batch the product of ``out``'s batch
+    dims, as a view of its storage? Read from the traced tensors' strides at the example sizes (or the
+    batch at 1); unknown: no (a copy, the common case for the transposed q, k, v of attention)."""
+    val, result = value.meta.get("val"), out.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(result, torch.Tensor):
         return False
+    owner = value.graph.owning_module
+    names = TORCH_SYMBOLS.get(owner, {}) if owner is not None else {}
     try:
-        sizes, strides = [_hint(s) for s in val.shape], [_hint(s) for s in val.stride()]
+        sizes = [_at_point(x, names, batch_one) for x in val.shape]
+        strides = [_at_point(x, names, batch_one) for x in val.stride()]
+        batch = 1
+        for x in result.shape[:-2]:
+            batch *= _at_point(x, names, batch_one)
         torch.empty_strided(sizes, strides, device="meta").view(batch, sizes[-2], sizes[-1])
         return True
-    except Exception:  # not viewable (RuntimeError), or sizes without a hint
+    except Exception:  # not viewable (RuntimeError), or sizes without a value
         return False
 
 
@@ -214,29 +227,29 @@ def _matmul_saves(node):
     """``a @ b`` keeps each operand for the other's gradient. With batch dims on both sides (attention's
     q·kᵀ and probs·v) ATen folds each operand to (batch, rows, cols) for a bmm and keeps the folded
     tensor: a view of the operand's storage where its strides allow, else a copy of its own (the
-    transposed heads of a fused qkv projection are copied, so the qkv storage is not what is kept)."""
+    transposed heads of a fused qkv projection are copied, so the qkv storage is not what is kept).
+    Whether they allow can depend on the batch: at a micro-batch of 1 the heads of q, k and v fold as
+    views of the qkv storage; both cases are kept, each weighted by [batch = 1] or [batch != 1]."""
     x, y = arg(node, 0, "self"), arg(node, 1, "other")
     (ax, *_), (ay, *_) = tensors(x) or (None,), tensors(y) or (None,)
     if ax is None or ay is None or len(ax.shape) < 3 or len(ay.shape) < 3:
         return _saves_for_each_other(0, 1)(node)
     (out, *_) = tensors(node)
-    val = node.meta.get("val")
-    try:
-        batch = 1
-        for size in (val.shape[:-2] if isinstance(val, torch.Tensor) else ()):
-            batch *= _hint(size)
-    except Exception:
-        batch = 0
+    one = sympy.Piecewise((1, sympy.Eq(symbol("batch"), 1)), (0, True))
     items = []
     for k, (value, info, other) in enumerate(((x, ax, y), (y, ay, x))):
         if not needs_grad(other) or is_persistent(value):
             continue
         folded = sympy.Mul(*out.shape[:-2]) * sympy.Mul(*info.shape[-2:])
         same = sympy.expand(folded - info.numel) == 0  # no broadcast of batch dims
-        if same and batch and _folds_to_view(value, batch):
-            items += input_saved(node, value)
-        else:
-            items += own_saved(node, f"operand{k}", folded * info.itemsize, info.is_floating)
+        copy = own_saved(node, f"operand{k}", folded * info.itemsize, info.is_floating)
+        views = [same and _folds_to_view(value, node, batch_one) for batch_one in (False, True)]
+        if views[0] == views[1]:
+            items += input_saved(node, value) if views[0] else copy
+            continue
+        for view, weight in zip(views, (1 - one, one)):
+            chosen = input_saved(node, value) if view else copy
+            items += [replace(item, nbytes=item.nbytes * weight) for item in chosen]
     return tuple(items)
 
 

@@ -133,3 +133,18 @@ def test_total_bytes_reprice_at_another_shape_equals_a_retrace():
     for part in ("read", "written", "saved_for_backward"):
         assert evaluate(getattr(at_2x16, part), {"batch": 3, "seq": 24}) == \
             evaluate(getattr(at_3x24, part), {"batch": 3, "seq": 24})
+
+
+def test_batched_matmul_keeps_copies_of_the_heads_except_at_a_micro_batch_of_one():
+    """Eager attention's q·kᵀ: ATen folds (batch, heads) for a bmm and keeps the folded operands. The
+    heads of a fused qkv projection do not fold as views (their strides interleave), so it keeps
+    copies: q and k, one hidden-sized tensor each per token. At a micro-batch of 1 they do fold, and
+    the views keep the scaled q's storage and the whole qkv storage (3 hidden-sized) alive instead."""
+    from examples.gpt import GPTConfig
+    config = GPTConfig(vocab_size=512, seq_len=16, hidden=64, heads=4, layers=1, dropout=0.1, attention="eager")
+    gm = analysed(build_gpt(config, device="meta"), **token_batch(batch=2, seq=16))
+    scores = next(n for n in gm.graph.nodes if str(getattr(n.target, "overloadpacket", "")) == "aten.matmul")
+    saved = BYTES.get(scores).saved_for_backward
+    hidden = 64 * 4  # bytes of one token's hidden vector, float32
+    assert evaluate(saved, {"batch": 2, "seq": 16}) == 2 * (2 * 16 * hidden)  # copies of q and k
+    assert evaluate(saved, {"batch": 1, "seq": 16}) == (1 + 3) * 16 * hidden  # scaled q, the qkv storage
