@@ -158,7 +158,8 @@ class _Block:
         self._seen: dict = {}  # id(tensor) -> (weakref to it, its _Saved): one copy per tensor
 
     def pack(self, tensor: torch.Tensor):
-        if tensor.layout != torch.strided or _storage(tensor) in self.resident or tensor.numel() == 0:
+        if tensor.layout != torch.strided or tensor.device.type != self.owner.device.type or tensor.numel() == 0 \
+                or _storage(tensor) in self.resident:  # parameters, received inputs (and views of them) stay
             self.owner.count(kept=1)
             return tensor
         seen = self._seen.get(id(tensor))
