@@ -83,9 +83,9 @@ class SavedTensor:
     - ``nbytes``: bytes of the whole storage at the traced dtype (a view keeps all of its base alive).
     - ``floating``: its bytes follow the plan's activation precision; False for masks, indices and the
       float32 statistics, which keep their dtype.
-    - ``input``: the position in ``node.all_input_nodes`` of the input it is read through (so its tp
-      share is that input's layout as the op reads it), or None for what the op makes itself (its
-      output's layout).
+    - ``input``: the position in ``node.all_input_nodes`` of the input whose layout it has on a tp
+      rank: the input it is read through, or for an intermediate the op makes from an input, that
+      input (a cross-entropy's log-probabilities are sharded as its logits); None: the op's output's.
     """
 
     storage: str

@@ -139,12 +139,15 @@ def input_saved(node: Node, value) -> tuple[SavedTensor, ...]:
     return (SavedTensor(base.name, nbytes(base), _floating(base), node.all_input_nodes.index(value)),)
 
 
-def own_saved(node: Node, what: str | None = None, size=None, floating: bool | None = None) -> tuple[SavedTensor, ...]:
-    """``node`` keeps its own output (``what`` None) or an intermediate of its own named ``what``."""
+def own_saved(node: Node, what: str | None = None, size=None, floating: bool | None = None,
+              like: int | None = None) -> tuple[SavedTensor, ...]:
+    """``node`` keeps its own output (``what`` None) or an intermediate of its own named ``what``;
+    ``like``: the position in ``node.all_input_nodes`` of the input whose tp layout that intermediate
+    has (a cross-entropy's log-probabilities are sharded as its logits), else the output's."""
     if what is None:
         (out, *_) = tensors(node)
         return (SavedTensor(node.name, out.nbytes, out.is_floating),)
-    return (SavedTensor(f"{node.name}:{what}", sympy.sympify(size), bool(floating)),)
+    return (SavedTensor(f"{node.name}:{what}", sympy.sympify(size), bool(floating), like),)
 
 
 def distinct(items) -> tuple[SavedTensor, ...]:
@@ -320,8 +323,9 @@ def _cross_entropy_saves(node):
     """The log-probabilities (logits-sized, made here) and the integer targets."""
     if not REQUIRES_GRAD.get(node, False):
         return ()
-    logits = tensors(node.args[0])[0]
-    return own_saved(node, "log_probs", logits.nbytes, logits.is_floating) + input_saved(node, node.args[1])
+    logits, like = tensors(node.args[0])[0], node.all_input_nodes.index(node.args[0])
+    return (own_saved(node, "log_probs", logits.nbytes, logits.is_floating, like=like)
+            + input_saved(node, node.args[1]))
 
 
 def _cross_entropy_log_probs(node):

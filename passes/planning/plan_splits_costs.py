@@ -75,7 +75,9 @@ class NodeFacts:
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
-    source = storage_of(node.all_input_nodes[item.input]) if item.input is not None else node
+    own = item.producer == node.name  # made here: its dtype is that of the node (or the input it is made from)
+    source = node.all_input_nodes[item.input] if item.input is not None else node
+    source = source if own else storage_of(source)
     found = tensors(source)
     itemsize = found[0].itemsize if found else 1
     return Kept(item.storage, item.producer, table.index(item.nbytes),
