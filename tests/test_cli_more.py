@@ -82,6 +82,19 @@ def test_run_trains_two_ranks_and_prints_every_loss():
     assert len(losses) == 2 and all(4.0 < loss < 8.0 for loss in losses)  # ln(512) = 6.24 at the start
 
 
+def test_run_memory_prints_measured_beside_predicted_per_rank(tmp_path):
+    picture = tmp_path / "memory.png"
+    result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "2", "--pp", "2", "--steps", "1", "--memory",
+                    "--memory-picture", str(picture))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank  pp  measured saved"))
+    for rank in range(2):  # rank, pp rank, measured MiB, predicted MiB, ratio within 10%
+        fields = lines[header + 1 + rank].split()
+        assert fields[:2] == [str(rank), str(rank)] and 0.9 < float(fields[4]) < 1.1, lines[header + 1 + rank]
+    assert picture.is_file() and "memory picture:" in result.stdout
+
+
 def test_run_print_command_spells_torchrun():
     result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "4", "--print-command")
     assert result.returncode == 0, result.stderr

@@ -171,6 +171,11 @@ def main(argv=None) -> int:
                              help="print the torchrun command for a cluster instead of running")
             sub.add_argument("--trace", metavar="JSON", help="write every rank's measured pipeline actions as a "
                                                              "Chrome trace (open in ui.perfetto.dev)")
+            sub.add_argument("--memory", action="store_true",
+                             help="measure the last step's peak of saved activations per rank (and the CUDA "
+                                  "allocator's peak) and print it beside the plan's prediction")
+            sub.add_argument("--memory-picture", metavar="PNG", help="with --memory: draw the predicted memory per "
+                                                                      "pipeline rank with the measured figures")
         else:
             sub.add_argument("--tolerance", type=float, default=1e-5, help="largest |difference| that passes "
                                                                            "(default 1e-5, fp32)")

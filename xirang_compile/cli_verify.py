@@ -104,10 +104,13 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
 
 
 def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps: int, gather: bool, say: bool,
-                trace: bool = False, rng: str = "streams"):
+                trace: bool = False, rng: str = "streams", memory: bool = False):
     """One rank: compile, train ``steps`` AdamW steps; with ``gather`` return losses, gradients of the
     last step and final parameters (full tensors; the gathers are collectives, so every rank runs them);
-    with ``trace`` each step's executor timestamps, the rank in front (``chrome_trace.with_rank``)."""
+    with ``trace`` each step's executor timestamps, the rank in front (``chrome_trace.with_rank``); with
+    ``memory`` the last step runs under a ``MemoryProbe`` (codegen/runtime/memory_probe.py) and its
+    ``MemoryMeasurement`` is returned."""
+    from xirang.codegen.runtime.memory_probe import measure_step
     import xirang
     from xirang.codegen.viz.chrome_trace import with_rank
     model, example_kwargs = _build(spec, global_batch)
@@ -115,8 +118,14 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
     compiled = xirang.compile(model, world=world, example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
                               plan=plan, rng=rng, seed=VERIFY_SEED if rng == "exact" else None)
     optimizer, losses, grads, records = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=ADAM_EPS), [], {}, []
+    measured = None
     for step in range(steps):
-        loss = compiled.train_step(**random_batch(example_kwargs, bound, step, global_batch)).item()
+        batch = random_batch(example_kwargs, bound, step, global_batch)
+        if memory and step == steps - 1:
+            loss, measured = measure_step(compiled, **batch)
+            loss = loss.item()
+        else:
+            loss = compiled.train_step(**batch).item()
         losses.append(loss)
         if trace:  # a runtime without a step record (none yet for pp = 1) contributes no events
             last = getattr(compiled, "last_step", None)
@@ -129,7 +138,7 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
         optimizer.zero_grad()
     params = {k: v.detach().clone() for k, v in compiled.full_state_dict().items()} if gather else {}
     return {"losses": losses, "grads": grads, "params": params, "trace": records,
-            "random_sites": compiled.program.random_sites}
+            "random_sites": compiled.program.random_sites, "memory": measured}
 
 
 def _train_single(spec: str, global_batch: int, steps: int, reference=None) -> dict:
@@ -166,15 +175,46 @@ def cmd_run(args) -> int:
     if args.trace:
         from xirang.codegen.viz.chrome_trace import check_writable
         check_writable(args.trace)  # before the run, not after it
+    memory = bool(args.memory or args.memory_picture)
+    if args.memory_picture:
+        from xirang.codegen.viz.plotting import require_matplotlib
+        require_matplotlib("--memory-picture")  # before the run, not after it
     plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,
                                  {k: getattr(args, k) for k in ("tp", "pp", "dp")})
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
           f"global batch {global_batch}; training {args.steps} steps on {args.world} local CPU ranks", flush=True)
     results = xirang.launch(_train_rank, args.world, timeout_s=args.timeout,
-                            args=(args.model, plan, global_batch, args.steps, False, True, bool(args.trace)))
+                            args=(args.model, plan, global_batch, args.steps, False, True, bool(args.trace),
+                                  "streams", memory))
     if args.trace:
         write_trace(args.trace, [result["trace"] for result in results], plan, args.world)
+    if memory:
+        report_memory(plan, [result["memory"] for result in results], args.memory_picture)
     return 0
+
+
+def report_memory(plan, measurements: list, picture=None, out=print):
+    """Print predicted vs measured memory per rank; with ``picture``, draw the plan's bars with the
+    measured figures: per pipeline rank its fullest rank's CUDA allocator peak, or on CPU ranks the
+    plan's states, buffers and working set plus the saved activations measured."""
+    from xirang.codegen.runtime.memory_probe import format_measurements
+    out(f"\nmemory, last step (plan: recompute {plan.recompute}, offload {plan.offload}):")
+    out(format_measurements(measurements))
+    if not picture:
+        return
+    from xirang.codegen.viz.memory_picture import write_memory_png
+    cuda = all(m.allocated_peak_bytes is not None for m in measurements)
+    per_rank = [None] * plan.mesh.pp
+    for m in measurements:
+        if cuda:
+            figure = m.allocated_peak_bytes
+        else:
+            figure = m.predicted_total_bytes - (m.predicted_activation_bytes or 0) + m.saved_peak_bytes
+        per_rank[m.pp_rank] = max(per_rank[m.pp_rank] or 0, figure)
+    what = ("CUDA allocator peak" if cuda else
+            "predicted states, buffers and working set + saved activations measured")
+    path = write_memory_png(plan, picture, per_rank, what, option="--memory-picture")
+    out(f"memory picture: {path} (bars: predicted; purple markers: {what})")
 
 
 def write_trace(path, per_rank: list, plan, world: int, out=print):
