@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Optional, Union
+from xirang.ir.errors import InvalidValue
 
 GiB = 1024**3
 
@@ -51,28 +52,28 @@ class DeviceSpec:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"DeviceSpec name must be a non-empty str, got {self.name!r}")
+            raise InvalidValue(f"DeviceSpec name must be a non-empty str, got {self.name!r}")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
-            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops must be a non-empty "
+            raise InvalidValue(f"DeviceSpec {self.name!r}: peak_flops must be a non-empty "
                              f"dict dtype -> FLOP/s, got {self.peak_flops!r}")
         table = {}
         for dtype, flops in self.peak_flops.items():
             if not _positive_number(flops):
-                raise ValueError(f"DeviceSpec {self.name!r}: peak_flops[{dtype!r}] must be a "
+                raise InvalidValue(f"DeviceSpec {self.name!r}: peak_flops[{dtype!r}] must be a "
                                  f"positive number of FLOP/s, got {flops!r}")
             table[canonical_dtype(dtype)] = float(flops)
         object.__setattr__(self, "peak_flops", MappingProxyType(table))
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) \
                 or self.memory_bytes < 1:
-            raise ValueError(f"DeviceSpec {self.name!r}: memory_bytes must be a positive int, "
+            raise InvalidValue(f"DeviceSpec {self.name!r}: memory_bytes must be a positive int, "
                              f"got {self.memory_bytes!r}")
         if not _positive_number(self.memory_bandwidth):
-            raise ValueError(f"DeviceSpec {self.name!r}: memory_bandwidth must be a positive "
+            raise InvalidValue(f"DeviceSpec {self.name!r}: memory_bandwidth must be a positive "
                              f"number of bytes/s, got {self.memory_bandwidth!r}")
         object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
         if self.host_link_bytes_per_s is not None:
             if not _positive_number(self.host_link_bytes_per_s):
-                raise ValueError(f"DeviceSpec {self.name!r}: host_link_bytes_per_s must be a positive "
+                raise InvalidValue(f"DeviceSpec {self.name!r}: host_link_bytes_per_s must be a positive "
                                  f"number of bytes/s or None, got {self.host_link_bytes_per_s!r}")
             object.__setattr__(self, "host_link_bytes_per_s", float(self.host_link_bytes_per_s))
 
@@ -96,7 +97,7 @@ class DeviceSpec:
         """Peak FLOP/s for ``dtype`` (any spelling ``canonical_dtype`` accepts)."""
         key = canonical_dtype(dtype)
         if key not in self.peak_flops:
-            raise ValueError(f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; "
+            raise InvalidValue(f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; "
                              f"known dtypes: {', '.join(sorted(self.peak_flops))}")
         return self.peak_flops[key]
 
@@ -115,7 +116,7 @@ class DeviceSpec:
         fields = ("name", "peak_flops", "memory_bytes", "memory_bandwidth")
         if not isinstance(data, dict) or not set(fields) <= set(data) \
                 or not set(data) <= {*fields, "host_link_bytes_per_s"}:
-            raise ValueError(f"bad device spec {data!r}: expected an object with the keys "
+            raise InvalidValue(f"bad device spec {data!r}: expected an object with the keys "
                              f"{', '.join(fields)} (and optionally host_link_bytes_per_s)")
         spec = cls(**data)
         preset = DEVICE_PRESETS.get(spec.name)
@@ -196,7 +197,7 @@ def device_spec(name_or_spec: Union[str, DeviceSpec]) -> DeviceSpec:
         key = DEVICE_ALIASES.get(key, key)
         if key in DEVICE_PRESETS:
             return DEVICE_PRESETS[key]
-    raise ValueError(f"unknown device {name_or_spec!r}; presets are "
+    raise InvalidValue(f"unknown device {name_or_spec!r}; presets are "
                      f"{', '.join(DEVICE_PRESETS)} (aliases: "
                      f"{', '.join(f'{a} -> {p}' for a, p in DEVICE_ALIASES.items())}), "
                      f"or pass a DeviceSpec")

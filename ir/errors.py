@@ -52,3 +52,16 @@ class ScheduleError(XirangError, ValueError):
                          f"{'s' if len(self.problems) != 1 else ''}):\n  - {shown}{tail}",
                          where=f"schedule {name!r}",
                          hint="build schedules with xirang.ir.schedules.build_schedule, or fix the listed actions")
+
+
+class InvalidValue(XirangError, ValueError):
+    """A value handed to one of Xirang's data types, solvers or cost terms is outside its domain
+    (the message names the value and what is valid). Also a ``ValueError``, as Python code expects."""
+
+
+class InvalidType(XirangError, TypeError):
+    """A value of the wrong type handed to one of Xirang's data types or functions. Also a ``TypeError``."""
+
+
+class SolverFailure(XirangError, RuntimeError):
+    """A solver or simulator could not finish a problem it was given (the message says which and why)."""

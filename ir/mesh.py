@@ -18,13 +18,14 @@ parallelism up to the GPUs of one server, pipeline parallelism across servers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from xirang.ir.errors import InvalidValue
 
 AXES = ("dp", "pp", "tp")  # outermost to innermost
 
 
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Mesh {name} must be a positive int, got {value!r}")
+        raise InvalidValue(f"Mesh {name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,12 @@ class Mesh:
 
     def axis_size(self, axis: str) -> int:
         if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {', '.join(AXES)}")
+            raise InvalidValue(f"unknown mesh axis {axis!r}; valid axes are {', '.join(AXES)}")
         return getattr(self, axis)
 
     def _check_rank(self, rank) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank!r} is out of range for mesh {self} "
+            raise InvalidValue(f"rank {rank!r} is out of range for mesh {self} "
                              f"(valid ranks 0..{self.size - 1})")
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -73,12 +74,12 @@ class Mesh:
         unknown = sorted(set(coords) - set(AXES))
         missing = [axis for axis in AXES if axis not in coords]
         if unknown or missing:
-            raise ValueError(f"rank_of needs exactly the axes {', '.join(AXES)}; "
+            raise InvalidValue(f"rank_of needs exactly the axes {', '.join(AXES)}; "
                              f"unknown {unknown}, missing {missing}")
         for axis in AXES:
             index, size = coords[axis], self.axis_size(axis)
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
-                raise ValueError(f"{axis}={index!r} is out of range for mesh {self} "
+                raise InvalidValue(f"{axis}={index!r} is out of range for mesh {self} "
                                  f"(valid {axis} indices 0..{size - 1})")
         return (coords["dp"] * self.pp + coords["pp"]) * self.tp + coords["tp"]
 
@@ -114,6 +115,6 @@ class Mesh:
     @classmethod
     def from_json(cls, data: dict) -> "Mesh":
         if not isinstance(data, dict) or set(data) != set(AXES):
-            raise ValueError(f"bad mesh {data!r}: expected an object with exactly the keys "
+            raise InvalidValue(f"bad mesh {data!r}: expected an object with exactly the keys "
                              f"{', '.join(AXES)} (positive ints)")
         return cls(**{axis: data[axis] for axis in AXES})

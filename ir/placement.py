@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Union
+from xirang.ir.errors import InvalidValue, InvalidType
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 
@@ -35,10 +36,10 @@ class Shard:
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
-            raise ValueError(f"Shard(dim={self.dim!r}): dim must be a non-negative int "
+            raise InvalidValue(f"Shard(dim={self.dim!r}): dim must be a non-negative int "
                              f"(normalise negative dims with dim % ndim first)")
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"Shard(dim={self.dim}, chunks={self.chunks!r}): chunks must be a positive int "
+            raise InvalidValue(f"Shard(dim={self.dim}, chunks={self.chunks!r}): chunks must be a positive int "
                              f"(1 for one contiguous slice per rank, k for a fused projection of k pieces)")
 
     def __str__(self) -> str:
@@ -71,7 +72,7 @@ class Partial:
 
     def __post_init__(self):
         if self.op not in PARTIAL_OPS:
-            raise ValueError(f"Partial(op={self.op!r}): op must be one of {', '.join(PARTIAL_OPS)}")
+            raise InvalidValue(f"Partial(op={self.op!r}): op must be one of {', '.join(PARTIAL_OPS)}")
 
     def __str__(self) -> str:
         return f"P({self.op})"
@@ -93,7 +94,7 @@ def placement_from_json(data: Any) -> Placement:
         (kind, value), = data.items()
         if kind == "partial":
             return Partial(value)
-    raise ValueError(f"bad placement {data!r}: expected {{\"shard\": <dim>}} (optionally with "
+    raise InvalidValue(f"bad placement {data!r}: expected {{\"shard\": <dim>}} (optionally with "
                      f"\"chunks\": <pieces>), \"replicate\" or {{\"partial\": <{'|'.join(PARTIAL_OPS)}>}}")
 
 
@@ -108,14 +109,14 @@ def local_shape(shape: tuple, placement: Placement, axis_size: int) -> tuple:
     Replicate and Partial keep the full shape.
     """
     if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
-        raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+        raise InvalidValue(f"axis_size must be a positive int, got {axis_size!r}")
     shape = tuple(shape)
     if isinstance(placement, (Replicate, Partial)):
         return shape
     if not isinstance(placement, Shard):
-        raise TypeError(f"not a placement: {placement!r} (expected Shard, Replicate or Partial)")
+        raise InvalidType(f"not a placement: {placement!r} (expected Shard, Replicate or Partial)")
     if placement.dim >= len(shape):
-        raise ValueError(f"{placement} is out of range for a tensor of shape {shape} "
+        raise InvalidValue(f"{placement} is out of range for a tensor of shape {shape} "
                          f"(valid dims 0..{len(shape) - 1})" if shape else
                          f"{placement} cannot shard a 0-dim tensor")
     n = shape[placement.dim]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Sequence, Union
+from xirang.ir.errors import InvalidValue
 
 ACTIVATION = "activation"  # forward: output of stage s -> input of stage s + 1
 GRADIENT = "gradient"  # backward: gradient w.r.t. the input of stage s -> output of stage s - 1
@@ -40,7 +41,7 @@ KINDS = (ACTIVATION, GRADIENT)
 
 def _non_negative_int(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}")
+        raise InvalidValue(f"{owner}.{name} must be an int >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class _Transfer:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"{type(self).__name__}.kind must be one of {KINDS}, got {self.kind!r}")
+            raise InvalidValue(f"{type(self).__name__}.kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("stage", "micro_batch", "peer"):
             _non_negative_int(type(self).__name__, name, getattr(self, name))
 
@@ -128,9 +129,9 @@ class Schedule:
         for name in ("num_stages", "num_micro_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Schedule {self.name!r}: {name} must be an int >= 1, got {value!r}")
+                raise InvalidValue(f"Schedule {self.name!r}: {name} must be an int >= 1, got {value!r}")
         if not self.ranks or self.num_stages % len(self.ranks):
-            raise ValueError(f"Schedule {self.name!r}: {self.num_stages} stages cannot be spread evenly "
+            raise InvalidValue(f"Schedule {self.name!r}: {self.num_stages} stages cannot be spread evenly "
                              f"over {len(self.ranks)} pipeline ranks; give one action list per rank and "
                              f"a multiple of that many stages")
 
@@ -221,12 +222,12 @@ def with_communication(name: str, num_stages: int, m: int,
 def _check_sizes(name: str, p: int, m: int, v: int = 1) -> None:
     for label, value in (("p", p), ("m", m), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: {label} must be a positive int (>= 1), got {value!r}")
+            raise InvalidValue(f"{name}: {label} must be a positive int (>= 1), got {value!r}")
 
 
 def _check_multiple(name: str, p: int, m: int) -> None:
     if m % p:
-        raise ValueError(f"{name}: m={m} micro-batches must be a multiple of p={p} pipeline ranks "
+        raise InvalidValue(f"{name}: m={m} micro-batches must be a multiple of p={p} pipeline ranks "
                          f"(Megatron-LM runs p micro-batches per chunk in turn); use m in {p}, {2 * p}, ...")
 
 
@@ -349,7 +350,7 @@ class ScheduleSpec:
         """Raise ValueError unless (p, m, v) suit this schedule (the rules ``build`` enforces)."""
         _check_sizes(self.name, p, m, v)
         if not self.chunked and v != 1:
-            raise ValueError(f"{self.name}: v={v} model chunks per rank needs the 'interleaved' schedule")
+            raise InvalidValue(f"{self.name}: v={v} model chunks per rank needs the 'interleaved' schedule")
         if self.chunked:
             _check_multiple(self.name, p, m)
 
@@ -395,5 +396,5 @@ def schedule_spec(name: str) -> ScheduleSpec:
     """The ScheduleSpec of ``name``; ValueError naming the known schedules otherwise."""
     spec = SCHEDULE_SPECS.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+        raise InvalidValue(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     return spec

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from xirang.ir.device import DeviceSpec, device_spec
+from xirang.ir.errors import InvalidValue
 
 DEFAULT_DEVICE = "a100-80g"
 DEVICES_PER_NODE = 8  # how an int device count is packed into nodes (see parse_world)
@@ -28,11 +29,11 @@ class LinkSpec:
     def __post_init__(self):
         if isinstance(self.bandwidth, bool) or not isinstance(self.bandwidth, (int, float)) \
                 or self.bandwidth <= 0:
-            raise ValueError(f"LinkSpec bandwidth must be a positive number of bytes/s, "
+            raise InvalidValue(f"LinkSpec bandwidth must be a positive number of bytes/s, "
                              f"got {self.bandwidth!r}")
         if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
                 or self.latency < 0:
-            raise ValueError(f"LinkSpec latency must be a non-negative number of seconds, "
+            raise InvalidValue(f"LinkSpec latency must be a non-negative number of seconds, "
                              f"got {self.latency!r}")
         object.__setattr__(self, "bandwidth", float(self.bandwidth))
         object.__setattr__(self, "latency", float(self.latency))
@@ -47,7 +48,7 @@ class LinkSpec:
     @classmethod
     def from_json(cls, data: dict) -> "LinkSpec":
         if not isinstance(data, dict) or set(data) != {"bandwidth", "latency"}:
-            raise ValueError(f"bad link spec {data!r}: expected an object with exactly the keys "
+            raise InvalidValue(f"bad link spec {data!r}: expected an object with exactly the keys "
                              f"bandwidth (bytes/s), latency (s)")
         return cls(**data)
 
@@ -72,7 +73,7 @@ class NodeSpec:
 
     def __post_init__(self):
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
-            raise ValueError(f"NodeSpec devices must be a positive int, got {self.devices!r}")
+            raise InvalidValue(f"NodeSpec devices must be a positive int, got {self.devices!r}")
         object.__setattr__(self, "device", device_spec(self.device))
 
     def to_json(self) -> dict:
@@ -81,7 +82,7 @@ class NodeSpec:
     @classmethod
     def from_json(cls, data: dict) -> "NodeSpec":
         if not isinstance(data, dict) or set(data) != {"devices", "device"}:
-            raise ValueError(f"bad node spec {data!r}: expected an object with exactly the keys "
+            raise InvalidValue(f"bad node spec {data!r}: expected an object with exactly the keys "
                              f"devices (int), device (preset name or device spec object)")
         device = data["device"]
         return cls(data["devices"], DeviceSpec.from_json(device) if isinstance(device, dict)
@@ -99,11 +100,11 @@ class World:
     def __post_init__(self):
         nodes = tuple(self.nodes)
         if not nodes or not all(isinstance(node, NodeSpec) for node in nodes):
-            raise ValueError(f"World nodes must be a non-empty sequence of NodeSpec, got {self.nodes!r}")
+            raise InvalidValue(f"World nodes must be a non-empty sequence of NodeSpec, got {self.nodes!r}")
         object.__setattr__(self, "nodes", nodes)
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), LinkSpec):
-                raise ValueError(f"World {name} must be a LinkSpec, got {getattr(self, name)!r}")
+                raise InvalidValue(f"World {name} must be a LinkSpec, got {getattr(self, name)!r}")
         # first rank of each node, plus the total: node_of is a search in this table
         starts = [0]
         for node in nodes:
@@ -116,7 +117,7 @@ class World:
                 inter_node: LinkSpec = INTER_NODE_IB) -> "World":
         """``nodes`` identical nodes of ``devices_per_node`` devices each."""
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"World.uniform nodes must be a positive int, got {nodes!r}")
+            raise InvalidValue(f"World.uniform nodes must be a positive int, got {nodes!r}")
         node = NodeSpec(devices_per_node, device_spec(device))
         return cls((node,) * nodes, intra_node, inter_node)
 
@@ -138,13 +139,13 @@ class World:
     def devices_per_node(self) -> int:
         counts = sorted({node.devices for node in self.nodes})
         if len(counts) > 1:
-            raise ValueError(f"nodes of this world have different device counts {counts}; "
+            raise InvalidValue(f"nodes of this world have different device counts {counts}; "
                              f"use world.nodes[i].devices for one node")
         return counts[0]
 
     def _check_rank(self, rank) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank!r} is out of range for a world of {self.size} devices "
+            raise InvalidValue(f"rank {rank!r} is out of range for a world of {self.size} devices "
                              f"(valid ranks 0..{self.size - 1})")
 
     def node_of(self, rank: int) -> int:
@@ -195,7 +196,7 @@ class World:
     def from_json(cls, data: dict) -> "World":
         keys = {"nodes", "intra_node", "inter_node"}
         if not isinstance(data, dict) or set(data) != keys or not isinstance(data["nodes"], list):
-            raise ValueError(f"bad world {data!r}: expected an object with exactly the keys "
+            raise InvalidValue(f"bad world {data!r}: expected an object with exactly the keys "
                              f"nodes (list of node specs), intra_node, inter_node (link specs)")
         return cls(tuple(NodeSpec.from_json(node) for node in data["nodes"]),
                    LinkSpec.from_json(data["intra_node"]), LinkSpec.from_json(data["inter_node"]))
@@ -218,7 +219,7 @@ def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, Non
     """
     if isinstance(spec, World):
         if device is not None:
-            raise ValueError("parse_world: device= applies only when building a world from a count "
+            raise InvalidValue("parse_world: device= applies only when building a world from a count "
                              "or an 'NxM' string; this World already names its devices")
         return spec
     device = device_spec(DEFAULT_DEVICE if device is None else device)
@@ -231,12 +232,12 @@ def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, Non
     elif isinstance(spec, str) and _NODES_X_DEVICES.match(spec):
         nodes, per_node = (int(g) for g in _NODES_X_DEVICES.match(spec).groups())
         if nodes < 1 or per_node < 1:
-            raise ValueError(f"bad world {spec!r}: node and device counts must be > 0; {forms}")
+            raise InvalidValue(f"bad world {spec!r}: node and device counts must be > 0; {forms}")
         return World.uniform(nodes, per_node, device)
     else:
-        raise ValueError(f"bad world {spec!r}; {forms}")
+        raise InvalidValue(f"bad world {spec!r}; {forms}")
     if count < 1:
-        raise ValueError(f"bad world {spec!r}: the device count must be > 0; {forms}")
+        raise InvalidValue(f"bad world {spec!r}: the device count must be > 0; {forms}")
     if count > DEVICES_PER_NODE and count % DEVICES_PER_NODE == 0:
         return World.uniform(count // DEVICES_PER_NODE, DEVICES_PER_NODE, device)
     return World.uniform(1, count, device)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
-from xirang.ir.errors import XirangError
+from xirang.ir.errors import InvalidValue, XirangError
 
 
 class Unattached:
@@ -231,7 +231,7 @@ def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
 def _check_full_size(x, dim, full_size, k, name) -> None:
     """A dim of ``full_size`` on k ranks is held as ceil(full_size / k) per rank (local_shape)."""
     if full_size is not None and -(-full_size // k) != x.shape[dim]:
-        raise ValueError(f"{name}: a dim of {full_size} elements on {k} ranks is held as "
+        raise InvalidValue(f"{name}: a dim of {full_size} elements on {k} ranks is held as "
                          f"ceil({full_size}/{k}) = {-(-full_size // k)} per rank, but this "
                          f"rank's input has {x.shape[dim]} along dim {dim} (shape "
                          f"{tuple(x.shape)}); pass the true full size of that dim")
@@ -274,7 +274,7 @@ def all_to_all(x, group, *, scatter_dim: int, gather_dim: int, gather_size: Opti
     scatter_dim = _norm_dim(x, scatter_dim, "all_to_all")
     gather_dim = _norm_dim(x, gather_dim, "all_to_all")
     if scatter_dim == gather_dim:
-        raise ValueError(f"all_to_all: scatter_dim and gather_dim are both {scatter_dim}; "
+        raise InvalidValue(f"all_to_all: scatter_dim and gather_dim are both {scatter_dim}; "
                          f"an exchange between one dim and itself moves nothing, use the tensor")
     _check_full_size(x, gather_dim, gather_size, group_size(group), "all_to_all")
     if group_size(group) == 1:

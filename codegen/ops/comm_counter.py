@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
+from xirang.ir.errors import InvalidValue
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -49,7 +50,7 @@ class CommCounter:
     def record(self, kind: str, nbytes: int, group_size: int, label: str = "",
                emulated: bool = False) -> None:
         if kind not in KINDS:
-            raise ValueError(f"CommCounter.record: unknown collective kind {kind!r} "
+            raise InvalidValue(f"CommCounter.record: unknown collective kind {kind!r} "
                              f"(from {label or 'an unlabelled call'}); valid kinds are "
                              f"{', '.join(KINDS)}")
         self.records.append(CommRecord(kind, int(nbytes), int(group_size), label, emulated))

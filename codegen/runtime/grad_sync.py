@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.ir.errors import XirangError
+from xirang.ir.errors import InvalidValue, XirangError
 
 from xirang.codegen.ops.collectives import group_size
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
@@ -80,7 +80,7 @@ class GradientBuckets:
                  reduce_dtype: Optional[torch.dtype] = None, event_log: Optional[list] = None,
                  counter: Optional[CommCounter] = None):
         if bucket_bytes <= 0:
-            raise ValueError(f"GradientBuckets: bucket_bytes must be positive, got {bucket_bytes}")
+            raise InvalidValue(f"GradientBuckets: bucket_bytes must be positive, got {bucket_bytes}")
         params, self._position = [], {}  # position in params_in_order, for error messages
         for position, param in enumerate(params_in_order):
             if param.requires_grad and id(param) not in self._position:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xirang.ir.errors import XirangError
+from xirang.ir.errors import InvalidValue, XirangError
 
 from xirang.codegen.runtime.p2p import ReceiveBuffers, Transfer, message_tag, post_recv, post_send
 from xirang.ir.schedules import (ACTIVATION, GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
@@ -54,7 +54,7 @@ class LocalStage:
 
     def __post_init__(self):
         if len(self.parameters) != len(self.program.parameters):
-            raise ValueError(f"stage {self.program.index} takes {len(self.program.parameters)} parameters, "
+            raise InvalidValue(f"stage {self.program.index} takes {len(self.program.parameters)} parameters, "
                              f"got {len(self.parameters)}")
 
 

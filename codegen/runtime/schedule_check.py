@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from xirang.ir.errors import ScheduleError
+from xirang.ir.errors import InvalidValue, ScheduleError
 from xirang.ir.schedules import (ACTIVATION, Action, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
                         Send, describe, input_recv, is_compute, matching_recv)
 
@@ -238,7 +238,7 @@ def _channel_order_problems(schedule: Schedule) -> list[str]:
 
 def _budget_problems(schedule: Schedule, budget: Sequence[int]) -> list[str]:
     if len(budget) != schedule.pipeline_ranks:
-        raise ValueError(f"in_flight_budget has {len(budget)} entries; schedule {schedule.name!r} has "
+        raise InvalidValue(f"in_flight_budget has {len(budget)} entries; schedule {schedule.name!r} has "
                          f"{schedule.pipeline_ranks} pipeline ranks and needs one budget each")
     problems = []
     for rank, actions in enumerate(schedule.ranks):

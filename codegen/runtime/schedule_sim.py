@@ -20,6 +20,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 from xirang.codegen.runtime.schedule_check import check_schedule
 from xirang.ir.schedules import Action, Backward, BackwardInput, Compute, Forward, Schedule, describe, is_compute
+from xirang.ir.errors import InvalidValue, SolverFailure
 
 
 class TimedAction(NamedTuple):
@@ -55,11 +56,11 @@ class IdleReport:
 def _per_stage(name: str, value, num_stages: int) -> tuple[Real, ...]:
     values = tuple(value) if isinstance(value, Sequence) else (value,) * num_stages
     if len(values) != num_stages:
-        raise ValueError(f"{name} durations: got {len(values)} values for {num_stages} stages; give one "
+        raise InvalidValue(f"{name} durations: got {len(values)} values for {num_stages} stages; give one "
                          f"number, or one per stage")
     for stage, duration in enumerate(values):
         if isinstance(duration, bool) or not isinstance(duration, Real) or duration < 0:
-            raise ValueError(f"{name} duration of stage {stage} must be a number >= 0, got {duration!r}")
+            raise InvalidValue(f"{name} duration of stage {stage} must be a number >= 0, got {duration!r}")
     return values
 
 
@@ -115,7 +116,7 @@ def simulate(schedule: Schedule, *, forward: Real | Sequence[Real] = 1,
     if any(next_index[rank] < len(actions) for rank, actions in enumerate(schedule.ranks)):
         stuck = [describe(actions[next_index[r]]) for r, actions in enumerate(schedule.ranks)
                  if next_index[r] < len(actions)]
-        raise RuntimeError(f"simulate({schedule.name!r}) stalled at {stuck} although check_schedule passed; "
+        raise SolverFailure(f"simulate({schedule.name!r}) stalled at {stuck} although check_schedule passed; "
                            f"this is a bug in schedule_sim.py, please report it with the schedule")
     return Timeline(schedule, tuple(entry for per_rank in timed for entry in per_rank))
 
@@ -141,23 +142,23 @@ def idle_fractions(records: Iterable[tuple[int, Action, Real, Real]], *,
     for position, record in enumerate(records):
         rank, action, start, end = record
         if end < start:
-            raise ValueError(f"record {position} ({describe(action)} on rank {rank}) ends at {end} before it "
+            raise InvalidValue(f"record {position} ({describe(action)} on rank {rank}) ends at {end} before it "
                              f"starts at {start}; pass (rank, action, start, end)")
         busy_intervals.setdefault(rank, [])
         if is_compute(action):
             busy_intervals[rank].append((start, end))
     if not busy_intervals:
-        raise ValueError("idle_fractions needs at least one (rank, action, start, end) record")
+        raise InvalidValue("idle_fractions needs at least one (rank, action, start, end) record")
     ranks = pipeline_ranks if pipeline_ranks is not None else max(busy_intervals) + 1
     if max(busy_intervals) >= ranks:
-        raise ValueError(f"a record names rank {max(busy_intervals)} but pipeline_ranks is {ranks}")
+        raise InvalidValue(f"a record names rank {max(busy_intervals)} but pipeline_ranks is {ranks}")
     everything = [interval for intervals in busy_intervals.values() for interval in intervals]
     if not everything:
-        raise ValueError("idle_fractions found no compute action (Forward/Backward...) among the records")
+        raise InvalidValue("idle_fractions found no compute action (Forward/Backward...) among the records")
     window_start = min(start for start, _ in everything)
     window = max(end for _, end in everything) - window_start
     if window == 0:
-        raise ValueError("all compute records have zero length; cannot measure idle time")
+        raise InvalidValue("all compute records have zero length; cannot measure idle time")
     idle = []
     for rank in range(ranks):
         busy, covered_until = 0, window_start

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from xirang.codegen.viz.plotting import (DPI, FONT, TITLE_FONT, add_legend, fit_legend, new_figure, plain, png_bytes,
                                          rgb, text_size, write_png)
+from xirang.ir.errors import InvalidValue
 
 BAR, OVER, LIMIT, AXIS, INK = (66, 133, 244), (234, 110, 40), (219, 0, 0), (120, 120, 120), (0, 0, 0)
 MEASURED = (128, 0, 160)  # the measured marker
@@ -132,7 +133,7 @@ def memory_layout(plan, measured=None, measured_what: str = "") -> MemoryLayout:
     memory = tuple(plan.predicted.memory_bytes_per_device)
     measured = tuple(measured or ())
     if measured and len(measured) != len(memory):
-        raise ValueError(f"measured has {len(measured)} figures, the plan {len(memory)} pipeline ranks")
+        raise InvalidValue(f"measured has {len(measured)} figures, the plan {len(memory)} pipeline ranks")
     measured_what = measured_what or ("as measured" if measured else "")
     limit = min(stage.memory_limit_bytes for stage in plan.stages)
     room_gib = max(max(memory, default=0), max((m or 0 for m in measured), default=0), limit, 1) * HEADROOM / GiB

@@ -58,11 +58,17 @@ _NOTHING_DRAWN = {"p": 0, "dropout_p": 0, "train": False, "training": False}
 
 
 def _argument(node: Node, name: str, default=None):
-    names = [a.name for a in node.target._schema.arguments]
+    """The value ``node`` passes for its op's argument ``name``: given by position or keyword, else the
+    schema's default (an sdpa traced without ``dropout_p`` draws nothing), else ``default``."""
+    arguments = node.target._schema.arguments
+    names = [a.name for a in arguments]
     if name in node.kwargs:
         return node.kwargs[name]
     position = names.index(name) if name in names else len(node.args)
-    return node.args[position] if position < len(node.args) else default
+    if position < len(node.args):
+        return node.args[position]
+    schema = next((a for a in arguments if a.name == name), None)
+    return schema.default_value if schema is not None and schema.has_default_value() else default
 
 
 def draws_random(node: Node) -> bool:

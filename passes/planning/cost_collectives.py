@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Optional
 
 from xirang.ir.world import LinkSpec, World
+from xirang.ir.errors import InvalidValue
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ def group_topology(group: tuple[int, ...], world: World) -> GroupTopology:
     """The topology of ``group`` (distinct global ranks of ``world``)."""
     group = tuple(group)
     if not group:
-        raise ValueError("a collective needs a non-empty group of global ranks")
+        raise InvalidValue("a collective needs a non-empty group of global ranks")
     if len(set(group)) != len(group):
-        raise ValueError(f"group {group} names a rank more than once; a group lists distinct ranks")
+        raise InvalidValue(f"group {group} names a rank more than once; a group lists distinct ranks")
     per_node = Counter(world.node_of(rank) for rank in group)  # node_of range-checks each rank
     nodes = sorted(per_node)
     devices = max(world.nodes[node].devices for node in nodes)
@@ -213,12 +214,12 @@ def collective_costs(kind: str, nbytes: float, group: tuple[int, ...],
     A group of one rank, or zero bytes, costs nothing (algorithm "none"): no call is made.
     """
     if kind not in ALGORITHMS:
-        raise ValueError(f"unknown collective {kind!r}; known: {', '.join(ALGORITHMS)}")
+        raise InvalidValue(f"unknown collective {kind!r}; known: {', '.join(ALGORITHMS)}")
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or nbytes < 0:
-        raise ValueError(f"{kind}: nbytes must be a non-negative number of bytes, got {nbytes!r}")
+        raise InvalidValue(f"{kind}: nbytes must be a non-negative number of bytes, got {nbytes!r}")
     topo = group_topology(group, world)
     if kind == "send" and topo.size > 2:
-        raise ValueError(f"send: group must be (src, dst), got {tuple(group)}")
+        raise InvalidValue(f"send: group must be (src, dst), got {tuple(group)}")
     if topo.size == 1 or nbytes == 0:
         return (CollectiveCost(kind, "none", 0.0, nbytes),)
     candidates = ((name, price(nbytes, topo)) for name, price in ALGORITHMS[kind])

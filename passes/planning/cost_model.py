@@ -18,6 +18,7 @@ from xirang.ir.schedules import SCHEDULE_SPECS, ScheduleSpec, schedule_spec
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
+from xirang.ir.errors import InvalidValue
 
 # --- compute -------------------------------------------------------------------------------------
 
@@ -48,7 +49,7 @@ class Efficiency:
         for name in ("matmul", "other", "memory"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f"Efficiency.{name} must be a fraction in (0, 1], got {value!r}")
+                raise InvalidValue(f"Efficiency.{name} must be a fraction in (0, 1], got {value!r}")
 
 
 def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
@@ -110,7 +111,7 @@ def exposed_comm_time(comm_seconds: Sequence[float], backward_seconds: Sequence[
     and the backward kernels is not modelled.
     """
     if len(comm_seconds) != len(backward_seconds):
-        raise ValueError(f"one backward time per bucket: {len(comm_seconds)} buckets, "
+        raise InvalidValue(f"one backward time per bucket: {len(comm_seconds)} buckets, "
                          f"{len(backward_seconds)} backward times")
     ready = comm_free = 0.0
     for comm, backward in zip(comm_seconds, backward_seconds):
@@ -152,9 +153,9 @@ def model_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) ->
     mixed-precision Adam; ZeRO stage 1 shards optimizer states over ``dp``, stage 2 gradients
     too, stage 3 parameters too (Rajbhandari et al. 2020, fig. 1)."""
     if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        raise InvalidValue(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive int, got {dp!r}")
+        raise InvalidValue(f"dp must be a positive int, got {dp!r}")
     return ModelStateBytes(params=PARAM_BYTES * num_params / (dp if zero_stage >= 3 else 1),
                            grads=GRAD_BYTES * num_params / (dp if zero_stage >= 2 else 1),
                            optimizer=ADAM_STATE_BYTES * num_params / (dp if zero_stage >= 1 else 1))
@@ -174,7 +175,7 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, *,
                  sequence shard Megatron checkpoints, 2·s·b·h/t.
     """
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"unknown recompute mode {recompute!r}; known: {', '.join(RECOMPUTE_MODES)}")
+        raise InvalidValue(f"unknown recompute mode {recompute!r}; known: {', '.join(RECOMPUTE_MODES)}")
     if sequence_parallel and t == 1:
         sequence_parallel = False  # nothing to shard: both formulas agree at t = 1
     sbh = s * b * h

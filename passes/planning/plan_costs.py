@@ -44,6 +44,7 @@ from xirang.passes.planning.cost_model import exposed_comm_time, model_state_byt
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
 from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
 from xirang.passes.planning.unit_costs import TensorSplit
+from xirang.ir.errors import InvalidValue
 
 STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -107,7 +108,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     modes = [recompute if u.name.startswith("block:") else "none" for u in units]
     moved = [offload != "none" and u.name.startswith("block:") for u in units]
     if any(moved) and not host_link:
-        raise ValueError(f"offload={offload!r} needs the devices' host link (DeviceSpec.host_link_bytes_per_s)")
+        raise InvalidValue(f"offload={offload!r} needs the devices' host link (DeviceSpec.host_link_bytes_per_s)")
     compute = [u.forward_seconds + u.backward_seconds
                + {"none": 0.0, "selective": u.selective_recompute_seconds, "full": u.forward_seconds}[mode]
                for u, mode in zip(units, modes)]

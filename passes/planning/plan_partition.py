@@ -18,6 +18,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
+from xirang.ir.errors import InvalidValue
 
 Bounds = tuple[tuple[int, int], ...]
 TOLERANCE = 1e-6  # relative: bisection stops when the bracket is this narrow
@@ -105,7 +106,7 @@ def fit_stages(table: UnitTable, stages: int, caps: Sequence[float],
     """Contiguous cuts into ``stages`` minimising the slowest stage within each stage's memory cap
     (``caps[s]`` bytes, activations held ``in_flight[s]`` times); None when no greedy cut fits."""
     if not 1 <= stages <= table.units:
-        raise ValueError(f"stages must be in 1..{table.units}, got {stages}")
+        raise InvalidValue(f"stages must be in 1..{table.units}, got {stages}")
     best = greedy_cuts(table, stages, math.inf, caps, in_flight)
     if best is None:
         return None

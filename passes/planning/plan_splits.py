@@ -39,6 +39,7 @@ from xirang.passes.planning.plan_splits_problem import TpProblem
 from xirang.passes.planning.plan_splits_result import Assembly
 from xirang.passes.planning.sharding_rules import ops_without_sharding_rule
 from xirang.passes.planning.solve_splits import SplitEdge, SplitNode, SplitProblem, Strategy, solve_splits
+from xirang.ir.errors import InvalidValue
 
 TIE_BREAK = 1e-6  # penalty per non-first option and per collective, relative to the largest cost
 
@@ -53,10 +54,10 @@ class SplitPricer:
     def __init__(self, gm, world: World, *, device=None, efficiency: Efficiency = Efficiency(),
                  precision: str = "bf16"):
         if not isinstance(world, World):
-            raise ValueError(f"SplitPricer needs a World (xirang.ir.world), got {world!r}")
+            raise InvalidValue(f"SplitPricer needs a World (xirang.ir.world), got {world!r}")
         self.precision = canonical_dtype(precision)
         if self.precision not in FLOAT_BYTES:
-            raise ValueError(f"unknown precision {precision!r}; known: {', '.join(FLOAT_BYTES)}")
+            raise InvalidValue(f"unknown precision {precision!r}; known: {', '.join(FLOAT_BYTES)}")
         self.world, self.efficiency = world, efficiency
         self.device = device_spec(device) if device is not None else None
         self.graph = SplitGraph(gm)
@@ -119,14 +120,14 @@ class SplitPricer:
         """
         for name, value in (("tp", tp), ("micro_batch", micro_batch), ("seq", seq)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"price: {name} must be a positive int, got {value!r}")
+                raise InvalidValue(f"price: {name} must be a positive int, got {value!r}")
         tp_group = tuple(tp_group)
         if len(tp_group) != tp:
-            raise ValueError(f"price: tp_group {tp_group} must list the {tp} global ranks of one tp group")
+            raise InvalidValue(f"price: tp_group {tp_group} must list the {tp} global ranks of one tp group")
         group_topology(tp_group, self.world)  # checks the ranks exist and are distinct
         if memory_limit_bytes is not None and (isinstance(memory_limit_bytes, bool) or not isinstance(
                 memory_limit_bytes, (int, float)) or not memory_limit_bytes >= 0):
-            raise ValueError(f"price: memory_limit_bytes must be a number of bytes >= 0 or None, "
+            raise InvalidValue(f"price: memory_limit_bytes must be a number of bytes >= 0 or None, "
                              f"got {memory_limit_bytes!r}")
         key = (tp, tp_group, micro_batch, seq, memory_limit_bytes)
         if key not in self._solutions:
@@ -165,7 +166,7 @@ class SplitPricer:
         if memory_limit is not None:
             need = self.shared_param_bytes + sum(min(m for _, m in opts) for opts in options.values())
             if need > memory_limit:
-                raise ValueError(
+                raise InvalidValue(
                     f"tp={problem.tp}: the parameters need at least {need:.6g} bytes per tp rank in "
                     f"{self.precision} (each weight sharded as far as the sharding rules allow), more than "
                     f"memory_limit_bytes={memory_limit:.6g}. Raise the limit, use a larger tp, or more stages.")
@@ -177,7 +178,7 @@ class SplitPricer:
         solution = solve_splits(SplitProblem(tuple(nodes), tuple(edges), budget))
         for (rows, cols), link in problem.links.items():
             if link.terms[solution.choice[rows]][solution.choice[cols]] is None:
-                raise ValueError(f"tp={problem.tp}: the only strategies within memory_limit_bytes need a "
+                raise InvalidValue(f"tp={problem.tp}: the only strategies within memory_limit_bytes need a "
                                  f"reshard between {rows} and {cols} that is not supported (Partial of another "
                                  f"reduction); raise the limit or the tp degree")
         return solution.choice

@@ -24,6 +24,7 @@ from torch.fx import Node
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, FLOPS, ROLE, SYMBOLS, TENSOR, UNIT,
                                  symbol)
+from xirang.ir.errors import InvalidValue
 
 KNOWN_SYMBOLS = ("batch", "seq")
 
@@ -86,7 +87,7 @@ class SplitGraph:
 
     def __init__(self, gm):
         if not BLOCK_GRAPH.has(gm) or not BLOCK_KINDS.has(gm):
-            raise ValueError("plan_splits needs an analysed graph (BLOCK_GRAPH and BLOCK_KINDS missing): "
+            raise InvalidValue("plan_splits needs an analysed graph (BLOCK_GRAPH and BLOCK_KINDS missing): "
                              "pass xirang.analyze(model, ...).graph_module")
         self.gm = gm
         self.nodes = list(gm.graph.nodes)
@@ -94,7 +95,7 @@ class SplitGraph:
         names = tuple(SYMBOLS.get(gm, {}))
         unknown = [name for name in names if name not in KNOWN_SYMBOLS]
         if unknown:
-            raise ValueError(f"plan_splits prices sizes in {', '.join(KNOWN_SYMBOLS)} only; the graph has "
+            raise InvalidValue(f"plan_splits prices sizes in {', '.join(KNOWN_SYMBOLS)} only; the graph has "
                              f"symbol(s) {', '.join(unknown)}. Trace with symbolic_dims naming only batch/seq.")
         self.symbol_names = names
         block_graph = BLOCK_GRAPH.get(gm)
@@ -142,7 +143,7 @@ class SplitGraph:
                 other = members[path]
                 if len(other) != len(rep) or any(a.op != b.op or (a.op == "call_function" and a.target != b.target)
                                                  for a, b in zip(rep, other)):
-                    raise ValueError(f"blocks {paths[0]} and {path} share kind {kind} but differ node by node; "
+                    raise InvalidValue(f"blocks {paths[0]} and {path} share kind {kind} but differ node by node; "
                                      f"re-run the analysis (find_blocks) on this graph")
             for i, node in enumerate(rep):
                 self.copies[node] = [members[path][i] for path in paths[1:]]

@@ -56,6 +56,7 @@ from xirang.passes.planning.sharding_rules_fused import (chunked_follows, fused_
 from xirang.passes.planning.sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides,
                                                          floating, info, is_tensor, padded, same, shape,
                                                          shard_fraction, shardable)
+from xirang.ir.errors import InvalidValue
 
 aten = torch.ops.aten
 
@@ -291,7 +292,7 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
     node reads whole tensors; an op without a rule is only replicated.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
+        raise InvalidValue(f"tp must be a positive int, got {tp!r}")
     if node.op in ("placeholder", "get_attr"):
         if tp == 1:
             return [Strategy("replicate", (), R, 1.0)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Hashable, Optional
 
 import pulp
+from xirang.ir.errors import InvalidValue, SolverFailure
 
 EXHAUSTIVE_LIMIT = 1_000_000  # assignments solve_splits_exhaustive is willing to enumerate
 
@@ -29,7 +30,7 @@ def _amount(value, what: str) -> float:
     """A finite non-negative number (seconds or bytes) as a float, or a ValueError naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or value < 0:
-        raise ValueError(f"{what} must be a finite non-negative number, got {value!r}")
+        raise InvalidValue(f"{what} must be a finite non-negative number, got {value!r}")
     return float(value)
 
 
@@ -65,11 +66,11 @@ class SplitNode:
     def __post_init__(self):
         strategies = tuple(self.strategies)
         if not strategies or not all(isinstance(s, Strategy) for s in strategies):
-            raise ValueError(f"node {self.name!r} needs a non-empty sequence of Strategy, "
+            raise InvalidValue(f"node {self.name!r} needs a non-empty sequence of Strategy, "
                              f"got {self.strategies!r}")
         names = [s.name for s in strategies]
         if len(set(names)) != len(names):
-            raise ValueError(f"node {self.name!r} has duplicate strategy names {names}")
+            raise InvalidValue(f"node {self.name!r} has duplicate strategy names {names}")
         object.__setattr__(self, "strategies", strategies)
 
 
@@ -88,11 +89,11 @@ class SplitEdge:
     def __post_init__(self):
         where = f"edge {self.producer!r} -> {self.consumer!r}"
         if self.producer == self.consumer:
-            raise ValueError(f"{where} is a self-loop; a node cannot feed itself")
+            raise InvalidValue(f"{where} is a self-loop; a node cannot feed itself")
         try:
             rows = tuple(tuple(_amount(c, f"{where} reshard cost") for c in row) for row in self.cost)
         except TypeError:
-            raise ValueError(f"{where}: cost must be a matrix (sequence of rows), got {self.cost!r}") \
+            raise InvalidValue(f"{where}: cost must be a matrix (sequence of rows), got {self.cost!r}") \
                 from None
         object.__setattr__(self, "cost", rows)
 
@@ -109,21 +110,21 @@ class SplitProblem:
         nodes, edges = tuple(self.nodes), tuple(self.edges)
         if not all(isinstance(n, SplitNode) for n in nodes) \
                 or not all(isinstance(e, SplitEdge) for e in edges):
-            raise ValueError("SplitProblem takes a sequence of SplitNode and a sequence of SplitEdge")
+            raise InvalidValue("SplitProblem takes a sequence of SplitNode and a sequence of SplitEdge")
         index = {}
         for i, node in enumerate(nodes):
             if node.name in index:
-                raise ValueError(f"node {node.name!r} appears twice in the split problem")
+                raise InvalidValue(f"node {node.name!r} appears twice in the split problem")
             index[node.name] = i
         for edge in edges:
             for end in (edge.producer, edge.consumer):
                 if end not in index:
-                    raise ValueError(f"edge {edge.producer!r} -> {edge.consumer!r} names unknown "
+                    raise InvalidValue(f"edge {edge.producer!r} -> {edge.consumer!r} names unknown "
                                      f"node {end!r}")
             rows = len(nodes[index[edge.producer]].strategies)
             cols = len(nodes[index[edge.consumer]].strategies)
             if len(edge.cost) != rows or any(len(row) != cols for row in edge.cost):
-                raise ValueError(f"edge {edge.producer!r} -> {edge.consumer!r}: cost must be "
+                raise InvalidValue(f"edge {edge.producer!r} -> {edge.consumer!r}: cost must be "
                                  f"{rows}x{cols} (producer strategies x consumer strategies), got "
                                  f"{[len(row) for row in edge.cost]} row lengths")
         if self.memory_budget is not None:
@@ -143,7 +144,7 @@ class SplitProblem:
         for node in self.nodes:
             names = [s.name for s in node.strategies]
             if node.name not in choice or choice[node.name] not in names:
-                raise ValueError(f"choice for node {node.name!r} must be one of {names}, "
+                raise InvalidValue(f"choice for node {node.name!r} must be one of {names}, "
                                  f"got {choice.get(node.name, '<missing>')!r}")
             picks.append(names.index(choice[node.name]))
         return picks
@@ -187,7 +188,7 @@ def _check_budget(problem: SplitProblem) -> None:
     budget, need = problem.memory_budget, problem.min_memory
     if budget is not None and need > budget:
         heavy = max(problem.nodes, key=lambda n: min(s.memory for s in n.strategies))
-        raise ValueError(
+        raise InvalidValue(
             f"no strategy assignment fits the memory budget: the minimum memory any assignment "
             f"needs is {need:.6g} bytes, but the budget is {budget:.6g} bytes (largest minimum: node "
             f"{heavy.name!r}, {min(s.memory for s in heavy.strategies):.6g} bytes). Raise the budget, "
@@ -292,7 +293,7 @@ def _solve_ilp(problem: SplitProblem) -> list[int]:
     model.solve(pulp.PULP_CBC_CMD(msg=False))
     status = pulp.LpStatus[model.status]
     if status != "Optimal":
-        raise RuntimeError(f"CBC returned status {status!r} for a split problem of {len(nodes)} nodes "
+        raise SolverFailure(f"CBC returned status {status!r} for a split problem of {len(nodes)} nodes "
                            f"that has a feasible assignment (minimum memory fits the budget)")
     return [0 if len(row) == 1 else max(range(len(row)), key=lambda i: row[i].varValue or 0.0)
             for row in x]
@@ -306,7 +307,7 @@ def solve_splits_exhaustive(problem: SplitProblem) -> SplitSolution:
     _check_budget(problem)
     sizes = [len(n.strategies) for n in problem.nodes]
     if math.prod(sizes) > EXHAUSTIVE_LIMIT:
-        raise ValueError(f"{math.prod(sizes)} assignments is too many to enumerate "
+        raise InvalidValue(f"{math.prod(sizes)} assignments is too many to enumerate "
                          f"(limit {EXHAUSTIVE_LIMIT}); use solve_splits")
     budget, best, best_cost = problem.memory_budget, None, math.inf
     for picks in itertools.product(*(range(k) for k in sizes)):

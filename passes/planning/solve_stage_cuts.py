@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pulp
+from xirang.ir.errors import InvalidValue, SolverFailure
 
 AUTO_DP_UNITS = 24  # method="auto" switches from the ILP to the DP above this many units
 
@@ -33,12 +34,12 @@ def _amounts(values, what: str, length: int, *, positive: bool = False, infinite
     """A tuple of ``length`` non-negative (or positive) floats, or a ValueError naming ``what``."""
     values = tuple(values)
     if len(values) != length:
-        raise ValueError(f"{what} needs {length} values, got {len(values)}")
+        raise InvalidValue(f"{what} needs {length} values, got {len(values)}")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) or v < 0 \
                 or (positive and v == 0) or (not infinite and math.isinf(v)):
             kind = "positive" if positive else "non-negative"
-            raise ValueError(f"{what} must hold {'' if infinite else 'finite '}{kind} numbers, "
+            raise InvalidValue(f"{what} must hold {'' if infinite else 'finite '}{kind} numbers, "
                              f"got {v!r}")
     return tuple(float(v) for v in values)
 
@@ -68,9 +69,9 @@ class StageCutProblem:
     def __post_init__(self):
         units, p = len(tuple(self.compute)), self.stages
         if units == 0:
-            raise ValueError("StageCutProblem needs at least one unit")
+            raise InvalidValue("StageCutProblem needs at least one unit")
         if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= units:
-            raise ValueError(f"stages must be an int in 1..{units} (every stage holds at least one "
+            raise InvalidValue(f"stages must be an int in 1..{units} (every stage holds at least one "
                              f"of the {units} units), got {p!r}")
         fields = {"compute": (self.compute, units, {}),
                   "memory": (self.memory, units, {}),
@@ -87,7 +88,7 @@ class StageCutProblem:
         names = tuple(f"unit {u}" for u in range(units)) if self.unit_names is None \
             else tuple(str(n) for n in self.unit_names)
         if len(names) != units:
-            raise ValueError(f"unit_names needs {units} names, got {len(names)}")
+            raise InvalidValue(f"unit_names needs {units} names, got {len(names)}")
         object.__setattr__(self, "unit_names", names)
         prefix = lambda xs: tuple(itertools.accumulate(xs, initial=0.0))  # noqa: E731
         object.__setattr__(self, "_prefix", (prefix(self.compute), prefix(self.memory),
@@ -183,7 +184,7 @@ def _check_memory(problem: StageCutProblem) -> None:
     need, cap = problem.stage_memory(s, *bounds[s]), problem.capacities[s]
     a, b = bounds[s]
     units = problem.unit_names[a] if b - a == 1 else f"{problem.unit_names[a]}..{problem.unit_names[b - 1]}"
-    raise ValueError(
+    raise InvalidValue(
         f"no cut of {problem.units} units into {problem.stages} pipeline stages fits device memory: "
         f"the split needing the least memory relative to capacity, stages {bounds} (half-open unit "
         f"ranges), still needs a minimum of {need:.6g} bytes on stage {s} ({units}), whose device "
@@ -198,7 +199,7 @@ def solve_stage_cuts(problem: StageCutProblem, *, method: str = "auto") -> Stage
     both are exact and deterministic, but may break ties between equally fast cuts differently).
     """
     if method not in ("auto", "ilp", "dp"):
-        raise ValueError(f"method must be 'auto', 'ilp' or 'dp', got {method!r}")
+        raise InvalidValue(f"method must be 'auto', 'ilp' or 'dp', got {method!r}")
     if method == "dp" or (method == "auto" and problem.units > AUTO_DP_UNITS):
         return solve_stage_cuts_dp(problem)
     _check_memory(problem)
@@ -282,7 +283,7 @@ def _solve_ilp(problem: StageCutProblem) -> list[tuple[int, int]]:
     model.solve(pulp.PULP_CBC_CMD(msg=False))
     status = pulp.LpStatus[model.status]
     if status != "Optimal":
-        raise RuntimeError(f"CBC returned status {status!r} for a stage-cut problem of {units} "
+        raise SolverFailure(f"CBC returned status {status!r} for a stage-cut problem of {units} "
                            f"units and {p} stages that has a feasible split")
     ends = [sum(round(z[u][s].varValue or 0.0) for u in range(units)) for s in range(p - 1)]
     starts = [0] + ends

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from xirang.ir.plan_parts import CollectiveChoice, NodeStrategy
+from xirang.ir.errors import InvalidValue
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,10 @@ class UnitCost:
                      "model_forward_flops", "buffer_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")
+                raise InvalidValue(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")
             object.__setattr__(self, name, float(value))
         if isinstance(self.params_local, bool) or not isinstance(self.params_local, int) or self.params_local < 0:
-            raise ValueError(f"UnitCost {self.name!r}: params_local must be a non-negative int, "
+            raise InvalidValue(f"UnitCost {self.name!r}: params_local must be a non-negative int, "
                              f"got {self.params_local!r}")
 
     def activation_bytes(self, recompute: str) -> float:
@@ -103,7 +104,7 @@ class TensorSplit:
         object.__setattr__(self, "units", tuple(self.units))
         object.__setattr__(self, "placements", MappingProxyType(dict(self.placements)))
         if not self.units:
-            raise ValueError("TensorSplit needs at least one unit")
+            raise InvalidValue("TensorSplit needs at least one unit")
 
     def __hash__(self) -> int:
         return hash((self.tp, self.micro_batch, self.seq, self.units))

@@ -208,14 +208,14 @@ def _check_api(label: str, plan, results: list) -> None:
     print(f"{label}: load_full_state_dict and the pre_sharded step exact on every rank; errors name the key")
 
 
-# The default tier runs one launch of the 3D grid's corners (each model, both meshes, the three schedules, bf16,
-# the API checks); the matrix tier (-m matrix) the rest of the grid.
+# The default tier runs one launch of the 3D grid's corners (both HF models, both meshes, the three schedules,
+# the API checks); the matrix tier (-m matrix) the rest of the grid, bf16 included.
 DEFAULT_JOBS = (("gpt2 (1,2,4) 1f1b", "gpt2", 1, 2, 4, "1f1b", {"how": "compile"}),
                 ("llama (2,2,2) gpipe", "llama", 2, 2, 2, "gpipe", {"how": "pieces"}),
                 ("gpt2 (2,2,2) interleaved v=2", "gpt2", 2, 2, 2, "interleaved", {"v": 2, "how": "model",
-                                                                                    "api_checks": True}),
-                ("gpt (2,2,2) 1f1b bf16", "gpt", 2, 2, 2, "1f1b", {"precision": "bf16", "how": "compile"}))
-MATRIX_JOBS = (("llama (2,2,2) 1f1b", "llama", 2, 2, 2, "1f1b", {"how": "compile"}),
+                                                                                    "api_checks": True}))
+MATRIX_JOBS = (("gpt (2,2,2) 1f1b bf16", "gpt", 2, 2, 2, "1f1b", {"precision": "bf16", "how": "compile"}),
+               ("llama (2,2,2) 1f1b", "llama", 2, 2, 2, "1f1b", {"how": "compile"}),
                ("gpt2 (2,2,2) gpipe", "gpt2", 2, 2, 2, "gpipe", {"how": "pieces"}),
                ("llama (1,2,4) gpipe", "llama", 1, 2, 4, "gpipe", {"how": "pieces"}),
                ("gpt2 (2,2,2) 1f1b", "gpt2", 2, 2, 2, "1f1b", {"how": "pieces"}),

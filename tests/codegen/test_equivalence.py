@@ -132,8 +132,8 @@ def _predicted_param_bytes(plan, name) -> int:
     return 4 * sum(local_elements(n, plan.placements, plan.mesh.tp) for n in params)
 
 
-# 2 and 4 ranks in the default tier; the 8-rank (dp, tp) = (2, 4) launch in the matrix tier (-m matrix)
-@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.matrix) if w == 8 else w for w in sorted(CONFIGS)])
+# 2 ranks in the default tier; the 4-rank (1,4), (2,2), (4,1) and 8-rank (2,4) launches in the matrix tier
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.matrix) if w > 2 else w for w in sorted(CONFIGS)])
 def test_compiled_training_equals_single_device(world, references):
     jobs, plans = [], []
     for dp, tp in CONFIGS[world]:

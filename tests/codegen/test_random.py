@@ -226,6 +226,7 @@ def test_world_2_streams_keep_tp_replicas_equal_and_a_rule_less_random_op_runs_r
     assert site.stream == "tp-shared" and site.kind == "shaped", site
 
 
+@pytest.mark.matrix
 def test_world_4_exact_mode_equals_one_device():
     jobs = [job("gpt2 (2,2,1) exact", "gpt2", 2, 2, 1, "exact", micro_batch=2),
             job("gpt (2,2,1) exact", "gpt", 2, 2, 1, "exact", micro_batch=2)]
@@ -234,6 +235,7 @@ def test_world_4_exact_mode_equals_one_device():
         _compare_exact(label, name, results)
 
 
+@pytest.mark.matrix
 def test_world_8_streams_and_exact_mode():
     jobs = [job("gpt2 (2,2,2) streams", "gpt2", 2, 2, 2, "streams"),
             job("gpt2 (1,2,4) exact", "gpt2", 1, 2, 4, "exact"),

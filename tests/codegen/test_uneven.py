@@ -102,6 +102,7 @@ def _compare(name, dp, tp, results, reference):
     assert all(value <= TOLERANCE for value in worst.values()), (name, dp, tp, worst)
 
 
+@pytest.mark.matrix
 def test_padded_vocabulary_trains_like_single_device():
     jobs, plans = [], []
     for dp, tp in CONFIGS:
