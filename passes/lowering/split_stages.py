@@ -114,8 +114,7 @@ def assign_stages(gm, ctx):
 
 @compiler_pass(requires=(STAGE, TENSOR, REQUIRES_GRAD, RECOMPUTE, OFFLOAD), provides=(STAGE_MODULES,))
 def split_stages(gm, ctx):
-    """Cut the program into one module per stage, sizes fixed at one micro-batch, its recompute and
-    offload regions outlined."""
+    """Cut the program into one module per stage (regions outlined, sizes fixed at one micro-batch)."""
     symbols = {**SYMBOLS.get(gm, {}), "batch": ctx.plan.micro_batch}
     STAGE_MODULES.set(gm, build_stage_modules(gm, len(ctx.plan.stages), symbols))
     return gm

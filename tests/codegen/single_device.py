@@ -48,3 +48,22 @@ def compiled_run(compiled, batch, steps: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     return {"steps": found, "params": compiled.full_state_dict()}
+
+
+def worst_differences(label: str, results: list, want: dict) -> dict:
+    """The largest |difference| of loss (every step), gradients (every step, every parameter) and
+    parameters (after the last step) between every rank's ``results[rank][label]`` (``compiled_run``)
+    and the reference ``want`` (``single_device_run``); every rank must report every gradient the
+    reference has, at its shape."""
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for rank, result in enumerate(results):
+        got = result[label]
+        for (loss, grads), (want_loss, want_grads) in zip(got["steps"], want["steps"]):
+            worst["loss"] = max(worst["loss"], abs(loss - want_loss))
+            assert set(grads) == set(want_grads), (label, rank, sorted(set(grads) ^ set(want_grads)))
+            for fqn, grad in want_grads.items():
+                assert grads[fqn].shape == grad.shape, (label, fqn)
+                worst["grad"] = max(worst["grad"], (grads[fqn] - grad).abs().max().item())
+        for fqn, param in want["params"].items():
+            worst["param"] = max(worst["param"], (got["params"][fqn] - param).abs().max().item())
+    return worst

@@ -35,7 +35,7 @@ from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.passes.lowering.compute_dtypes import compute_dtypes
-from tests.codegen.single_device import compiled_run, single_device_run
+from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from xirang.codegen.runtime.launch import launch
 from xirang.lower import lower
 from xirang.codegen.runtime.process_groups import build_mesh_groups
@@ -155,17 +155,7 @@ def job(label: str, name: str, dp: int, tp: int, pp: int, schedule: str, *, how:
 
 
 def _compare(label: str, results: list, want: dict) -> dict:
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for rank, result in enumerate(results):
-        got = result[label]
-        for (loss, grads), (want_loss, want_grads) in zip(got["steps"], want["steps"]):
-            worst["loss"] = max(worst["loss"], abs(loss - want_loss))
-            assert set(grads) == set(want_grads), (label, rank, sorted(set(grads) ^ set(want_grads)))
-            for fqn, grad in want_grads.items():
-                assert grads[fqn].shape == grad.shape, (label, fqn)
-                worst["grad"] = max(worst["grad"], (grads[fqn] - grad).abs().max().item())
-        for fqn, param in want["params"].items():
-            worst["param"] = max(worst["param"], (got["params"][fqn] - param).abs().max().item())
+    worst = worst_differences(label, results, want)
     print(f"{label}: max |diff| loss {worst['loss']:.1e} grad {worst['grad']:.1e} param {worst['param']:.1e}")
     assert all(value <= TOLERANCE for value in worst.values()), (label, worst)
     return worst

@@ -34,7 +34,7 @@ from torch import nn
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from tests.codegen.single_device import compiled_run, single_device_run
+from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from tests.conftest import hf_gpt2
 from xirang.codegen.ops import random_ops
 from xirang.codegen.ops.random_ops import ExactReference, RngContext, check_replay, piece_of
@@ -187,16 +187,7 @@ def _compare_exact(label: str, name: str, results: list) -> dict:
     reference = ExactReference(SEED)
     want = single_device_run(build(name), batches(name), STEPS, keep_duplicates=True, rng=reference)
     check_replay(reference.seen, [site for result in results for site in result[label]["sites"]])
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for rank, result in enumerate(results):
-        got = result[label]
-        for (loss, grads), (want_loss, want_grads) in zip(got["steps"], want["steps"]):
-            worst["loss"] = max(worst["loss"], abs(loss - want_loss))
-            assert set(grads) == set(want_grads), (label, rank, sorted(set(grads) ^ set(want_grads)))
-            for fqn, grad in want_grads.items():
-                worst["grad"] = max(worst["grad"], (grads[fqn] - grad).abs().max().item())
-        for fqn, param in want["params"].items():
-            worst["param"] = max(worst["param"], (got["params"][fqn] - param).abs().max().item())
+    worst = worst_differences(label, results, want)
     print(f"{label}: {len(reference.seen)} random ops replayed; max |diff| loss {worst['loss']:.1e} "
           f"grad {worst['grad']:.1e} param {worst['param']:.1e}")
     assert all(value <= TOLERANCE for value in worst.values()), (label, worst)
