@@ -1,7 +1,7 @@
 """Fit the cost model's efficiency terms to the published runs, and say how well they hold out.
 
 The roofline prices matmuls at ``Efficiency.matmul`` of the datasheet peak and memory-bound ops at
-``Efficiency.memory`` of the datasheet bandwidth (passes/cost_model.py). Those two fractions are what
+``Efficiency.memory`` of the datasheet bandwidth (passes/planning/cost_model.py). Those two fractions are what
 a calibration measures; with no A100 here, they are fitted to the five rows of
 ../shared/reference/published_configs.json: each row's published configuration is priced (pinned, as
 in benchmarks/published_configs.py) on a grid of (matmul, memory) and the pair with the smallest

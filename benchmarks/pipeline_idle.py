@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ is a f
 
 
 def _rank_main(rank, world, plan, program, state, global_batch, seq, steps):
-    from xirang.codegen.runtime.pipeline_runtime import PipelineRuntime
-    runtime = PipelineRuntime(state, plan, program=program)
+    from xirang.codegen.runtime.compiled_model import CompiledModel
+    runtime = CompiledModel(state, plan, program)
     optimizer = torch.optim.SGD(runtime.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, 500, (global_batch, seq), generator=generator),
@@ -53,7 +53,7 @@ def main():
     import xirang
     from examples.gpt import GPTConfig, build_gpt
     from xirang.codegen.runtime.launch import launch
-    from xirang.codegen.runtime.pipeline_runtime import build_pipeline_program
+    from xirang.lower import lower
     from xirang.codegen.runtime.schedule_sim import idle_fractions, simulated_bubble
     from xirang.ir.schedules import Forward, one_f_one_b
 
@@ -65,7 +65,8 @@ def main():
     global_batch = args.m * args.micro_batch
     plan = xirang.plan(model, world=args.p, example_kwargs=example, global_batch=global_batch, device="cpu",
                        dp=1, pp=args.p, tp=1, schedule="1f1b", micro_batch=args.micro_batch)
-    program = build_pipeline_program(xirang.analyze(model, example_kwargs=example).graph_module, plan)
+    # every rank's program is the same at tp = 1: lowered once here and sent to the ranks
+    program = lower(xirang.analyze(model, example_kwargs=example).graph_module, plan, rank=0).program
     state = {fqn: t.detach() for fqn, t in model.state_dict(keep_vars=True).items()}
     print(f"GPT hidden {args.hidden}, seq {args.seq}, {args.p} blocks; 1F1B p={args.p} m={args.m}, "
           f"micro-batch {args.micro_batch}; stages: {[list(s.units) for s in plan.stages]}")

@@ -43,7 +43,7 @@ def model_of(row: dict):
     config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=row["hidden"], heads=row["heads"],
                        layers=row["layers"], dropout=0.1, attention="eager")
     model = build_gpt(config, device="meta")
-    # batch 2 in the example: a size-1 dim would be traced as a constant (see passes/trace_inputs.py)
+    # batch 2 in the example: a size-1 dim would be traced as a constant (see passes/analysis/trace_inputs.py)
     tokens = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long, device="meta"),
               "labels": torch.zeros(2, SEQ, dtype=torch.long, device="meta")}
     return model, tokens

@@ -20,7 +20,7 @@ class CompileContext:
     example_kwargs: dict = field(default_factory=dict)
     # input name -> {tensor dim: symbol name}; None lets the tracer choose (dim 0 batch, dim 1 seq)
     symbolic_dims: dict | None = None
-    # trace a few of each run of identical layers and replicate them (see passes/fold_repeats.py)
+    # trace a few of each run of identical layers and replicate them (see passes/analysis/fold_repeats.py)
     fold_repeats: bool = True
 
 

@@ -41,7 +41,7 @@ class Plan:
     """Every decision for one model on one World; see the module docstring."""
 
     schema_version: int = SCHEMA_VERSION
-    fingerprint: str  # passes/fingerprint.py graph_fingerprint of the traced graph
+    fingerprint: str  # passes/analysis/fingerprint.py graph_fingerprint of the traced graph
     world: World
     mesh: Mesh
     micro_batch: int  # samples per micro-batch on one dp rank

@@ -8,7 +8,7 @@ ahead (where the schedule lists its ``Recv``) overlaps the compute before its co
 Matching: every message carries a tag made of (kind, receiving stage, micro-batch, tensor index).
 gloo matches by tag, so a transfer can never land in another micro-batch's buffer; NCCL ignores
 tags and matches per pair of ranks in posting order, which ``schedule_check`` proves the schedule
-keeps. Sizes are known statically (codegen/split_stages.py), so nothing but the payload is sent.
+keeps. Sizes are known statically (passes/lowering/split_stages.py), so nothing but the payload is sent.
 
 ``ReceiveBuffers`` keeps, per (kind, stage), the buffer sets of finished receives for reuse: with
 the schedules' rule that a receive is posted one compute ahead, two sets per kind are live at most

@@ -13,7 +13,7 @@ The executor only interprets the schedule (docs/architecture.md: schedules are d
   (zero-bubble schedules): ``torch.autograd.grad`` on the inputs only (graph retained), and later
   the backward into the parameters. That split recomputes the shared part of the backward; a
   per-op split (Qi et al. 2024) would avoid it, and needs nothing new here.
-- ``Send``/``Recv``: non-blocking (codegen/p2p.py). A receive is waited on by its consumer only,
+- ``Send``/``Recv``: non-blocking (codegen/runtime/p2p.py). A receive is waited on by its consumer only,
   so it overlaps whatever this rank computes in between; sends are waited on at the end of the step.
 - Activation offload (plan.offload): the forward of (stage, mb) runs inside ``offload.forward``, so
   its offloaded blocks know whose activations they send to host memory; each backward first asks

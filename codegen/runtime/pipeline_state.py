@@ -10,7 +10,7 @@ other stages' -- as its tp rank's shard where the program's ``shards`` give a tp
 
 Tied parameters (a token embedding read by the first and the last stage) are a copy on each
 pipeline rank that reads them; loading sets both copies from the same entry, and the runtime
-keeps them equal by summing their gradients over the tied group (codegen/pipeline_runtime.py).
+keeps them equal by summing their gradients over the tied group (codegen/runtime/compiled_model.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The dtype every node of a traced graph has at run time when the program computes in half precision.
 
 The analysis meta (``TENSOR``) holds the dtypes of the trace, made in fp32. A bf16/fp16 program
-follows codegen/precision.py (parameters read through casts, mixed inputs of one-dtype ops
+follows passes/lowering/precision.py (parameters read through casts, mixed inputs of one-dtype ops
 unified), and the half-precision values then flow through the graph by torch's type promotion:
 the hidden state becomes bf16, while a tensor computed from fp32 buffers only (Llama's rotary
 cos/sin) or upcast on purpose stays fp32. A pipeline cut allocates its receive buffers from these

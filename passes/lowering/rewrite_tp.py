@@ -15,7 +15,7 @@ the node's output layout, in its run-time dtype); what changes, from the nodes' 
   all-reduced once (the plan's ``<producer>.grad`` collective); consumers whose gradient is
   already R read the value directly, their full gradients added after the all-reduce;
 - sizes on sharded dims become local (``local_sizes``);
-- vocabulary-parallel embedding and cross-entropy call ``codegen/vocab_parallel``.
+- vocabulary-parallel embedding and cross-entropy call ``codegen/ops/vocab_parallel``.
 
 Collectives are call_function nodes on the functions of ``collectives.py`` / ``local_ops.py``; the
 process group and the communication counter are module attributes of the emitted GraphModule

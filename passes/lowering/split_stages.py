@@ -217,7 +217,7 @@ def _fold_symbolic_ints(gm, symbols: dict) -> dict:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in INT_FUNCTIONS and node.all_input_nodes \
                 and all(arg in folded for arg in node.all_input_nodes):
-            # a tp rank's local share of a folded size (codegen/local_ops.local_size): fold it too
+            # a tp rank's local share of a folded size (codegen/ops/local_ops.local_size): fold it too
             folded[node] = node.target(*fx.node.map_arg(node.args, lambda arg: folded[arg]))
             continue
         value = node.meta.get("val")

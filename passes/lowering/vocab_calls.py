@@ -1,7 +1,7 @@
 """Vocabulary-parallel embedding and cross-entropy in a rank's program (Shoeybi et al. 2019, sec. 3).
 
 Where the plan chose strategy "vocab_parallel", the aten op is replaced by a call to
-``codegen/vocab_parallel``: each rank holds rows ``[vocab_start, vocab_start + local)`` of the
+``codegen/ops/vocab_parallel``: each rank holds rows ``[vocab_start, vocab_start + local)`` of the
 vocabulary, so ``vocab_start`` is a constant of the rank's program (``tp_rank * ceil(V / tp)``).
 The embedding returns the Partial(sum) part (the edge to its reader reduces it); the cross-entropy
 returns the full (replicated) loss.

@@ -56,7 +56,7 @@ def batch(step: int, size=BATCH, seq=SEQ) -> dict:
 
 def make_plan(name: str, dp: int, tp: int, *, global_batch=BATCH, micro_batch=None):
     # Planned on the meta device, as a big model is (no memory), and compiled by the ranks on CPU:
-    # the plan must name the same nodes in both traces (passes/trace_normalize.py).
+    # the plan must name the same nodes in both traces (passes/analysis/trace_normalize.py).
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2, SEQ).items()}
     return xirang.plan(build(name, "meta"), world=dp * tp, example_kwargs=meta_batch, global_batch=global_batch,
                        seq=COMM_SEQ, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1,

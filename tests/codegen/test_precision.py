@@ -1,4 +1,4 @@
-"""Half-precision programs (codegen/precision.py): fp32 master weights, bf16 compute, an fp32 loss,
+"""Half-precision programs (passes/lowering/precision.py): fp32 master weights, bf16 compute, an fp32 loss,
 and the Hugging Face models' own fp32 casts reconciled where an op needs one dtype.
 
 One rank (world = 1): a bf16 plan's training step against the fp32 program of the same model, on

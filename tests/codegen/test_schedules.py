@@ -99,7 +99,7 @@ def test_simulated_bubble_p4_m8():
     interleaved = idle_fractions(interleaved_timeline.entries)
     assert interleaved.per_rank == (Fraction(9, 57),) * 4 and interleaved.overall == Fraction(3, 19)
     assert interleaved.overall < Fraction(3, 11)
-    # The closed forms of passes/cost_model.py agree: (p-1)/(m+p-1) and (p-1)/(v·m+p-1).
+    # The closed forms of passes/planning/cost_model.py agree: (p-1)/(m+p-1) and (p-1)/(v·m+p-1).
     assert float(Fraction(3, 11)) == pytest.approx(bubble_share("1f1b", 4, 8))
     assert float(Fraction(3, 19)) == pytest.approx(bubble_share("interleaved", 4, 8, 2))
 
