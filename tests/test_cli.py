@@ -1,6 +1,8 @@
 """The ``xirang`` command run as a user would: a real subprocess, its output and its errors."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
@@ -105,6 +107,7 @@ def test_explain_of_a_missing_file_says_how_to_make_one():
     assert result.returncode == 2 and "plan file 'no/such/plan.json' does not exist" in result.stderr
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_launch_runs_a_training_script_on_local_ranks_through_torchrun():
     result = xirang("launch", "-n", "2", "examples/train_gpt.py", "--", "--tp", "2", "--steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]

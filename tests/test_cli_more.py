@@ -57,6 +57,7 @@ def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp
     assert len(info["placements"]) == info["placements_total"] > 50
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_inspect_errors_name_the_valid_range_the_missing_file_and_a_stale_plan(tp2_plan, tmp_path):
     result = xirang("inspect", str(tp2_plan), "--rank", "2")
     assert result.returncode == 2
@@ -82,6 +83,7 @@ def test_run_trains_two_ranks_and_prints_every_loss():
     assert len(losses) == 2 and all(4.0 < loss < 8.0 for loss in losses)  # ln(512) = 6.24 at the start
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_run_memory_prints_measured_beside_predicted_per_rank(tmp_path):
     picture = tmp_path / "memory.png"
     result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "2", "--pp", "2", "--steps", "1", "--memory",
@@ -109,6 +111,7 @@ def test_verify_passes_on_gpt_tiny_at_world_2():
     assert "verify: PASS" in result.stdout
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_verify_of_the_mlp_example_fails_with_exit_1_below_what_fp32_reaches():
     # the MLP (not a transformer) trains on 2 ranks (planned tp=2), and its loss matches one device
     # exactly; its gradients are summed in another order over the tp halves, so tolerance 0 fails

@@ -103,6 +103,7 @@ def test_a_rank_without_records_still_gets_its_track_and_bad_records_are_refused
         write_chrome_trace([], tmp_path / "missing" / "trace.json")
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_xirang_run_trace_has_one_track_per_rank_and_one_event_per_scheduled_action(tmp_path):
     path = tmp_path / "trace.json"
     result = subprocess.run([sys.executable, "-m", "xirang", "run", "examples/catalog.py:gpt_tiny", "--world", "4",

@@ -149,6 +149,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_to_xirang_run_leaves_no_process_behind():
     """What timeout, CI and Slurm send: the ranks and the forkserver go with the parent within 5 s."""

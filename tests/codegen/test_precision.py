@@ -50,6 +50,7 @@ def test_bf16_step_is_close_to_fp32(name):
             assert cosine > 0.99, (name, fqn, cosine.item())
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_the_hf_models_fp32_casts_meet_bf16_weights_through_unify():
     """Llama's RMSNorm and GPT-2's position embeddings cast to fp32 in the model's code: without the
     unify step the next matmul or norm refuses mixed dtypes (what happened before it existed)."""

@@ -198,6 +198,7 @@ def job(label, name, dp, tp, pp, mode, *, how="pieces", micro_batch=1, schedule=
     return label, name, make_plan(name, dp, tp, pp, micro_batch=micro_batch, schedule=schedule), mode, how
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_world_2_streams_keep_tp_replicas_equal_and_a_rule_less_random_op_runs_replicated():
     jobs = [job("gpt2 (1,2,1) streams", "gpt2", 1, 2, 1, "streams", how="compile", micro_batch=2),
             job("noisy (1,2,1) streams", "noisy", 1, 2, 1, "streams", micro_batch=4),
@@ -330,6 +331,7 @@ def _world_1(name: str, *, rng: str = "streams", **pins):
                           rng=rng)
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_recompute_draws_the_masks_the_forward_drew():
     """Full and selective recompute re-run forwards holding dropout and attention dropout in the
     backward: the gradients equal those of the plan without recompute."""

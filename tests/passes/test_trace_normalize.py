@@ -5,6 +5,8 @@ real one. A plan names nodes and carries the graph's fingerprint, so both traces
 """
 from __future__ import annotations
 
+import pytest
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ def signature(gm):
     return [(n.op, n.name, str(n.target)) for n in gm.graph.nodes]
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_meta_and_cpu_traces_have_the_same_nodes_names_and_fingerprint():
     builders = {  # GPT-2 without dropout is the case that differed: sdpa's output strides on meta
         "gpt2": lambda device: hf_gpt2(device=device, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
