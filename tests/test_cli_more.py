@@ -76,6 +76,7 @@ def _losses(stdout: str) -> list[float]:
     return [float(line.split("loss ")[1]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_run_trains_two_ranks_and_prints_every_loss():
     result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "2", "--steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,6 +104,7 @@ def test_run_print_command_spells_torchrun():
     assert "torch.distributed.run --standalone --nproc-per-node 4 examples/train_gpt.py" in result.stdout
 
 
+@pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_verify_passes_on_gpt_tiny_at_world_2():
     result = xirang("verify", "examples/catalog.py:gpt_tiny", "--world", "2")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
