@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from xirang.passes.lowering.precision import COMPUTE_DTYPES
 from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
 
@@ -49,7 +50,11 @@ from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
 
 
-_REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # plan.grad_reduce_dtype
+
+
+def reduce_dtype(name: str):
+    """The dtype dp gradients are reduced in (``plan.grad_reduce_dtype``): None keeps fp32 gradients as they are."""
+    return None if name == "fp32" else COMPUTE_DTYPES[name]
 
 
 class CompiledModel:
@@ -116,7 +121,7 @@ class CompiledModel:
         return {index: GradientBuckets([self._state[fqn] for fqn in stage.program.parameter_names
                                         if owner[fqn] == index and fqn in self._trainable],
                                        self.groups.dp, bucket_bytes=bucket_bytes,
-                                       reduce_dtype=_REDUCE_DTYPES[self.plan.grad_reduce_dtype],
+                                       reduce_dtype=reduce_dtype(self.plan.grad_reduce_dtype),
                                        event_log=self._event_log, counter=self._counter)
                 for index, stage in stages.items()}
 

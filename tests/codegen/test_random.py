@@ -198,6 +198,18 @@ def job(label, name, dp, tp, pp, mode, *, how="pieces", micro_batch=1, schedule=
     return label, name, make_plan(name, dp, tp, pp, micro_batch=micro_batch, schedule=schedule), mode, how
 
 
+def _launch_and_check(jobs: list, world: int, timeout_s: float) -> list:
+    """Run ``jobs`` in one launch of ``world`` ranks; streams jobs keep tp replicas equal, exact jobs
+    equal the one-device reference."""
+    results = launch(_rank_main, world, (jobs,), timeout_s=timeout_s)
+    for label, name, plan, mode, _ in jobs:
+        if mode == "streams":
+            _check_replicated_equal(label, plan, results)
+        else:
+            _compare_exact(label, name, results)
+    return results
+
+
 @pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
 def test_world_2_streams_keep_tp_replicas_equal_and_a_rule_less_random_op_runs_replicated():
     jobs = [job("gpt2 (1,2,1) streams", "gpt2", 1, 2, 1, "streams", how="compile", micro_batch=2),
@@ -208,12 +220,7 @@ def test_world_2_streams_keep_tp_replicas_equal_and_a_rule_less_random_op_runs_r
     assert rand_like, f"rand_like is not among the plan's fallbacks {noisy.fallbacks}"
     assert any(isinstance(noisy.placements[n].outputs[0].tp, Shard) for n in ("linear", "gelu")), \
         "the noisy model's first layer is not sharded: the rule-less op would not meet a sharded tensor"
-    results = launch(_rank_main, 2, (jobs,), timeout_s=600)
-    for label, name, plan, mode, _ in jobs:
-        if mode == "streams":
-            _check_replicated_equal(label, plan, results)
-        else:
-            _compare_exact(label, name, results)
+    results = _launch_and_check(jobs, 2, timeout_s=600)
     (site,) = [s for s in results[1]["noisy (1,2,1) streams"]["sites"] if s.node in rand_like]
     assert site.stream == "tp-shared" and site.kind == "shaped", site
 
@@ -222,9 +229,7 @@ def test_world_2_streams_keep_tp_replicas_equal_and_a_rule_less_random_op_runs_r
 def test_world_4_exact_mode_equals_one_device():
     jobs = [job("gpt2 (2,2,1) exact", "gpt2", 2, 2, 1, "exact", micro_batch=2),
             job("gpt (2,2,1) exact", "gpt", 2, 2, 1, "exact", micro_batch=2)]
-    results = launch(_rank_main, 4, (jobs,), timeout_s=600)
-    for label, name, _, _, _ in jobs:
-        _compare_exact(label, name, results)
+    _launch_and_check(jobs, 4, timeout_s=600)
 
 
 @pytest.mark.matrix
@@ -234,12 +239,7 @@ def test_world_8_streams_and_exact_mode():
             job("gpt (1,2,4) exact", "gpt", 1, 2, 4, "exact", schedule="gpipe"),
             job("gpt2 (2,2,2) exact", "gpt2", 2, 2, 2, "exact"),
             job("gpt (2,2,2) exact", "gpt", 2, 2, 2, "exact")]
-    results = launch(_rank_main, 8, (jobs,), timeout_s=900)
-    for label, name, plan, mode, _ in jobs:
-        if mode == "streams":
-            _check_replicated_equal(label, plan, results)
-        else:
-            _compare_exact(label, name, results)
+    _launch_and_check(jobs, 8, timeout_s=900)
 
 
 # --- single process: the streams themselves --------------------------------------------------------
