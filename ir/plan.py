@@ -55,7 +55,8 @@ class Plan:
     grad_reduce_dtype: str = "fp32"
     placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
     stages: tuple[StagePlan, ...]
-    buckets: tuple[tuple[str, ...], ...] = ()  # parameter names per gradient bucket, in launch order
+    # parameter names per gradient bucket, in launch order, each bucket one stage's (collectives "bucket:<k>")
+    buckets: tuple[tuple[str, ...], ...] = ()
     fallbacks: tuple[str, ...] = ()  # ops with no sharding rule, run replicated
     collectives: tuple[CollectiveChoice, ...] = ()
     predicted: Prediction
@@ -114,12 +115,21 @@ class Plan:
         for i, bucket in enumerate(buckets):
             if not bucket:
                 raise PlanError(f"bucket {i} is empty", where=f"buckets[{i}]", hint="drop empty buckets")
-        check_unique(tuple(name for bucket in buckets for name in bucket), "buckets")
+            # a name may sit in several buckets: a tied weight read in several stages has a copy per
+            # stage, and each copy is all-reduced over dp with its stage's bucket
+            check_unique(bucket, f"buckets[{i}]")
         object.__setattr__(self, "buckets", buckets)
         object.__setattr__(self, "fallbacks", check_seq(self.fallbacks, "fallbacks", check_str))
         check_unique(self.fallbacks, "fallbacks")
         object.__setattr__(self, "collectives", check_seq(self.collectives, "collectives",
                                                           lambda v, w: check_type(v, CollectiveChoice, w)))
+        for position, choice in enumerate(self.collectives):
+            if choice.node.startswith("bucket:"):
+                index = choice.node.removeprefix("bucket:")
+                if not index.isdigit() or int(index) >= len(buckets):
+                    raise PlanError(f"collective {choice.node!r} names no gradient bucket ({len(buckets)} buckets)",
+                                    where=f"collectives[{position}].node",
+                                    hint="bucket:<k> names buckets[k]; re-plan, or fix the edit")
         predicted = check_type(self.predicted, Prediction, "predicted")
         if len(predicted.memory_bytes_per_device) != mesh.pp:
             raise PlanError(f"predicted.memory_bytes_per_device has {len(predicted.memory_bytes_per_device)} "

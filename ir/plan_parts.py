@@ -15,6 +15,23 @@ from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_float,
 
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 
+# The algorithms a plan may name per kind (the cost model prices each: passes/planning/cost_collectives.py),
+# and what the runtime runs for each (codegen/runtime/grad_sync.py records it on the CommCounter).
+# "ring" and "tree" are the backend's own flat collective: NCCL chooses between its ring and tree by
+# message size, as the planner's cheaper-of-the-two does, and no per-call switch exists to pin one;
+# gloo runs its ring. "hierarchical" is Xirang's: reduce-scatter inside each node, all-reduce across
+# nodes, all-gather inside, on sub-groups of the axis's group.
+COLLECTIVE_ALGORITHMS = {
+    "all_reduce": ("ring", "tree", "hierarchical"),
+    "reduce_scatter": ("ring", "hierarchical"),
+    "all_gather": ("ring", "hierarchical"),
+    "all_to_all": ("pairwise",),
+    "broadcast": ("binomial_tree", "scatter_allgather"),
+    "send": ("direct",),
+}
+ENACTED_ALGORITHM = {"ring": "flat", "tree": "flat", "pairwise": "flat", "binomial_tree": "flat",
+                     "scatter_allgather": "flat", "direct": "flat", "hierarchical": "hierarchical"}
+
 @dataclass(frozen=True)
 class Layout:
     """How one tensor lies on the mesh: a placement per mesh axis (replicated unless said)."""
@@ -102,7 +119,8 @@ class StagePlan:
 @dataclass(frozen=True)
 class CollectiveChoice:
     """A collective the program will run: at which node (or "bucket:<k>"), on which mesh axis,
-    what kind, with which algorithm, and the size of one rank's full buffer in bytes."""
+    what kind, with which algorithm (``COLLECTIVE_ALGORITHMS``), and the size of one rank's full
+    buffer in bytes. ``bucket:<k>`` is the dp all-reduce of ``Plan.buckets[k]``."""
 
     node: str
     axis: str
@@ -114,7 +132,7 @@ class CollectiveChoice:
         check_str(self.node, "node")
         check_choice(self.axis, AXES, "axis")
         check_choice(self.kind, COLLECTIVE_KINDS, "kind")
-        check_str(self.algorithm, "algorithm")
+        check_choice(self.algorithm, COLLECTIVE_ALGORITHMS[self.kind], "algorithm")
         check_int(self.nbytes, "nbytes", minimum=0)
 
     def to_json(self) -> dict:

@@ -34,9 +34,12 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
     if c.dp > 1:  # one all-reduce per bucket on the dp group of its pipeline rank (tp index 0 shown)
         topology = {r: group_topology(mesh.group("dp", mesh.rank_of(dp=0, pp=r, tp=0)), world)
                     for r in {rank for _, rank in bucket_sizes}}
-        collectives += [CollectiveChoice(f"bucket:{k}", "dp", "all_reduce",
-                                         _cheapest_all_reduce(nbytes, topology[rank]), int(nbytes))
-                        for k, (nbytes, rank) in enumerate(bucket_sizes)]
+        for k, (nbytes, rank) in enumerate(bucket_sizes):
+            algorithm = _cheapest_all_reduce(nbytes, topology[rank])
+            if algorithm == "hierarchical":  # the runtime pads the buffer to k equal shards, and sends them
+                per_node, item = topology[rank].uniform_ranks_per_node, GRAD_BYTES[precision]
+                nbytes = -(-nbytes // (per_node * item)) * per_node * item
+            collectives.append(CollectiveChoice(f"bucket:{k}", "dp", "all_reduce", algorithm, int(nbytes)))
     for i, (_, stop) in enumerate(best.bounds[:-1]):
         pair = (mesh.rank_of(dp=0, pp=i % c.pp, tp=0), mesh.rank_of(dp=0, pp=(i + 1) % c.pp, tp=0))
         nbytes = split.units[stop - 1].cut_bytes_after
@@ -94,20 +97,35 @@ def _cheapest_all_reduce(nbytes: float, topology) -> str:
 def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: str):
     """Parameter names per gradient bucket in launch order (last layers first), and each bucket's
     bytes and pipeline rank. A bucket closes once it holds ``bucket_elements(dp)`` gradient
-    elements of this rank, and at every stage boundary (each stage is its own model chunk)."""
+    elements of this rank, and at every stage boundary (each stage is its own model chunk).
+
+    A parameter is in the bucket of every stage that reads it (a tied embedding and LM head on two
+    pipeline ranks are a copy on each, each copy all-reduced with its stage), at the earliest unit of
+    that stage that reads it: its gradient is complete once that unit's backward is done."""
     c = best.candidate
     tp, grad_bytes = c.tp, GRAD_BYTES[precision]
     cap = bucket_elements(c.dp)
-    params_of: dict[str, list] = {}
+    stage_of = {names[position]: (index, position)
+                for index, (start, stop) in enumerate(best.bounds) for position in range(start, stop)}
+    params_at: dict[int, list] = {}  # unit position -> parameters first read there (per stage)
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and ROLE.get(node) == "parameter" and UNIT.has(node):
-            params_of.setdefault(UNIT.get(node), []).append(node)
+        if node.op != "placeholder" or ROLE.get(node) != "parameter":
+            continue
+        readers = {UNIT.get(user) for user in node.users if UNIT.has(user)}
+        if not readers and UNIT.has(node):
+            readers = {UNIT.get(node)}
+        earliest: dict[int, int] = {}
+        for unit in readers & stage_of.keys():
+            index, position = stage_of[unit]
+            earliest[index] = min(earliest.get(index, position), position)
+        for position in earliest.values():
+            params_at.setdefault(position, []).append(node)
     buckets, sizes = [], []
     for index in reversed(range(len(best.bounds))):
         start, stop = best.bounds[index]
         current, elements = [], 0
-        for unit in reversed(names[start:stop]):
-            for node in reversed(params_of.get(unit, [])):
+        for position in reversed(range(start, stop)):
+            for node in reversed(params_at.get(position, [])):
                 current.append(PARAM_NAME.get(node))
                 elements += local_elements(node, placements, tp)
                 if elements >= cap:

@@ -91,14 +91,23 @@ def _all_gather(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tenso
     local = x.movedim(dim, 0).contiguous()
     out = local.new_empty((k * local.shape[0],) + tuple(local.shape[1:]))
     record_call(counter, "all_gather", out.nbytes, k, label)
-    _all_gather_single(out, local, group)
+    all_gather_flat(out, local, group)
     return out.movedim(0, dim)
 
 
-def _all_gather_single(out, local, group):
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (old name deprecated).
+def all_gather_flat(out: torch.Tensor, local: torch.Tensor, group, *, async_op: bool = False):
+    """torch's all-gather of ``local`` into ``out`` (dim 0 concatenated), under the name this torch has
+    (2.13 renamed all_gather_into_tensor to all_gather_single and deprecated the old one). Returns
+    the Work handle when ``async_op``."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local, group=group)
+    return gather(out, local, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, *, async_op: bool = False):
+    """torch's reduce-scatter (sum) of ``full`` into this rank's dim-0 slice ``out``, under the name
+    this torch has (reduce_scatter_single in 2.13, reduce_scatter_tensor before)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, full, group=group, async_op=async_op)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tensor:
@@ -106,9 +115,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, label) -> torch.T
     k = group_size(group)
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // k,) + tuple(full.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
-        scatter(out, full, group=group)
+        reduce_scatter_flat(out, full, group)
         emulated = False
     except (RuntimeError, NotImplementedError):
         # Older gloo builds have no reduce_scatter on CPU. Every rank runs the same build, so they

@@ -31,7 +31,9 @@ class CommRecord:
     ``label`` says who issued it ("reduce_from_group.forward", "grad bucket 2"), ``emulated`` is
     True when the call ran as a different collective than its kind (reduce_scatter done as an
     all_reduce where the backend lacks it): the logical kind and bytes are what a plan counts,
-    the wire traffic was the emulation's.
+    the wire traffic was the emulation's. ``algorithm`` is what ran (``xirang.ir.plan_parts.ENACTED_ALGORITHM``):
+    "flat" (the backend's own) or "hierarchical" (two levels on sub-groups, recorded once, as the
+    one logical collective the plan lists).
     """
 
     kind: str
@@ -39,6 +41,7 @@ class CommRecord:
     group_size: int
     label: str = ""
     emulated: bool = False
+    algorithm: str = "flat"
 
 
 @dataclass
@@ -48,12 +51,12 @@ class CommCounter:
     records: list = field(default_factory=list)
 
     def record(self, kind: str, nbytes: int, group_size: int, label: str = "",
-               emulated: bool = False) -> None:
+               emulated: bool = False, algorithm: str = "flat") -> None:
         if kind not in KINDS:
             raise InvalidValue(f"CommCounter.record: unknown collective kind {kind!r} "
                              f"(from {label or 'an unlabelled call'}); valid kinds are "
                              f"{', '.join(KINDS)}")
-        self.records.append(CommRecord(kind, int(nbytes), int(group_size), label, emulated))
+        self.records.append(CommRecord(kind, int(nbytes), int(group_size), label, emulated, algorithm))
 
     def total_bytes(self, kind: Optional[str] = None) -> int:
         """Sum of ``nbytes`` over all records, or over the records of one kind."""
@@ -74,7 +77,7 @@ class CommCounter:
 
 
 def record_call(counter: Optional[CommCounter], kind: str, nbytes: int, group_size: int,
-                label: str, emulated: bool = False) -> None:
+                label: str, emulated: bool = False, algorithm: str = "flat") -> None:
     """Record on ``counter`` if one was passed; the call sites stay one line."""
     if isinstance(counter, CommCounter):  # None: nothing counts; an unattached program fails on its group
-        counter.record(kind, nbytes, group_size, label, emulated)
+        counter.record(kind, nbytes, group_size, label, emulated, algorithm)

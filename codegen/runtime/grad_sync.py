@@ -10,6 +10,14 @@ an accumulated step communicates; earlier ones run under ``no_sync()``.
 Buckets are launched strictly in bucket order, even if a later bucket happens to fill first: all
 ranks must issue their all-reduces on the dp group in the same order, and bucket order is the one
 order every rank knows in advance.
+
+The buckets are the plan's (``Plan.buckets``, given as ``PlannedBucket``s by the runtime), each
+with the algorithm the plan chose for it: "flat" (the backend's own all-reduce) or "hierarchical"
+(reduce-scatter inside the node, all-reduce across nodes on 1/k of the bytes, all-gather inside;
+the 2D scheme of Jia et al. 2018 and Horovod, on ``TwoLevelGroups``). A hierarchical bucket's
+reduce-scatter starts the moment the bucket is ready; its cross-node all-reduce starts when the
+next bucket launches (or at ``wait()``), so the three phases of successive buckets pipeline. Every
+sub-group still sees its collectives in bucket order on every rank.
 """
 from __future__ import annotations
 
@@ -22,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from xirang.ir.errors import InvalidValue, XirangError
+from xirang.ir.plan_parts import ENACTED_ALGORITHM
 
-from xirang.codegen.ops.collectives import group_size
+from xirang.codegen.ops.collectives import all_gather_flat, group_size, reduce_scatter_flat
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -53,13 +62,30 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list:
     return closed
 
 
+ALGORITHMS = ("flat", "hierarchical")  # what a bucket's all-reduce runs (ir/plan_parts.py ENACTED_ALGORITHM)
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    """One bucket as the plan lists it: its parameters (gradient-ready order), the algorithm of its
+    all-reduce and the label its CommRecord carries (the plan's collective node, "bucket:<k>")."""
+
+    params: tuple
+    algorithm: str = "flat"
+    label: str = ""
+
+
 @dataclass(eq=False)
 class _Bucket:
     index: int
     params: list
+    algorithm: str = "flat"
+    label: str = ""
     ready: set = field(default_factory=set)  # id() of params whose gradient arrived this step
     buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients
-    handle: Optional[object] = None          # torch.distributed Work of the async all-reduce
+    shard: Optional[torch.Tensor] = None     # hierarchical: this rank's 1/k of the buffer
+    phase: int = 0                           # hierarchical: 1 reduce-scatter, 2 cross-node, 3 gather
+    handle: Optional[object] = None          # torch.distributed Work of the phase in flight
 
 
 class GradientBuckets:
@@ -72,11 +98,15 @@ class GradientBuckets:
     cost of rounding; each rank's gradient is divided by the group size before the reduction, so
     the half-precision sum stays in range). ``event_log``: a list that receives
     ``("launch" | "wait" | "backward_done", bucket index or None, time.perf_counter())``.
+    ``buckets``: the plan's ``PlannedBucket``s, in launch order, covering every parameter exactly once
+    (else buckets of ``bucket_bytes`` are made here, all "flat"); ``hierarchy``: the
+    ``TwoLevelGroups`` a "hierarchical" bucket runs on.
 
     Per step: backward (hooks launch buckets), then ``wait()``, then the optimizer step.
     """
 
     def __init__(self, params_in_order, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 buckets: Optional[Sequence[PlannedBucket]] = None, hierarchy=None,
                  reduce_dtype: Optional[torch.dtype] = None, event_log: Optional[list] = None,
                  counter: Optional[CommCounter] = None):
         if bucket_bytes <= 0:
@@ -86,15 +116,47 @@ class GradientBuckets:
             if param.requires_grad and id(param) not in self._position:
                 self._position[id(param)] = position
                 params.append(param)
-        self.group, self.reduce_dtype = group, reduce_dtype
+        self.group, self.reduce_dtype, self.hierarchy = group, reduce_dtype, hierarchy
         self.event_log, self.counter = event_log, counter
-        self.buckets = [_Bucket(i, [params[j] for j in members])
-                        for i, members in enumerate(assign_buckets(params, bucket_bytes))]
+        if buckets is None:
+            self.buckets = [_Bucket(i, [params[j] for j in members], label=f"grad bucket {i}")
+                            for i, members in enumerate(assign_buckets(params, bucket_bytes))]
+        else:
+            self.buckets = self._planned(params, buckets)
         self.sync = True
         self._next = 0  # the next bucket to launch; buckets go out in index order only
         self._callback_queued = False
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(bucket))
                        for bucket in self.buckets for param in bucket.params]
+
+    def _planned(self, params: list, buckets: Sequence[PlannedBucket]) -> list:
+        """The plan's buckets, checked to cover every trainable parameter exactly once."""
+        where = "GradientBuckets(buckets=...) (the plan's gradient buckets)"
+        seen = {}
+        for i, bucket in enumerate(buckets):
+            if bucket.algorithm not in ALGORITHMS:
+                raise InvalidValue(f"bucket {i} ({bucket.label}) asks for algorithm {bucket.algorithm!r}; "
+                                   f"the runtime runs {', '.join(ALGORITHMS)}")
+            if bucket.algorithm == "hierarchical" and self.group is not None and self.hierarchy is None:
+                raise XirangError(f"bucket {i} ({bucket.label}) is hierarchical but this rank's dp group has "
+                                  f"no two-level sub-groups", where=where,
+                                  hint="give hierarchy= (process_groups.build_two_level_groups); a "
+                                       "hierarchical all-reduce needs k > 1 members on each of several nodes")
+            for param in bucket.params:
+                if id(param) not in self._position:
+                    raise XirangError(f"bucket {i} ({bucket.label}) holds a parameter of shape "
+                                      f"{tuple(param.shape)} that is not trainable here", where=where,
+                                      hint="list only trainable parameters of this stage")
+                if id(param) in seen:
+                    raise XirangError(f"a parameter of shape {tuple(param.shape)} is in buckets {seen[id(param)]} "
+                                      f"and {i}", where=where, hint="list each parameter in one bucket")
+                seen[id(param)] = i
+        missing = [f"#{self._position[id(p)]} shape {tuple(p.shape)}" for p in params if id(p) not in seen]
+        if missing:
+            raise XirangError(f"{len(missing)} trainable parameter(s) are in no bucket: {', '.join(missing[:8])}",
+                              where=where, hint="the plan's buckets must cover every parameter of the stage; "
+                                                "re-plan with this version of Xirang")
+        return [_Bucket(i, list(b.params), b.algorithm, b.label) for i, b in enumerate(buckets)]
 
     def _log(self, event: str, bucket: Optional[int]) -> None:
         if self.event_log is not None:
@@ -138,17 +200,42 @@ class GradientBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         world = group_size(self.group)
-        grads = [param.grad.reshape(-1) for param in bucket.params]
-        flat = torch.cat(grads)
+        hierarchical = bucket.algorithm == "hierarchical" and world > 1
+        k = self.hierarchy.ranks_per_node if hierarchical else 1
+        flat = torch.cat([param.grad.reshape(-1) for param in bucket.params])
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
+        if flat.numel() % k:  # a hierarchical buffer splits into k equal shards: pad with zeros
+            flat = torch.cat([flat, flat.new_zeros(k - flat.numel() % k)])
         flat.div_(world)  # divide first: an average, and a half-precision sum that cannot overflow
         bucket.buffer = flat
         if world > 1:
-            record_call(self.counter, "all_reduce", flat.nbytes, world,
-                        f"grad bucket {bucket.index}")
-            bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+            record_call(self.counter, "all_reduce", flat.nbytes, world, bucket.label,
+                        algorithm=bucket.algorithm)
+            if hierarchical:
+                bucket.shard = flat.new_empty(flat.numel() // k)
+                bucket.handle = reduce_scatter_flat(bucket.shard, flat, self.hierarchy.intra, async_op=True)
+                bucket.phase = 1
+            else:
+                bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+        if bucket.index > 0:  # the previous bucket's reduce-scatter had a bucket's time to finish
+            self._cross_nodes(self.buckets[bucket.index - 1])
         self._log("launch", bucket.index)
+
+    def _cross_nodes(self, bucket: _Bucket) -> None:
+        """Hierarchical phase 2: once the in-node reduce-scatter is done, all-reduce the shard across
+        nodes (every rank reaches this for bucket i before bucket i+1, so the order agrees)."""
+        if bucket.phase == 1:
+            bucket.handle.wait()
+            bucket.handle = dist.all_reduce(bucket.shard, group=self.hierarchy.inter, async_op=True)
+            bucket.phase = 2
+
+    def _gather_in_node(self, bucket: _Bucket) -> None:
+        """Hierarchical phase 3: all-gather the reduced shards back into the full buffer."""
+        if bucket.phase == 2:
+            bucket.handle.wait()
+            bucket.handle = all_gather_flat(bucket.buffer, bucket.shard, self.hierarchy.intra, async_op=True)
+            bucket.phase = 3
 
     def wait(self) -> None:
         """Wait for every bucket's all-reduce and write the averages into ``param.grad``."""
@@ -166,6 +253,10 @@ class GradientBuckets:
                 hint="run the synchronised backward before wait(); leave parameters the loss does "
                      "not use out of params_in_order (the other dp ranks are now waiting on this "
                      "one)")
+        for bucket in self.buckets:  # phases 2 and 3 of hierarchical buckets, in bucket order
+            self._cross_nodes(bucket)
+        for bucket in self.buckets:
+            self._gather_in_node(bucket)
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
@@ -176,7 +267,8 @@ class GradientBuckets:
                 param.grad.copy_(bucket.buffer[offset:offset + count].view(param.grad.shape))
                 offset += count
             bucket.ready.clear()
-            bucket.buffer = bucket.handle = None
+            bucket.buffer = bucket.handle = bucket.shard = None
+            bucket.phase = 0
         self._next = 0
 
     @contextmanager
@@ -199,3 +291,25 @@ class GradientBuckets:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def plan_bucket_algorithms(plan) -> dict:
+    """``{k: "flat" | "hierarchical"}``: what the runtime runs for the dp all-reduce of ``plan.buckets[k]``
+    (the plan's choice, collective "bucket:<k>", mapped by ``ENACTED_ALGORITHM``)."""
+    return {int(choice.node.removeprefix("bucket:")): ENACTED_ALGORITHM[choice.algorithm]
+            for choice in plan.collectives if choice.node.startswith("bucket:")}
+
+
+def planned_buckets(plan, stage_names: Sequence[str], names: Sequence[str], tensor_of, algorithms: dict) -> list:
+    """The ``PlannedBucket``s of one stage: every bucket of ``plan.buckets`` whose names are all
+    parameters of the stage (``stage_names``; a plan's bucket is one stage's), keeping those in
+    ``names`` (the stage's trainable FQNs this GradientBuckets reduces), as ``tensor_of[fqn]`` in the
+    plan's order. ``GradientBuckets`` then checks they cover ``names``."""
+    stage, mine = set(stage_names), set(names)
+    found = []
+    for k, bucket in enumerate(plan.buckets):
+        here = [name for name in bucket if name in mine]
+        if here and stage.issuperset(bucket):
+            found.append(PlannedBucket(tuple(tensor_of[name] for name in here), algorithms.get(k, "flat"),
+                                       f"bucket:{k}"))
+    return found

@@ -95,3 +95,44 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
                       dp_ranks=mesh.group("dp", rank), pp_ranks=mesh.group("pp", rank),
                       tp_ranks=mesh.group("tp", rank), dp=handles.get("dp"),
                       pp=handles.get("pp"), tp=handles.get("tp"))
+
+
+@dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity
+class TwoLevelGroups:
+    """The sub-groups a hierarchical all-reduce of one axis group runs on: ``intra``, this rank's
+    fellow members on its node (``ranks_per_node`` of them), and ``inter``, the members at this
+    rank's position on every node (one per node, ``nodes`` of them)."""
+
+    intra: object
+    inter: object
+    ranks_per_node: int
+    nodes: int
+
+
+def build_two_level_groups(mesh: Mesh, world, axis: str, rank: int) -> Optional[TwoLevelGroups]:
+    """This rank's ``TwoLevelGroups`` for its ``axis`` group on ``world`` (an ``xirang.ir.world.World``
+    of ``mesh.size`` ranks), or None where its group does not span several nodes with the same
+    number k > 1 of members on each (there a hierarchical all-reduce has nothing to gain).
+
+    Collective over the whole world like ``build_mesh_groups``: every rank walks every group of the
+    axis in ``Mesh.groups`` order and creates the same sub-groups in the same order.
+    """
+    if world.size != mesh.size:
+        raise XirangError(f"the plan's world has {world.size} ranks but its mesh {mesh} has {mesh.size}",
+                          where="build_two_level_groups", hint="re-plan: mesh and world must have the same size")
+    mine = None
+    for members in mesh.groups(axis):
+        by_node: dict = {}
+        for member in sorted(members):
+            by_node.setdefault(world.node_of(member), []).append(member)
+        per_node = [by_node[node] for node in sorted(by_node)]
+        counts = {len(on_node) for on_node in per_node}
+        if len(per_node) < 2 or len(counts) != 1 or counts == {1}:
+            continue  # decided from mesh and world alone, so every rank skips the same groups
+        k = len(per_node[0])
+        intra = [dist.new_group(on_node) for on_node in per_node]
+        inter = [dist.new_group([on_node[i] for on_node in per_node]) for i in range(k)]
+        for node, on_node in enumerate(per_node):
+            if rank in on_node:
+                mine = TwoLevelGroups(intra[node], inter[on_node.index(rank)], k, len(per_node))
+    return mine

@@ -226,8 +226,8 @@ def _attention(node, tp):
 
 def _cross_entropy(node, tp):
     """Vocabulary-parallel (Shoeybi et al. 2019, sec. 3): logits split on the class dim, labels R;
-    three all-reduces of one float32 per row (row max, target logit, sum of exp) give every rank the
-    full loss. Rows split only for reduction 'none' or 'sum': a mean divides by the count of
+    two all-reduces (the row max; then the target logit and the sum of exp coalesced into one call
+    of two float32 per row, codegen/ops/vocab_parallel.py) give every rank the full loss. Rows split only for reduction 'none' or 'sum': a mean divides by the count of
     non-ignored labels, which is global."""
     logits, target = node.args[0], node.args[1]
     weight, reduction = arg(node, 2, "weight"), arg(node, 3, "reduction", 1)
@@ -239,8 +239,7 @@ def _cross_entropy(node, tp):
     if divides(tp, classes) or padded(tp, classes):  # padded classes count as logit -inf
         row_bytes = info(logits).numel / classes * STAT_BYTES
         reduces = (Collective("all_reduce", row_bytes, "max", "row max of the logits"),
-                   Collective("all_reduce", row_bytes, "sum", "logit of the target class"),
-                   Collective("all_reduce", row_bytes, "sum", "sum of exp(logit - max)"))
+                   Collective("all_reduce", 2 * row_bytes, "sum", "target logit and sum of exp(logit - max)"))
         rows.append(make(node, "vocab_parallel", [(logits, Shard(class_dim)), (target, R)], R,
                          shard_fraction(tp, classes), reduces))
     if class_dim == 1 and reduction in (0, 2) and divides(tp, shape(logits)[0]):

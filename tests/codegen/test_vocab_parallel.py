@@ -162,13 +162,12 @@ def test_cross_entropy_all_ignored_is_nan_with_zero_gradient(ranks, name):
 def test_counter_bytes_by_hand(ranks, name, k):
     label = "vocab_parallel_cross_entropy."
     for result in ranks:
-        # Cross-entropy: three all-reduces of one fp32 per row, nothing in backward.
-        # 7 rows = 28 bytes; logits [2, C, 3] are 6 rows = 24 bytes.
+        # Cross-entropy: an all-reduce of one fp32 per row (max), one of two (target logit and sum
+        # of exp, coalesced), nothing in backward. 7 rows = 28 bytes; logits [2, C, 3] are 6 rows.
         for case, rows in ((f"ce {name} v10 mean", 7), (f"ce {name} v7 none", 7),
                            (f"ce {name} class dim 1 none", 6)):
             assert result[case]["records"] == [("all_reduce", 4 * rows, k, label + "row_max"),
-                                               ("all_reduce", 4 * rows, k, label + "target_logit"),
-                                               ("all_reduce", 4 * rows, k, label + "sum_exp")]
+                                               ("all_reduce", 8 * rows, k, label + "target_logit_and_sum_exp")]
         # Embedding: the Partial part sends nothing; completing it is one all-reduce of the
         # [3, 10, 6] fp32 output (720 bytes); the backward sends nothing.
         assert result[f"emb {name} v10"]["records"] == [

@@ -247,9 +247,9 @@ def test_vocabulary_parallel_embedding_and_cross_entropy():
     assert (embedding["hidden"].inputs, embedding["hidden"].output) == ((Shard(1), R), Shard(2))
     loss = by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"]
     assert (loss.inputs, loss.output, loss.collective) == ((Shard(1), R), R, "all_reduce")
-    # three all-reduces of one float32 per row: max, target logit, sum of exp (Megatron)
+    # two all-reduces: one float32 per row (max), then target logit and sum of exp in one call of two
     assert [(c.reduce_op, sympy.expand(c.nbytes - 4 * B * S)) for c in loss.collectives] == \
-        [("max", 0), ("sum", 0), ("sum", 0)]
+        [("max", 0), ("sum", 4 * B * S)]
     # 100 classes on 3 ranks: an end-padded split, 34 columns each (the last holds 32 and 2 padding)
     padded = by_name(only(gm, "cross_entropy_loss"), tp=3)["vocab_parallel"]
     assert (padded.inputs, padded.compute_fraction) == ((Shard(1), R), pytest.approx(34 / 100))
