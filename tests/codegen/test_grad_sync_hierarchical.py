@@ -24,14 +24,15 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
 
-def _grads(rank: int, algorithm: str):
+def _grads(rank: int, algorithm: str, reduce_dtype=None):
     model = _model()
     params = list(model.parameters())
     hierarchy = build_two_level_groups(Mesh(dp=WORLD, pp=1, tp=1), World.uniform(2, 2, "cpu"), "dp", rank)
     counter = CommCounter()
     planned = [PlannedBucket(tuple(params[2:]), algorithm, "bucket:0"),
                PlannedBucket(tuple(params[:2]), algorithm, "bucket:1")]
-    buckets = GradientBuckets(params, dist.group.WORLD, buckets=planned, hierarchy=hierarchy, counter=counter)
+    buckets = GradientBuckets(params, dist.group.WORLD, buckets=planned, hierarchy=hierarchy, counter=counter,
+                              reduce_dtype=reduce_dtype)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -43,7 +44,10 @@ def _grads(rank: int, algorithm: str):
 def _rank(rank: int, world: int):
     flat, flat_records, shape = _grads(rank, "flat")
     hierarchical, records, _ = _grads(rank, "hierarchical")
+    half, half_records, _ = _grads(rank, "hierarchical", torch.bfloat16)
     return {"diff": max((a - b).abs().max().item() for a, b in zip(flat, hierarchical)),
+            "half_diff": max((a - b).abs().max().item() for a, b in zip(flat, half)),
+            "half_dtypes": {g.dtype for g in half}, "half_records": half_records,
             "records": records, "flat_records": flat_records, "shape": shape}
 
 
@@ -65,6 +69,14 @@ def test_counter_records_one_hierarchical_call_per_bucket_with_padding(ranks):
                                      ("all_reduce", 36 * 4, 4, "bucket:1", "hierarchical")]
         assert [r[1:] for r in result["flat_records"]] == [(18 * 4, 4, "bucket:0", "flat"),
                                                             (35 * 4, 4, "bucket:1", "flat")]
+
+
+def test_half_precision_reduction_sends_half_the_bytes(ranks):
+    # the plan's grad_reduce_dtype bf16: two bytes per element on the wire, fp32 gradients after
+    for result in ranks:
+        assert [r[1] for r in result["half_records"]] == [18 * 2, 36 * 2]
+        assert result["half_dtypes"] == {torch.float32}
+        assert result["half_diff"] < 1e-2  # bf16 keeps 8 bits of mantissa: rounding of ~0.4%
 
 
 def test_planned_buckets_must_cover_every_parameter():
