@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, ROLE, TENSOR, UNIT
+from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, REQUIRES_GRAD, ROLE, TENSOR, UNIT
 from xirang.ir.placement import Shard, local_shape
 from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
 from xirang.ir.plan_explain import why_lost
@@ -40,6 +40,7 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                 per_node, item = topology[rank].uniform_ranks_per_node, GRAD_BYTES[precision]
                 nbytes = -(-nbytes // (per_node * item)) * per_node * item
             collectives.append(CollectiveChoice(f"bucket:{k}", "dp", "all_reduce", algorithm, int(nbytes)))
+    collectives += tied_sums(gm, best, names, split.placements, world)
     for i, (_, stop) in enumerate(best.bounds[:-1]):
         pair = (mesh.rank_of(dp=0, pp=i % c.pp, tp=0), mesh.rank_of(dp=0, pp=(i + 1) % c.pp, tp=0))
         nbytes = split.units[stop - 1].cut_bytes_after
@@ -94,6 +95,25 @@ def _cheapest_all_reduce(nbytes: float, topology) -> str:
     return min(entry for entry in priced if entry[0] is not None)[2]
 
 
+def stages_reading(gm, best: Priced, names: list[str]) -> dict:
+    """``{parameter placeholder: {stage index: position of the earliest unit of that stage reading it}}``."""
+    stage_of = {names[position]: (index, position)
+                for index, (start, stop) in enumerate(best.bounds) for position in range(start, stop)}
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or ROLE.get(node) != "parameter":
+            continue
+        readers = {UNIT.get(user) for user in node.users if UNIT.has(user)}
+        if not readers and UNIT.has(node):
+            readers = {UNIT.get(node)}
+        earliest: dict[int, int] = {}
+        for unit in readers & stage_of.keys():
+            index, position = stage_of[unit]
+            earliest[index] = min(earliest.get(index, position), position)
+        found[node] = earliest
+    return found
+
+
 def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: str):
     """Parameter names per gradient bucket in launch order (last layers first), and each bucket's
     bytes and pipeline rank. A bucket closes once it holds ``bucket_elements(dp)`` gradient
@@ -105,19 +125,8 @@ def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: 
     c = best.candidate
     tp, grad_bytes = c.tp, GRAD_BYTES[precision]
     cap = bucket_elements(c.dp)
-    stage_of = {names[position]: (index, position)
-                for index, (start, stop) in enumerate(best.bounds) for position in range(start, stop)}
     params_at: dict[int, list] = {}  # unit position -> parameters first read there (per stage)
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or ROLE.get(node) != "parameter":
-            continue
-        readers = {UNIT.get(user) for user in node.users if UNIT.has(user)}
-        if not readers and UNIT.has(node):
-            readers = {UNIT.get(node)}
-        earliest: dict[int, int] = {}
-        for unit in readers & stage_of.keys():
-            index, position = stage_of[unit]
-            earliest[index] = min(earliest.get(index, position), position)
+    for node, earliest in stages_reading(gm, best, names).items():
         for position in earliest.values():
             params_at.setdefault(position, []).append(node)
     buckets, sizes = [], []
@@ -136,6 +145,23 @@ def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: 
             buckets.append(tuple(current))
             sizes.append((elements * grad_bytes, index % c.pp))
     return tuple(buckets), sizes
+
+
+def tied_sums(gm, best: Priced, names: list[str], placements, world: World) -> list:
+    """The all-reduce that sums the copies of each weight read on several pipeline ranks (a tied
+    embedding and LM head), over the ranks holding a copy: one rank's gradient, in the parameter's
+    dtype (the runtime sums ``param.grad`` after the dp average), as a ``CollectiveChoice``."""
+    c = best.candidate
+    found = []
+    for node, earliest in stages_reading(gm, best, names).items():
+        holders = sorted({index % c.pp for index in earliest})
+        if len(holders) < 2 or not REQUIRES_GRAD.get(node, True):
+            continue
+        nbytes = local_elements(node, placements, c.tp) * TENSOR.get(node).itemsize
+        group = tuple(c.mesh.rank_of(dp=0, pp=r, tp=0) for r in holders)
+        found.append(CollectiveChoice(f"tied:{PARAM_NAME.get(node)}", "pp", "all_reduce",
+                                      collective_cost("all_reduce", nbytes, group, world).algorithm, int(nbytes)))
+    return found
 
 
 def local_elements(node, placements, tp: int) -> int:

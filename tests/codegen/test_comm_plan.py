@@ -14,7 +14,7 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.comm_check import bucket_calls, bucket_table
+from xirang.codegen.runtime.comm_check import calls_table, planned_calls
 from xirang.codegen.runtime.launch import launch
 from xirang.ir.world import LinkSpec, NodeSpec, World
 
@@ -77,16 +77,18 @@ def test_plan_picks_hierarchical_for_every_bucket_and_lists_tied_copies(plan):
     assert buckets and {c.algorithm for c in buckets} == {"hierarchical"}
     holders = [k for k, bucket in enumerate(plan.buckets) if "tok_emb.weight" in bucket]
     assert len(holders) == 2  # the embedding's stage and the LM head's
+    assert [c.node for c in plan.collectives if c.node.startswith("tied:")] == ["tied:tok_emb.weight"]
 
 
-def test_every_bucket_ran_as_planned(plan, ranks):
+def test_every_bucket_and_tied_sum_ran_as_planned(plan, ranks):
     for step in range(STEPS):
         for dp_index in range(4):
             pipeline = plan.mesh.group("pp", plan.mesh.rank_of(dp=dp_index, pp=0, tp=0))
-            rows = bucket_calls(plan, {r["rank"]: r["steps"][step] for r in ranks if r["rank"] in pipeline})
+            rows = planned_calls(plan, {r["rank"]: r["steps"][step] for r in ranks if r["rank"] in pipeline})
             if step == 0 and dp_index == 0:
-                print("\n" + bucket_table(rows))
-            assert len(rows) == len(plan.buckets) and all(row.equal for row in rows), bucket_table(rows)
+                print("\n" + calls_table(rows))
+            # every bucket once, the tied embedding's sum on both of its holders
+            assert len(rows) == len(plan.buckets) + 2 and all(row.equal for row in rows), calls_table(rows)
 
 
 def test_training_equals_one_device(ranks):
