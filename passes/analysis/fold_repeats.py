@@ -143,6 +143,11 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
         if any(a in position and position[a][0] != 2 for a in node.all_input_nodes):
                 raise CannotFold(f"{run.prefix}: {node.name} reads a layer other than the last")
 
+    for template in params[2] if run.length > TRACED_LAYERS else ():  # each copy must name a model tensor
+        name = PARAM_NAME.get(template, None)
+        if name is None or aliases_of(_rename(name, run.prefix, TRACED_LAYERS)) is None:
+            raise CannotFold(f"{run.prefix}: layer 2 reads {name or template.name}, a tensor the model does not "
+                             f"hold per layer (made inside forward), so its copies in later layers have no name")
     previous_ops = ops[2]
     anchor_op, anchor_param = ops[2][-1], params[2][-1] if params[2] else None
     for index in range(TRACED_LAYERS, run.length):

@@ -113,6 +113,39 @@ def test_folding_falls_back_to_full_trace_when_layers_differ():
     assert constants == [1, 2, 3, 4, 5]  # every layer's own scale, as a full trace has them
 
 
+class MadeInForward(torch.nn.Module):
+    """A layer that builds a tensor in forward: export lifts it as a constant named after the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) * torch.tensor([0.5, 1.5]).repeat(4)
+
+
+class MadeInForwardStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MadeInForward() for _ in range(5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_folding_refuses_a_layer_tensor_made_in_forward_in_one_line():
+    # Falcon builds such tensors in its attention: the copies of layers 3 and 4 would name tensors
+    # the model does not hold, so folding is refused (saying why) and the full trace is used
+    ctx = CompileContext(model=MadeInForwardStack(), example_args=(torch.randn(4, 8),))
+    gm = PassManager([trace_model, annotate_tensors]).run(None, ctx).gm
+    info = TRACE_INFO.get(gm)
+    notes = [note for note in info["fallbacks"] if "not folded" in note]
+    assert info["folded"] is None and len(notes) == 1 and "made inside forward" in notes[0]
+    assert len(calls(gm, "aten.linear")) == 5
+
+
 class Gate(torch.nn.Module):
     def __init__(self):
         super().__init__()
