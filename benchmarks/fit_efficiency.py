@@ -1,12 +1,15 @@
 """Fit the cost model's efficiency terms to the published runs, and say how well they hold out.
 
 The roofline prices matmuls at ``Efficiency.matmul`` of the datasheet peak and memory-bound ops at
-``Efficiency.memory`` of the datasheet bandwidth (passes/planning/cost_model.py). Those two fractions are what
-a calibration measures; with no A100 here, they are fitted to the five rows of
+``Efficiency.memory`` of the datasheet bandwidth (passes/planning/cost_model.py ``compute_time``). The
+fractions are a device's (ir/device.py: ``DeviceSpec.efficiency``, one per preset and generation); this
+script fits the A100 preset's, what a calibration would measure; with no A100 here, to the five rows of
 ../shared/reference/published_configs.json: each row's published configuration is priced (pinned, as
 in benchmarks/published_configs.py) on a grid of (matmul, memory) and the pair with the smallest
 worst-case |log(predicted / published TFLOP/s)| wins. Leave-one-out: each row is also predicted with
 the pair fitted to the other four, which is the honest figure for a configuration not in the table.
+benchmarks/published_runs.py then prices runs none of these five rows is (other sizes, other papers,
+H100s) with the presets as they are.
 
     python benchmarks/fit_efficiency.py
 """
@@ -25,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import xirang  # noqa: E402
 from published_configs import GPUS_PER_NODE, DEVICE, SEQ, load_rows, model_of  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
-from xirang.passes.planning.cost_model import Efficiency  # noqa: E402
+from xirang.ir.device import Efficiency  # noqa: E402
 from xirang.passes.planning.plan_search import search_plan  # noqa: E402
 from xirang.passes.planning.plan_splits import SplitPricer  # noqa: E402
 

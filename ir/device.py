@@ -33,6 +33,46 @@ def canonical_dtype(dtype: str) -> str:
 
 
 @dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet peaks a device's kernels reach at training sizes (the roofline's
+    derating, ``passes/planning/cost_model.compute_time``). They belong to a device generation *and* the
+    software of its era: the presets below give each its own, with the reason beside it; a calibration
+    measures the machine at hand.
+
+    - ``matmul``: tensor-core matmuls (and fused attention) at training sizes, of the dtype's peak.
+    - ``other``: FLOPs of non-matmul ops, which run on CUDA cores at 1/8-1/16 of the tensor-core rate
+      (A100: 39 vs 312 TFLOP/s bf16); these ops are nearly always memory-bound anyway.
+    - ``memory``: of the HBM datasheet bandwidth for memory-bound ops. Below what one streaming kernel
+      reaches (80-90%): it lumps what the roofline leaves out of unfused elementwise work (kernel
+      launches, several passes where the graph shows one, the optimizer step).
+
+    The defaults are the A100 preset's (see ``DEVICE_PRESETS``), what every device had before
+    efficiencies were per generation.
+    """
+
+    matmul: float = 0.7
+    other: float = 0.1
+    memory: float = 0.35
+
+    def __post_init__(self):
+        for name in ("matmul", "other", "memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise InvalidValue(f"Efficiency.{name} must be a fraction in (0, 1], got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    def to_json(self) -> dict:
+        return {"matmul": self.matmul, "other": self.other, "memory": self.memory}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Efficiency":
+        if not isinstance(data, dict) or set(data) != {"matmul", "other", "memory"}:
+            raise InvalidValue(f"bad efficiency {data!r}: expected an object with exactly the keys "
+                               f"matmul, other, memory (fractions in (0, 1])")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator: ``peak_flops`` maps dtype -> FLOP/s; memory in bytes and bytes/s.
 
@@ -49,6 +89,8 @@ class DeviceSpec:
     # over; PCIe is full duplex, so a copy out and a copy back can run at once); None: unknown, and
     # the planner does not offer offload on this device
     host_link_bytes_per_s: Optional[float] = None
+    # fractions of the peaks above its kernels reach (Efficiency); the presets set their generation's
+    efficiency: Efficiency = Efficiency()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -76,15 +118,18 @@ class DeviceSpec:
                 raise InvalidValue(f"DeviceSpec {self.name!r}: host_link_bytes_per_s must be a positive "
                                  f"number of bytes/s or None, got {self.host_link_bytes_per_s!r}")
             object.__setattr__(self, "host_link_bytes_per_s", float(self.host_link_bytes_per_s))
+        if not isinstance(self.efficiency, Efficiency):
+            raise InvalidValue(f"DeviceSpec {self.name!r}: efficiency must be an Efficiency, "
+                               f"got {self.efficiency!r}")
 
     # A read-only mapping is neither hashable nor picklable; these two restore both.
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth, self.host_link_bytes_per_s))
+                     self.memory_bandwidth, self.host_link_bytes_per_s, self.efficiency))
 
     def __reduce__(self):
         return (DeviceSpec, (self.name, dict(self.peak_flops), self.memory_bytes,
-                             self.memory_bandwidth, self.host_link_bytes_per_s))
+                             self.memory_bandwidth, self.host_link_bytes_per_s, self.efficiency))
 
     @property
     def offload_frees_memory(self) -> bool:
@@ -106,22 +151,29 @@ class DeviceSpec:
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth}
         if self.host_link_bytes_per_s is not None:
             data["host_link_bytes_per_s"] = self.host_link_bytes_per_s
+        data["efficiency"] = self.efficiency.to_json()
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "DeviceSpec":
-        """The spec ``to_json`` wrote. ``host_link_bytes_per_s`` came later and is optional: a file
-        without it gets the preset's link when it describes that preset exactly (so a plan saved before
-        it still matches the preset's World), else none."""
+        """The spec ``to_json`` wrote. ``host_link_bytes_per_s`` and ``efficiency`` came later and are
+        optional: a file without them gets the preset's when the rest describes that preset exactly (so
+        a plan saved before them still matches the preset's World), else no host link and the default
+        ``Efficiency()`` (what every device was priced with before)."""
         fields = ("name", "peak_flops", "memory_bytes", "memory_bandwidth")
         if not isinstance(data, dict) or not set(fields) <= set(data) \
-                or not set(data) <= {*fields, "host_link_bytes_per_s"}:
+                or not set(data) <= {*fields, "host_link_bytes_per_s", "efficiency"}:
             raise InvalidValue(f"bad device spec {data!r}: expected an object with the keys "
-                             f"{', '.join(fields)} (and optionally host_link_bytes_per_s)")
+                             f"{', '.join(fields)} (and optionally host_link_bytes_per_s, "
+                             f"efficiency)")
+        data = dict(data)
+        if "efficiency" in data:
+            data["efficiency"] = Efficiency.from_json(data["efficiency"])
         spec = cls(**data)
         preset = DEVICE_PRESETS.get(spec.name)
-        if "host_link_bytes_per_s" not in data and preset is not None \
-                and preset == cls(**data, host_link_bytes_per_s=preset.host_link_bytes_per_s):
+        later = {"host_link_bytes_per_s", "efficiency"} - set(data)  # fields an older file lacks
+        if later and preset is not None \
+                and preset == cls(**data, **{name: getattr(preset, name) for name in later}):
             return preset
         return spec
 
@@ -143,6 +195,12 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         # host link: PCIe Gen4 x16 (A100 datasheet, "PCIe Gen4: 64 GB/s", both directions together),
         # 32 GB/s each way
         host_link_bytes_per_s=32e9,
+        # 2020-21 software (Megatron-LM with apex kernels, attention unfused: its seq x seq scores
+        # written, masked, softmaxed and dropped out in HBM): the pair fitted by
+        # benchmarks/fit_efficiency.py to the five Megatron-LM runs of
+        # ../shared/reference/published_configs.json (worst error 4.8%, leave-one-out 10.6%).
+        # matmul 0.7 = 218 of 312 TFLOP/s; memory 0.35 lumps the unfused elementwise passes.
+        efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.35),
     ),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column, dense figures (the datasheet's
     # headline numbers are with sparsity, twice these): BF16/FP16 989 TFLOPS, FP8 1,979 TFLOPS,
@@ -157,6 +215,13 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         # host link: PCIe Gen5 x16 (H100 datasheet, "PCIe Gen5: 128 GB/s", both directions together),
         # 64 GB/s each way
         host_link_bytes_per_s=64e9,
+        # 2023-24 software (Megatron-Core / Transformer Engine, flash attention, fused norm, activation
+        # and rotary kernels), the era of the published H100 runs. matmul 0.7: the A100's fraction kept
+        # (no measured H100 GEMM figure is assumed; a calibration replaces it). memory 0.8: memory-bound
+        # work runs as fused streaming kernels, which reach 80-90% of HBM peak (the low end taken);
+        # 0.35 on the A100 lumped the unfused passes of 2021 software. Not fitted to the H100 rows of
+        # benchmarks/published_runs.json; `--efficiency 0.7,0.1,0.35` there prices them with the A100's.
+        efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.8),
     ),
     # NVIDIA H200 datasheet, H200 SXM column: the H100 SXM's compute (same GH100 die and clocks),
     # 141 GB HBM3e at 4.8 TB/s. Memory as 140 GiB, what nvidia-smi reports (143771 MiB, about
@@ -169,6 +234,8 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         memory_bandwidth=4.8e12,
         # host link: PCIe Gen5 x16 (H200 datasheet, "PCIe Gen5: 128GB/s"), 64 GB/s each way
         host_link_bytes_per_s=64e9,
+        # the H100's kernels and software (same die): see there
+        efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.8),
     ),
     # A modest generic CPU, deliberately conservative: 0.5 TFLOP/s is roughly a 16-core AVX-512
     # server at sustained clocks; bf16 is given the same rate because most CPUs without AMX gain

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from xirang.ir.device import DeviceSpec, device_spec
 from xirang.ir.errors import InvalidValue
@@ -53,15 +53,47 @@ class LinkSpec:
         return cls(**data)
 
 
-# NVLink within a node: all-reduce bus bandwidth that nccl-tests measures on A100 NVSwitch nodes
-# (DGX A100, 8 GPUs) is about 230 GB/s of the 300 GB/s per-direction NVLink3 peak; latency a few
-# microseconds per NCCL call. Calibration replaces both with measured values.
-INTRA_NODE_NVLINK = LinkSpec(bandwidth=230e9, latency=5e-6)
+# The links follow the device kind: a World of H100s is built of DGX H100-class nodes, not A100
+# ones (``NODE_LINKS``, chosen by World.uniform / parse_world and by World when none is given).
+# Calibration replaces them with measured values.
 
-# InfiniBand between nodes: 8 HDR NICs per node (one per GPU, rail-optimised as in DGX A100),
-# 8 x 200 Gb/s = 8 x 25 GB/s = 200 GB/s per node in each direction; each GPU's own share is
-# 25 GB/s. About 10 microseconds per message across a switch, including NCCL overheads.
+# DGX A100 (NVIDIA DGX A100 datasheet / user guide): NVLink3, 12 links x 25 GB/s = 300 GB/s per
+# direction per GPU (600 GB/s bidirectional) through six NVSwitches. The all-reduce *bus* bandwidth
+# nccl-tests measures on one such node is about 230 GB/s, 77% of that peak; latency a few
+# microseconds per NCCL call.
+INTRA_NODE_NVLINK = LinkSpec(bandwidth=230e9, latency=5e-6)
+NVLINK_BUS_FRACTION = 230e9 / 300e9  # what NCCL reaches of the per-direction NVLink peak (DGX A100)
+
+# DGX A100: 8 single-port ConnectX-6 HDR InfiniBand NICs for compute traffic, one per GPU
+# (rail-optimised), 8 x 200 Gb/s = 8 x 25 GB/s = 200 GB/s per node in each direction; each GPU's
+# own share is 25 GB/s. About 10 microseconds per message across a switch, NCCL overheads included.
 INTER_NODE_IB = LinkSpec(bandwidth=200e9, latency=1e-5)
+
+# DGX H100 (NVIDIA DGX H100 datasheet): NVLink4, 18 links x 25 GB/s = 450 GB/s per direction per GPU
+# (900 GB/s bidirectional) through four NVSwitch chips; bus bandwidth at the fraction NCCL reaches on
+# DGX A100 (no measured DGX H100 figure is assumed here): 450 x 0.767 = 345 GB/s.
+INTRA_NODE_NVLINK4 = LinkSpec(bandwidth=450e9 * NVLINK_BUS_FRACTION, latency=5e-6)
+
+# DGX H100: 8 single-port ConnectX-7 NDR InfiniBand NICs (OSFP), one per GPU, 8 x 400 Gb/s =
+# 8 x 50 GB/s = 400 GB/s per node each way (twice HDR). DGX H200 has the same NVLink4 and NICs.
+INTER_NODE_NDR = LinkSpec(bandwidth=400e9, latency=1e-5)
+
+# device preset name -> (intra-node, inter-node) links of the node it ships in. A device not listed
+# (the cpu preset, a custom DeviceSpec) keeps the DGX A100 figures, as every World had before.
+NODE_LINKS = {
+    "a100-80g": (INTRA_NODE_NVLINK, INTER_NODE_IB),
+    "h100-80g": (INTRA_NODE_NVLINK4, INTER_NODE_NDR),
+    "h200": (INTRA_NODE_NVLINK4, INTER_NODE_NDR),
+}
+
+
+def node_links(*devices: DeviceSpec) -> tuple[LinkSpec, LinkSpec]:
+    """(intra-node, inter-node) links for nodes of ``devices``: each device's node's, and where
+    nodes differ the slowest of them (a collective spanning them runs at its slowest link)."""
+    pairs = [NODE_LINKS.get(device.name, (INTRA_NODE_NVLINK, INTER_NODE_IB)) for device in devices] \
+        or [(INTRA_NODE_NVLINK, INTER_NODE_IB)]
+    return (min((intra for intra, _ in pairs), key=lambda link: (link.bandwidth, -link.latency)),
+            min((inter for _, inter in pairs), key=lambda link: (link.bandwidth, -link.latency)))
 
 
 @dataclass(frozen=True)
@@ -94,14 +126,18 @@ class World:
     """All nodes of the job (in rank order) and the intra-/inter-node links."""
 
     nodes: tuple[NodeSpec, ...]
-    intra_node: LinkSpec = INTRA_NODE_NVLINK
-    inter_node: LinkSpec = INTER_NODE_IB
+    intra_node: Optional[LinkSpec] = None  # None: the nodes' own (node_links of their devices)
+    inter_node: Optional[LinkSpec] = None
 
     def __post_init__(self):
         nodes = tuple(self.nodes)
         if not nodes or not all(isinstance(node, NodeSpec) for node in nodes):
             raise InvalidValue(f"World nodes must be a non-empty sequence of NodeSpec, got {self.nodes!r}")
         object.__setattr__(self, "nodes", nodes)
+        defaults = node_links(*(node.device for node in nodes))
+        for name, default in zip(("intra_node", "inter_node"), defaults):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), LinkSpec):
                 raise InvalidValue(f"World {name} must be a LinkSpec, got {getattr(self, name)!r}")
@@ -113,9 +149,10 @@ class World:
 
     @classmethod
     def uniform(cls, nodes: int, devices_per_node: int, device: Union[str, DeviceSpec] = DEFAULT_DEVICE,
-                *, intra_node: LinkSpec = INTRA_NODE_NVLINK,
-                inter_node: LinkSpec = INTER_NODE_IB) -> "World":
-        """``nodes`` identical nodes of ``devices_per_node`` devices each."""
+                *, intra_node: Optional[LinkSpec] = None,
+                inter_node: Optional[LinkSpec] = None) -> "World":
+        """``nodes`` identical nodes of ``devices_per_node`` devices each; the links default to those of
+        the device's node (``NODE_LINKS``: DGX A100 for an A100, DGX H100 for an H100 or H200)."""
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise InvalidValue(f"World.uniform nodes must be a positive int, got {nodes!r}")
         node = NodeSpec(devices_per_node, device_spec(device))

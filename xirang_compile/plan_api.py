@@ -72,7 +72,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
                                                      f"{len(report.rows)} units in {seconds:.2f} s"))
 
     from xirang.passes.planning.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
-    pricer = SplitPricer(gm, world, efficiency=efficiency or Efficiency(), precision=precision)
+    # efficiency=None: each device's own (DeviceSpec.efficiency: its generation's kernels and software)
+    pricer = SplitPricer(gm, world, efficiency=efficiency, precision=precision)
     solved = []
 
     def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
-from xirang.ir.device import DeviceSpec
+# Efficiency is a device's (ir/device.py: a DeviceSpec field, per generation); re-exported here, where
+# it was defined before, so `from xirang.passes.planning.cost_model import Efficiency` keeps working.
+from xirang.ir.device import DeviceSpec, Efficiency
 from xirang.ir.plan import RECOMPUTE_MODES
 from xirang.ir.schedules import SCHEDULE_SPECS, ScheduleSpec, schedule_spec
 from xirang.ir.world import World
@@ -23,39 +25,12 @@ from xirang.ir.errors import InvalidValue
 # --- compute -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Efficiency:
-    """Fractions of the datasheet peaks a kernel reaches; a calibration fits them.
-
-    The defaults are fitted to the five published Megatron-LM runs on A100-80GB
-    (../shared/reference/published_configs.json) by ``benchmarks/fit_efficiency.py``: the pair
-    (matmul, memory) on a grid whose worst |predicted / published - 1| TFLOP/s is smallest, which
-    was 4.8% (each row predicted with the pair fitted to the other four: worst 10.6%).
-
-    - ``matmul``: tensor-core matmuls (and fused attention) at training sizes: 0.7 of peak.
-    - ``memory``: of the HBM datasheet bandwidth for memory-bound ops. The fit gives 0.35, well
-      below what one streaming kernel reaches (80-90%): it lumps what the roofline leaves out of
-      unfused elementwise work (kernel launches, several passes where the graph shows one, the
-      optimizer step), which matters most for small hidden sizes and seq² attention tensors.
-    - ``other``: FLOPs of non-matmul ops, which run on CUDA cores at 1/8-1/16 of the tensor-core
-      rate (A100: 39 vs 312 TFLOP/s bf16); these ops are nearly always memory-bound anyway.
-    """
-
-    matmul: float = 0.7
-    other: float = 0.1
-    memory: float = 0.35
-
-    def __post_init__(self):
-        for name in ("matmul", "other", "memory"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise InvalidValue(f"Efficiency.{name} must be a fraction in (0, 1], got {value!r}")
-
-
 def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
-                 efficiency: Efficiency = Efficiency(), is_matmul: bool = True) -> float:
+                 efficiency: Optional[Efficiency] = None, is_matmul: bool = True) -> float:
     """Roofline (Williams et al. 2009): the larger of FLOPs at the achievable peak and bytes moved
-    at the achievable memory bandwidth."""
+    at the achievable memory bandwidth. ``efficiency``: the device's own (``DeviceSpec.efficiency``,
+    per generation) unless given."""
+    efficiency = device.efficiency if efficiency is None else efficiency
     rate = efficiency.matmul if is_matmul else efficiency.other
     return max(flops / (device.peak(dtype) * rate),
                nbytes / (device.memory_bandwidth * efficiency.memory))

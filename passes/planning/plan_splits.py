@@ -49,9 +49,10 @@ class SplitPricer:
 
     ``device``: a DeviceSpec or preset name; default: the device of the tp group's first rank.
     ``precision``: the dtype activations, gradients and parameters are held and computed in.
+    ``efficiency``: default, the priced device's own (``DeviceSpec.efficiency``, per generation).
     """
 
-    def __init__(self, gm, world: World, *, device=None, efficiency: Efficiency = Efficiency(),
+    def __init__(self, gm, world: World, *, device=None, efficiency: Efficiency | None = None,
                  precision: str = "bf16"):
         if not isinstance(world, World):
             raise InvalidValue(f"SplitPricer needs a World (xirang.ir.world), got {world!r}")
@@ -139,7 +140,7 @@ class SplitPricer:
         point = tuple({"batch": micro_batch, "seq": seq}[name] for name in self.graph.symbol_names)
         device = self.device or self.world.device_of(tp_group[0])
         pricing = Pricing(self.table.values(point), tp, tp_group, self.world, device, self.precision,
-                          self.efficiency, self.table)
+                          self.efficiency or device.efficiency, self.table)
         choice = self._solve(problem, pricing, memory_limit)
         assembly = Assembly(self.graph, problem, choice, pricing, self._facts)
         sums, collectives = assembly.sums()
@@ -185,7 +186,7 @@ class SplitPricer:
 
 
 def price_units(gm, world: World, *, tp: int, tp_group: tuple[int, ...], micro_batch: int, seq: int,
-                memory_limit_bytes: float | None = None, device=None, efficiency: Efficiency = Efficiency(),
+                memory_limit_bytes: float | None = None, device=None, efficiency: Efficiency | None = None,
                 precision: str = "bf16") -> TensorSplit:
     """One-off ``SplitPricer(gm, world, ...).price(...)``; keep a SplitPricer to price many points."""
     pricer = SplitPricer(gm, world, device=device, efficiency=efficiency, precision=precision)

@@ -197,10 +197,12 @@ def test_world_json_round_trip():
     for world in worlds:
         data = json.loads(json.dumps(world.to_json()))
         assert World.from_json(data) == world
+    # A file names its links: an H100 world saved with the DGX A100 links (every world had them
+    # before links followed the device kind) still reads with them, not the DGX H100 ones.
     assert World.from_json({"nodes": [{"devices": 8, "device": "h100"}],
                             "intra_node": {"bandwidth": 230e9, "latency": 5e-6},
                             "inter_node": {"bandwidth": 200e9, "latency": 1e-5}}) \
-        == World.uniform(1, 8, "h100-80g")
+        == World.uniform(1, 8, "h100-80g", intra_node=INTRA_NODE_NVLINK, inter_node=INTER_NODE_IB)
     with pytest.raises(ValueError, match="bad world"):
         World.from_json({"nodes": []})
     with pytest.raises(ValueError, match="bad node spec"):
@@ -252,3 +254,70 @@ def test_parse_world_rejects_bad_specs(bad):
 def test_parse_world_unknown_device():
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         parse_world(8, device="tpu")
+
+
+# --- links and efficiencies per device generation (issue 14) ------------------------------------
+
+def test_links_follow_the_device_kind():
+    from xirang.ir.world import INTER_NODE_NDR, INTRA_NODE_NVLINK4, NODE_LINKS
+    a100, h100, h200 = (World.uniform(2, 8, name) for name in ("a100", "h100", "h200"))
+    assert (a100.intra_node, a100.inter_node) == (INTRA_NODE_NVLINK, INTER_NODE_IB)
+    # DGX H100: NVLink4 450 GB/s a direction at the bus fraction NCCL reaches on DGX A100 (230/300),
+    # 8 x NDR 400 Gb/s = 400 GB/s per node; DGX H200 the same
+    assert h100.intra_node == LinkSpec(450e9 * 230 / 300, 5e-6) == INTRA_NODE_NVLINK4
+    assert h100.inter_node == LinkSpec(400e9, 1e-5) == INTER_NODE_NDR
+    assert (h200.intra_node, h200.inter_node) == (h100.intra_node, h100.inter_node)
+    assert parse_world("4x8", "h100") == h100.__class__.uniform(4, 8, "h100")
+    assert parse_world(16, "h100").inter_node == INTER_NODE_NDR
+    assert World((NodeSpec(8, "h100"),)).intra_node == INTRA_NODE_NVLINK4  # a World built directly too
+    # devices of no known node (cpu, a custom spec) keep the DGX A100 figures every World had before
+    assert "cpu" not in NODE_LINKS and parse_world(8, "cpu").inter_node == INTER_NODE_IB
+    assert World((NodeSpec(2, TINY),)).intra_node == INTRA_NODE_NVLINK
+    # mixed nodes: a collective spanning them runs at the slowest link
+    mixed = World((NodeSpec(8, "a100"), NodeSpec(8, "h100")))
+    assert (mixed.intra_node, mixed.inter_node) == (INTRA_NODE_NVLINK, INTER_NODE_IB)
+    # links given explicitly win
+    assert World.uniform(1, 8, "h100", inter_node=LinkSpec(1e9, 0.0)).inter_node == LinkSpec(1e9, 0.0)
+    assert World.from_json(h100.to_json()) == h100
+
+
+def test_presets_carry_their_generations_efficiency():
+    from xirang.ir.device import Efficiency
+    a100, h100, h200 = (DEVICE_PRESETS[n] for n in ("a100-80g", "h100-80g", "h200"))
+    assert a100.efficiency == Efficiency(0.7, 0.1, 0.35) == Efficiency()  # fitted to 2021 A100 runs
+    assert h100.efficiency == h200.efficiency == Efficiency(0.7, 0.1, 0.8)  # fused 2023-24 kernels
+    assert TINY.efficiency == Efficiency()
+    with pytest.raises(ValueError, match="efficiency must be an Efficiency"):
+        DeviceSpec("x", {"fp32": 1e9}, 1024, 1e9, efficiency=0.5)
+
+
+def test_efficiency_round_trips_and_is_part_of_the_spec():
+    from xirang.ir.device import Efficiency
+    custom = DeviceSpec("x", {"bf16": 1e12}, 1024, 1e9, efficiency=Efficiency(0.5, 0.2, 0.6))
+    data = json.loads(json.dumps(custom.to_json()))
+    assert data["efficiency"] == {"matmul": 0.5, "other": 0.2, "memory": 0.6}
+    assert DeviceSpec.from_json(data) == custom
+    assert pickle.loads(pickle.dumps(custom)) == custom
+    same_but_default = DeviceSpec("x", {"bf16": 1e12}, 1024, 1e9)
+    assert same_but_default != custom and hash(same_but_default) != hash(custom)
+    for spec in DEVICE_PRESETS.values():
+        assert DeviceSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    with pytest.raises(ValueError, match="bad efficiency"):
+        DeviceSpec.from_json({**custom.to_json(), "efficiency": {"matmul": 0.5}})
+    # the old home of Efficiency still imports it (re-exported)
+    from xirang.passes.planning.cost_model import Efficiency as FromCostModel
+    assert FromCostModel is Efficiency
+
+
+def test_old_device_json_without_efficiency_still_loads():
+    # A plan saved before efficiencies were per device: a preset's fields match the preset, which
+    # comes back whole (its efficiency and host link); a custom spec gets the default Efficiency().
+    for name in ("a100-80g", "h100-80g"):
+        old = DEVICE_PRESETS[name].to_json()
+        del old["efficiency"]
+        assert DeviceSpec.from_json(old) is DEVICE_PRESETS[name]
+        del old["host_link_bytes_per_s"]
+        assert DeviceSpec.from_json(old) is DEVICE_PRESETS[name]
+    from xirang.ir.device import Efficiency
+    assert DeviceSpec.from_json({"name": "x", "peak_flops": {"fp32": 1e9}, "memory_bytes": 1024,
+                                 "memory_bandwidth": 1e9}).efficiency == Efficiency()

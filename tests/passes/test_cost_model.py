@@ -217,3 +217,42 @@ def test_liveness_of_a_gpt_layer_is_korthikantis_figure_plus_what_it_leaves_out(
             assert layer.activation_bytes(mode) == pytest.approx(formula + extra, rel=1e-9), (t, mode)
         ratio = layer.activation_bytes("none") / activation_bytes_per_layer(s, b, h, a, t)
         assert 1 < ratio < (1.004 if t == 1 else 1.02)
+
+
+# --- per device generation (issue 14) --------------------------------------------------------------
+
+def test_compute_time_uses_the_devices_own_efficiency():
+    h100 = DEVICE_PRESETS["h100-80g"]
+    assert h100.efficiency != A100.efficiency
+    # memory-bound: 1 GB at 3.35 TB/s x the H100's 0.8 (fused kernels), not the A100's 0.35
+    assert compute_time(1e6, 1e9, h100, "bf16", is_matmul=False) == pytest.approx(1e9 / (3.35e12 * 0.8))
+    assert compute_time(1e6, 1e9, h100, "bf16", is_matmul=False, efficiency=Efficiency()) == pytest.approx(
+        1e9 / (3.35e12 * 0.35))
+
+
+def test_an_h100_world_syncs_gradients_faster_than_an_a100_world():
+    # one rank per node (tp 8 fills each node): the dp ring runs on each GPU's own NIC, HDR 25 GB/s
+    # on DGX A100, NDR 50 GB/s on DGX H100
+    group = tuple(range(0, 64, 8))
+    a100 = collective_cost("all_reduce", 1e9, group, World.uniform(8, 8, "a100"))
+    h100 = collective_cost("all_reduce", 1e9, group, World.uniform(8, 8, "h100"))
+    assert a100.seconds == pytest.approx(2 * 7 / 8 * 1e9 / 25e9 + 14 * 1e-5)
+    assert h100.seconds == pytest.approx(2 * 7 / 8 * 1e9 / 50e9 + 14 * 1e-5)
+
+
+def test_an_h100_world_is_faster_than_an_a100_world_at_the_same_plan():
+    import xirang
+    from examples.gpt import GPTConfig, build_gpt
+    from conftest import token_batch
+    model = build_gpt(GPTConfig(vocab_size=1024, seq_len=512, hidden=512, heads=8, layers=4), device="meta")
+    pins = dict(example_kwargs=token_batch(seq=512), global_batch=64, seq=512, tp=2, pp=2, dp=4,
+                micro_batch=2, schedule="1f1b", recompute="none", offload="none")
+    steps = {}
+    for device in ("a100", "h100"):
+        plan = xirang.plan(model, world=World.uniform(2, 8, device), **pins)
+        steps[device] = plan.predicted.step_seconds
+        assert plan.world.nodes[0].device.name.startswith(device)
+    assert steps["h100"] < steps["a100"]
+    # an explicit efficiency= still wins over the device's own
+    slow = xirang.plan(model, world=World.uniform(2, 8, "h100"), efficiency=Efficiency(0.1, 0.1, 0.1), **pins)
+    assert slow.predicted.step_seconds > steps["h100"]
