@@ -9,6 +9,9 @@ the graph's fingerprint. Two things made the same model trace differently per de
   on the device's kernels (sdpa's output strides differ between meta and CPU, so HF GPT-2 on meta
   had a node the CPU trace lacked). Contiguity changes no value: the node is dropped and a ``view``
   reading it becomes a ``reshape``, which copies where a view could not.
+- A tensor made inside forward (``torch.tensor(...)``, Falcon's attention) is lifted as a constant
+  and, on real devices only, copied by ``aten.lift_fresh_copy`` before use. The copy protects the
+  constant from in-place writes; where no user writes in place it changes nothing and is dropped.
 - torch.export numbers nodes by a counter per name that also counts nodes it later removes, so the
   same op could be ``mul_6`` in one trace and ``mul_8`` in another. Renumbering in graph order
   (``mul``, ``mul_1``, ... per base name, as fx names them) makes equal structure mean equal names,
@@ -24,10 +27,24 @@ from torch.fx import Graph, GraphModule, map_arg
 _NUMBERED = re.compile(r"^(.*?)(?:_\d+)*$")  # mul_6 -> mul, view_1_2 -> view
 
 
+def _writes_in_place(node) -> bool:
+    """Whether ``node`` may change the values of an input (``detach_`` changes autograd flags only)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable \
+        and node.target != torch.ops.aten.detach_.default
+
+
 def drop_layout_copies(gm: GraphModule) -> int:
-    """Remove ``aten.contiguous`` nodes in place; returns how many were removed."""
+    """Remove ``aten.contiguous`` nodes, and ``aten.lift_fresh_copy`` nodes no user writes in place;
+    returns how many were removed."""
     dropped = 0
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten.lift_fresh_copy.default \
+                and not any(_writes_in_place(user) for user in node.users):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+            continue
         if node.op != "call_function" or node.target != torch.ops.aten.contiguous.default:
             continue
         for user in list(node.users):

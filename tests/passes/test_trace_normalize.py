@@ -50,6 +50,27 @@ def test_a_plan_made_on_meta_is_accepted_for_the_cpu_model():
     assert set(plan.placements) <= names, sorted(set(plan.placements) - names)[:5]
 
 
+class ScaleMadeInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.proj(x) * torch.tensor([0.5, 1.0, 1.5, 2.0], device=x.device)).sum()
+
+
+def test_a_tensor_made_in_forward_traces_the_same_on_meta_and_cpu():
+    # on CPU export copies the lifted constant (lift_fresh_copy); on meta it does not (Falcon differed)
+    def run(device):
+        with torch.device(device):
+            model = ScaleMadeInForward()
+        return xirang.analyze(model, (torch.randn(2, 4, device=device),)).graph_module
+    on_meta, on_cpu = run("meta"), run("cpu")
+    assert signature(on_meta) == signature(on_cpu)
+    assert graph_fingerprint(on_meta) == graph_fingerprint(on_cpu)
+    assert not any(n.target == torch.ops.aten.lift_fresh_copy.default for n in on_cpu.graph.nodes)
+
+
 class TransposeThenView(nn.Module):
     def forward(self, x):
         return x.transpose(1, 2).contiguous().view(x.shape[0], -1) * 2
