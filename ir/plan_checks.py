@@ -130,3 +130,34 @@ def first_difference(a, b, path: str) -> str:
                 return found
         return ""
     return "" if a == b else f"; first difference at {path}: {a!r} vs {b!r}"
+
+
+# --- placements against the graph they were made for ----------------------------------------------
+
+def check_placement_ranks(placements, ranks) -> None:
+    """Refuse placements a graph cannot run: a node the graph lacks, or a layout sharding a dim its
+    tensor does not have. ``ranks``: node name -> (rank of each input tensor, None for a non-tensor;
+    rank of each output). A hand-edited plan keeps its fingerprint, so only this check sees such an
+    edit before every rank crashes inside the tp rewrite."""
+    for name, strategy in placements.items():
+        where = f"plan.placements[{name!r}]"
+        if name not in ranks:
+            close = difflib.get_close_matches(name, list(ranks), n=1)
+            guess = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PlanError(f"the plan places node {name!r}, which this model's graph does not have{guess}",
+                            where=where, hint=REPLAN)
+        inputs, outputs = ranks[name]
+        for kind, layouts, tensor_ranks in (("inputs", strategy.inputs, inputs), ("outputs", strategy.outputs,
+                                                                                   outputs)):
+            for i, layout in enumerate(layouts):
+                rank = tensor_ranks[i] if i < len(tensor_ranks) else None
+                for axis in ("dp", "pp", "tp"):
+                    dim = getattr(getattr(layout, axis), "dim", None)
+                    if dim is None:
+                        continue
+                    if rank is None or dim >= rank:
+                        has = "is not a tensor" if rank is None else f"has {rank} dim(s) (0..{rank - 1})"
+                        raise PlanError(f"{kind}[{i}] of node {name!r} is sharded on dim {dim} over {axis}, but "
+                                        f"that tensor {has}", where=f"{where}.{kind}[{i}].{axis}",
+                                        hint=f"shard a dim below {rank} or replicate it; {REPLAN}"
+                                        if rank else REPLAN)

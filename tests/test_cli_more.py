@@ -101,7 +101,9 @@ def test_run_memory_prints_measured_beside_predicted_per_rank(tmp_path):
 def test_run_print_command_spells_torchrun():
     result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "4", "--print-command")
     assert result.returncode == 0, result.stderr
-    assert "torch.distributed.run --standalone --nproc-per-node 4 examples/train_gpt.py" in result.stdout
+    # the command trains the model given (each rank runs `xirang run MODEL ... --torchrun`), not another one
+    assert ("torch.distributed.run --standalone --nproc-per-node 4 -m xirang run examples/catalog.py:gpt_tiny "
+            "--world 4") in result.stdout
 
 
 @pytest.mark.matrix  # slower end-to-end run: the -m matrix tier

@@ -6,18 +6,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from xirang.ir.errors import XirangError
 
+from .cli_args import (check_output_dir, check_output_file, nonnegative_float, nonnegative_int, positive_float,
+                       positive_int)
 from .model_files import build, load_factory
 
 
 def cmd_analyze(args) -> int:
     from xirang.analyze import analyze
-    model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
+    from xirang.model_checks import check_positions
+    if args.dump is not None:
+        check_output_dir(args.dump, "--dump")  # before the trace, not after it
+    model, example_kwargs = build(load_factory(args.model), args.batch, args.seq, strict=True)
     report = analyze(model, example_kwargs=example_kwargs, fold_repeats=not args.no_fold, dump_dir=args.dump)
+    check_positions(report.graph_module)  # --seq past the position table traces fine on fake tensors
     if args.json:
         print(json.dumps({
             "total_params": report.total_params, "symbols": report.symbols,
@@ -34,7 +41,9 @@ def cmd_analyze(args) -> int:
 
 def cmd_plan(args) -> int:
     from xirang.plan_api import plan as make_plan
-    model, example_kwargs = build(load_factory(args.model), args.batch, args.seq)
+    if args.json is not None:  # "" too: refused as no file name, not taken for "no --json"
+        check_output_file(args.json, "--json")  # before planning, so the plan is not lost at the end
+    model, example_kwargs = build(load_factory(args.model), args.batch, args.seq, strict=True)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
                                                    "virtual_stages", "recompute", "offload", "precision")}
     from xirang.cli_progress import PlanProgressDisplay
@@ -50,11 +59,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from xirang.ir.plan import Plan
-    if not Path(args.plan).is_file():
-        raise XirangError(f"plan file {args.plan!r} does not exist", where=f"current directory {Path.cwd()}",
-                          hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
-    plan = Plan.load(args.plan)
+    from xirang.cli_inspect import load_plan
+    if args.picture is not None:
+        check_output_file(args.picture, "--picture")
+    plan = load_plan(args.plan)
     if args.json:  # for scripts: the same table as data, nothing else on stdout
         from xirang.ir.plan_explain import explain_data
         print(json.dumps(explain_data(plan), indent=2))
@@ -87,9 +95,14 @@ def cmd_demo(args) -> int:
     from xirang.demo import run_demo
     try:
         dp, tp, pp = (int(part) for part in args.mesh.lower().split("x"))
+        if min(dp, tp, pp) < 1:
+            raise ValueError
     except ValueError:
-        raise XirangError(f"--mesh {args.mesh!r} is not DPxTPxPP", where="--mesh",
+        raise XirangError(f"--mesh {args.mesh!r} is not DPxTPxPP with each degree at least 1", where="--mesh",
                           hint="e.g. --mesh 2x2x2 (dp=2, tp=2, pp=2: 8 ranks)") from None
+    for option, path, skip in (("--timeline", args.timeline, args.no_picture), ("--trace", args.trace, args.no_trace)):
+        if not skip:
+            check_output_file(path, option)  # before the 8-rank run
     result = run_demo(world=dp * tp * pp, dp=dp, tp=tp, pp=pp, schedule=args.schedule,
                       timeline=None if args.no_picture else args.timeline, trace=None if args.no_trace else args.trace)
     return 0 if result["ranks_agree"] and result["worst"] < 1e-4 else 1
@@ -100,8 +113,8 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     analyze = commands.add_parser("analyze", help="trace a model and report parameters, FLOPs and memory per block")
     analyze.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
-    analyze.add_argument("--batch", type=int, help="batch size passed to the factory")
-    analyze.add_argument("--seq", type=int, help="sequence length passed to the factory")
+    analyze.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
+    analyze.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
     analyze.add_argument("--no-fold", action="store_true", help="trace every repeated layer (slower, same graph)")
     analyze.add_argument("--dump", metavar="DIR", help="write the graph after every pass into DIR")
     analyze.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -112,18 +125,20 @@ def main(argv=None) -> int:
     plan.add_argument("--world", default="1x8", help="devices: N, or NODESxDEVICES_PER_NODE such as 128x8 "
                                                      "(default 1x8)")
     plan.add_argument("--device", default=None, help="device preset (a100-80g, h100-80g, h200, cpu)")
-    plan.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    plan.add_argument("--batch", type=int, help="batch size of the example inputs passed to the factory")
-    plan.add_argument("--seq", type=int, help="sequence length passed to the factory")
-    for name, kind, text in (("tp", int, "tensor-parallel degree"), ("pp", int, "pipeline stages"),
-                             ("dp", int, "data-parallel degree"), ("micro-batch", int, "samples per micro-batch"),
+    plan.add_argument("--global-batch", type=positive_int, required=True, help="samples per optimizer step")
+    plan.add_argument("--batch", type=positive_int, help="batch size of the example inputs passed to the factory")
+    plan.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
+    for name, kind, text in (("tp", positive_int, "tensor-parallel degree"), ("pp", positive_int, "pipeline stages"),
+                             ("dp", positive_int, "data-parallel degree"),
+                             ("micro-batch", positive_int, "samples per micro-batch"),
                              ("schedule", str, "gpipe, 1f1b or interleaved"),
-                             ("virtual-stages", int, "model chunks per pipeline rank (interleaved)"),
+                             ("virtual-stages", positive_int, "model chunks per pipeline rank (interleaved)"),
                              ("recompute", str, "none, selective or full"),
                              ("offload", str, "activation offload: none, or blocks (to host memory)"),
                              ("precision", str, "fp32, bf16 or fp16")):
         plan.add_argument(f"--{name}", type=kind, help=f"pin the {text} (default: searched)")
-    plan.add_argument("--json", metavar="OUT", help="save the plan as JSON to OUT")
+    plan.add_argument("--json", metavar="OUT", help="save the plan as JSON to OUT (replaced if it exists; its "
+                                                    "folder must exist)")
     plan.set_defaults(run=cmd_plan)
 
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
@@ -137,11 +152,11 @@ def main(argv=None) -> int:
     inspect_ = commands.add_parser("inspect", help="one rank of a saved plan: mesh place, stages, placements, "
                                                    "collectives and (with --model) its program")
     inspect_.add_argument("plan", help="plan.json written by `xirang plan --json`")
-    inspect_.add_argument("--rank", type=int, required=True, help="global rank to show")
-    inspect_.add_argument("--stage", type=int, help="show only this pipeline stage of the rank")
+    inspect_.add_argument("--rank", type=nonnegative_int, required=True, help="global rank to show")
+    inspect_.add_argument("--stage", type=nonnegative_int, help="show only this pipeline stage of the rank")
     inspect_.add_argument("--model", help="path/to/file.py:factory the plan was made for (to emit the code)")
-    inspect_.add_argument("--batch", type=int, help="batch size passed to the factory")
-    inspect_.add_argument("--seq", type=int, help="sequence length passed to the factory")
+    inspect_.add_argument("--batch", type=positive_int, help="batch size passed to the factory")
+    inspect_.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
     inspect_.add_argument("--all", action="store_true", help="list every node, replicated ones too")
     inspect_.add_argument("--json", action="store_true", help="print as JSON")
     inspect_.add_argument("--passes", action="store_true", help="list the compiler's passes (with --model: each "
@@ -158,17 +173,22 @@ def main(argv=None) -> int:
              cmd_verify)):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
-        sub.add_argument("--world", type=int, required=True, help="number of local ranks")
-        sub.add_argument("--global-batch", type=int, help="samples per step (default: the plan's, or the "
+        sub.add_argument("--world", type=positive_int, required=True, help="number of local ranks")
+        sub.add_argument("--global-batch", type=positive_int, help="samples per step (default: the plan's, or the "
                                                           "example inputs')")
-        sub.add_argument("--steps", type=int, default=3 if name == "run" else 2, help="optimizer steps")
+        sub.add_argument("--steps", type=positive_int, default=3 if name == "run" else 2, help="optimizer steps")
         sub.add_argument("--plan", help="plan.json to use (default: planned here for --world cpu ranks)")
         for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
-            sub.add_argument(f"--{axis}", type=int, help=f"pin the {text} when planning (default: searched)")
-        sub.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take (default 600)")
+            sub.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
+        sub.add_argument("--timeout", type=positive_float, default=600.0,
+                         help="seconds the ranks may take (default 600)")
         if name == "run":
             sub.add_argument("--print-command", action="store_true",
-                             help="print the torchrun command for a cluster instead of running")
+                             help="print the torchrun command that trains MODEL this way on a cluster, instead "
+                                  "of running")
+            sub.add_argument("--torchrun", action="store_true",
+                             help="this process is one rank started by torchrun (the command --print-command "
+                                  "prints)")
             sub.add_argument("--trace", metavar="JSON", help="write every rank's measured pipeline actions as a "
                                                              "Chrome trace (open in ui.perfetto.dev)")
             sub.add_argument("--memory", action="store_true",
@@ -177,8 +197,8 @@ def main(argv=None) -> int:
             sub.add_argument("--memory-picture", metavar="PNG", help="with --memory: draw the predicted memory per "
                                                                       "pipeline rank with the measured figures")
         else:
-            sub.add_argument("--tolerance", type=float, default=1e-5, help="largest |difference| that passes "
-                                                                           "(default 1e-5, fp32)")
+            sub.add_argument("--tolerance", type=nonnegative_float, default=1e-5,
+                             help="largest |difference| that passes (default 1e-5, fp32)")
         sub.set_defaults(run=function)
 
     demo = commands.add_parser("demo", help="the main job: plan a small GPT for 8 local CPU ranks, show the plan and "
@@ -194,7 +214,7 @@ def main(argv=None) -> int:
 
     launch = commands.add_parser("launch", help="run a training script on N local ranks (torch.distributed.run; "
                                                 "gloo on CPU)")
-    launch.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    launch.add_argument("-n", "--nprocs", type=positive_int, required=True, help="number of ranks")
     launch.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     launch.set_defaults(run=cmd_launch)
@@ -205,6 +225,13 @@ def main(argv=None) -> int:
     except XirangError as exc:  # the one error root: plan and schedule errors included
         print(f"xirang: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 -- not one of ours: a bug; one paragraph, the traceback on request
+        if os.environ.get("XIRANG_TRACEBACK"):
+            raise
+        print(f"xirang: internal error: {type(exc).__name__}: {exc}\n  where: xirang {args.command}\n"
+              f"  what to do: this is a bug in xirang (every error it expects says what, where and what to do); "
+              f"rerun with XIRANG_TRACEBACK=1 for the traceback and report it", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from xirang.ir.mesh import AXES
 from xirang.ir.plan import Plan
@@ -21,10 +20,9 @@ from xirang.ir.errors import XirangError
 
 
 def load_plan(path: str) -> Plan:
-    """The saved plan, or an error saying how to write one."""
-    if not Path(path).is_file():
-        raise XirangError(f"plan file {path!r} does not exist", where=f"current directory {Path.cwd()}",
-                          hint="write one with `xirang plan MODEL --global-batch N --json plan.json`")
+    """The saved plan, or an error saying what is wrong with the file and how to write one."""
+    from xirang.cli_args import read_input_text
+    read_input_text(path, "plan file", "write one with `xirang plan MODEL --global-batch N --json plan.json`")
     return Plan.load(path)
 
 
@@ -51,9 +49,11 @@ def _analysed(plan: Plan, model_spec: str, batch, seq, dump: str | None):
 
     from xirang.analyze import analyze
     from xirang.model_files import build, load_factory
-    model, example_kwargs = build(load_factory(model_spec), batch, seq)
+    from xirang.model_checks import check_placements
+    model, example_kwargs = build(load_factory(model_spec), batch, seq, strict=True)
     report = analyze(model, example_kwargs=example_kwargs, dump_dir=f"{dump}/analysis" if dump else None)
     plan.check_matches(graph_fingerprint(report.graph_module), plan.world)
+    check_placements(plan, report.graph_module)  # a hand-edited layout, before the lowering trips on it
     return report
 
 
@@ -152,6 +152,9 @@ def format_inspection(info: dict, *, every_node: bool) -> str:
 
 
 def cmd_inspect(args) -> int:
+    if args.dump is not None and args.model:
+        from xirang.cli_args import check_output_dir
+        check_output_dir(args.dump, "--dump")
     plan = load_plan(args.plan)
     info = inspect_rank(plan, args.rank, stage=args.stage, every_node=args.all, model_spec=args.model,
                         batch=args.batch, seq=args.seq, dump=args.dump)

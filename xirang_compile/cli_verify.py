@@ -94,6 +94,14 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
         if global_batch != plan.global_batch:
             raise XirangError(f"--global-batch {global_batch} differs from the plan's {plan.global_batch}",
                               where="--global-batch", hint="drop --global-batch to use the plan's")
+        # every rank would refuse a plan for another model (or one it cannot run): say so once, here
+        from xirang.compile_api import check_plan_for_graph
+        from xirang.model_checks import check_trainable
+        model, example_kwargs = _build(spec, global_batch)
+        example = random_batch(example_kwargs, _int_bound(model), 0, global_batch)
+        gm = xirang.analyze(model, example_kwargs=example).graph_module
+        check_trainable(gm)
+        check_plan_for_graph(plan, gm, plan.world)
         return plan, global_batch
     model, example_kwargs = _build(spec, global_batch)
     global_batch = _global_batch(example_kwargs, global_batch)
@@ -160,23 +168,52 @@ def _train_single(spec: str, global_batch: int, steps: int, reference=None) -> d
     return {"losses": losses, "grads": grads, "params": {k: v.detach() for k, v in model.state_dict().items()}}
 
 
-def cmd_run(args) -> int:
-    import xirang
+def torchrun_command(args) -> list:
+    """The torchrun command that trains ``args.model`` as this ``xirang run`` would: each rank runs
+    ``xirang run ... --torchrun`` (torch.distributed.run's ``-m``: run a module, here ``xirang``)."""
     from xirang.codegen.runtime.launch import launch_command
+    rank_args = ["xirang", "run", args.model, "--world", str(args.world), "--steps", str(args.steps), "--torchrun"]
+    for option in ("global_batch", "tp", "pp", "dp", "plan"):
+        if getattr(args, option) is not None:
+            rank_args += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    # launch_command(script, ...) puts the script first: "-m" then makes torchrun run the xirang module
+    return launch_command("-m", args.world, rank_args)
+
+
+def _run_under_torchrun(args) -> int:
+    """One rank of the printed command: join torchrun's world, plan (every rank deterministically
+    reaches the same plan, as xirang.compile does) and train."""
+    from xirang.codegen.runtime.launch import ensure_distributed
+    rank, _ = ensure_distributed(args.world, script="-m xirang run", script_args=[args.model])
+    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,
+                                 {k: getattr(args, k) for k in ("tp", "pp", "dp")})
+    _train_rank(rank, args.world, args.model, plan, global_batch, args.steps, False, True)
+    return 0
+
+
+def cmd_run(args) -> int:
+    import shlex
+
+    import xirang
+    from xirang.cli_args import check_output_file
+    from xirang.model_files import load_factory
+    load_factory(args.model)  # a missing or broken model file is the first thing to say, whatever the mode
+    if args.plan:
+        from xirang.cli_inspect import load_plan
+        load_plan(args.plan)
     if args.print_command:
-        # the cluster path is a script under torchrun; examples/train_gpt.py is the worked one
-        script_args = ["--global-batch", str(args.global_batch or 8), "--steps", str(args.steps)]
-        for axis in ("tp", "pp"):  # the pins train_gpt.py takes
-            script_args += [f"--{axis}", str(getattr(args, axis))] if getattr(args, axis) else []
-        print(" ".join(launch_command("examples/train_gpt.py", args.world, script_args)))
-        print("# on several nodes: replace --standalone with --nnodes N --node-rank I --rdzv-endpoint HOST:PORT; "
-              "examples/train_gpt.py shows how a script calls xirang.compile (copy it for your model)")
+        print(shlex.join(torchrun_command(args)))
+        print("# on several nodes: replace --standalone with --nnodes N --node-rank I --rdzv-endpoint HOST:PORT "
+              "and --nproc-per-node with the ranks per node; every rank runs this model file, so copy it (and the "
+              "plan) to every node")
         return 0
-    if args.trace:
-        from xirang.codegen.viz.chrome_trace import check_writable
-        check_writable(args.trace)  # before the run, not after it
-    memory = bool(args.memory or args.memory_picture)
-    if args.memory_picture:
+    if args.torchrun:
+        return _run_under_torchrun(args)
+    if args.trace is not None:
+        check_output_file(args.trace, "--trace")  # before the run, not after it
+    memory = bool(args.memory or args.memory_picture is not None)
+    if args.memory_picture is not None:
+        check_output_file(args.memory_picture, "--memory-picture")
         from xirang.codegen.viz.plotting import require_matplotlib
         require_matplotlib("--memory-picture")  # before the run, not after it
     plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,

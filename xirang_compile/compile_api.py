@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+import torch
+
 from xirang.codegen.emit import check_emittable
 from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
@@ -30,7 +32,19 @@ from xirang.passes.analysis.fingerprint import graph_fingerprint
 
 from .analyze import analyze
 from .lower import lower, rank_source
+from .model_checks import check_placements, check_plan_batch_split, check_trainable
 from .plan_api import as_world, plan as make_plan
+
+
+def check_plan_for_graph(plan: Plan, gm, world: World) -> None:
+    """Everything a plan must match in the traced graph before a rank builds from it: the model and
+    World it was made for, placements this graph can run, and no batch split of batch statistics."""
+    if not isinstance(plan, Plan):
+        raise XirangError(f"plan= must be a xirang Plan, got {type(plan).__name__}", where="xirang.compile(plan=)",
+                          hint="pass xirang.plan(...) or Plan.load('plan.json')")
+    plan.check_matches(graph_fingerprint(gm), world)
+    check_placements(plan, gm)
+    check_plan_batch_split(gm, plan.mesh.dp, plan.num_micro_batches, "plan.mesh.dp, plan.num_micro_batches")
 
 
 def compile(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None,  # noqa: A001
@@ -43,7 +57,8 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
     ``runtime_device`` is where this rank's tensors live. ``plan_pins`` (tp=, pp=, dp=,
     micro_batch=, seq=, precision=, ...) go to ``xirang.plan`` when no plan is given.
-    ``bucket_bytes``: size of the dp gradient buckets (default 25 MiB); ``counter`` (a
+    ``bucket_bytes``: re-bucket dp gradients by this size instead of the plan's buckets (``plan.buckets``, the
+    default, each with the algorithm the plan chose for it); ``counter`` (a
     ``CommCounter``) records every collective; ``event_log`` receives the buckets' launch/wait
     events; ``dump_dir`` writes this rank's graph after every lowering pass.
 
@@ -54,9 +69,16 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     draws what one device would for the global batch and keeps this rank's piece, so the program
     equals the eager model under ``ExactReference(seed)``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise XirangError(f"xirang.compile needs the model as a torch.nn.Module, got {type(model).__name__}",
+                          where="xirang.compile(model=)",
+                          hint="pass the module itself (the object whose forward returns the loss), not a function, "
+                               "a state dict or a path")
     if rng not in RNG_MODES:
         raise XirangError(f"unknown rng mode {rng!r}", where="xirang.compile(rng=...)",
                           hint=f"use one of {', '.join(RNG_MODES)}")
+    if plan is not None and not isinstance(plan, Plan):
+        check_plan_for_graph(plan, None, None)  # names the wrong type before any trace
     if plan is not None:
         check_emittable(plan)  # before asking for a launch the program could not use
     if plan is not None and device is None and not isinstance(world, World):
@@ -65,12 +87,13 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
         parsed = as_world(world, device)
     report = analyze(model, example_inputs, example_kwargs)  # the one trace: planning and lowering read it
     gm = report.graph_module
+    check_trainable(gm)  # no scalar loss, or positions past the table: refused before any rank trains
     if plan is not None:  # a stale plan is the user's first problem, before how to launch
         if plan_pins:
             raise XirangError(f"compile got both a plan and plan choices {sorted(plan_pins)}",
                               where="xirang.compile",
                               hint="pin choices when planning (xirang.plan(..., tp=2)), or drop them here")
-        plan.check_matches(graph_fingerprint(gm), parsed)
+        check_plan_for_graph(plan, gm, parsed)
     ensure_distributed(parsed.size)
     if plan is None:
         if global_batch is None:
@@ -79,6 +102,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
         plan = make_plan(model, world=parsed, example_inputs=example_inputs, example_kwargs=example_kwargs,
                          global_batch=global_batch, analysed=report, **plan_pins)
         check_emittable(plan)
+        check_plan_for_graph(plan, gm, parsed)
     groups = build_mesh_groups(plan.mesh)
     check_plan_fits(plan, groups.rank, runtime_device)  # before building: a plan for a bigger device is refused
     dump = None if dump_dir is None else f"{dump_dir}/rank{groups.rank}"

@@ -21,6 +21,7 @@ from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.plan_search_space import check_global_batch
 
 from xirang.analyze import analyze
+from xirang.model_checks import batch_statistics_nodes, check_plan_batch_split, check_trainable
 from xirang.ir.errors import XirangError
 from xirang.plan_assemble import assemble_plan
 
@@ -67,6 +68,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     start = time.perf_counter()
     report = analysed or analyze(model, example_inputs, example_kwargs)
     gm, seq = report.graph_module, _seq(seq, report.symbols)
+    check_trainable(gm)  # a model that cannot train is refused before the search (xirang_compile/model_checks.py)
+    dp, micro_batch, whole_batch = _batch_statistics_pins(gm, global_batch, dp, micro_batch)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("analyse", seconds, f"traced and analysed {report.total_params:,} parameters, "
                                                      f"{len(report.rows)} units in {seconds:.2f} s"))
@@ -84,9 +87,16 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
                                      f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}",
                                      step_done=False))
         return split
-    result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
-                         memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
-                         schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload)
+    try:
+        result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
+                             memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
+                             schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload)
+    except XirangError as error:
+        if not whole_batch:
+            raise
+        raise XirangError(error.what, where=error.where, hint=f"{error.hint}; note: dp=1 and micro_batch="
+                          f"{global_batch} were pinned because the model normalises with batch statistics "
+                          f"(BatchNorm in training), which a split batch would change") from None
     report_progress(PlanProgress("splits", result.price_seconds, f"solved {result.splits_priced} tensor splits "
                                                                  f"(tp, micro-batch) in {result.price_seconds:.2f} s"))
     report_progress(PlanProgress("search", result.search_seconds,
@@ -98,6 +108,18 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s"))
     return made
+
+
+def _batch_statistics_pins(gm, global_batch: int, dp, micro_batch) -> tuple:
+    """(dp, micro_batch, pinned here): a model with batch statistics (BatchNorm in training) trains as on
+    one device only when one rank sees the whole batch at once, so the search is held to dp=1 and one
+    micro-batch; pins that split the batch are refused with the reason (model_checks.py)."""
+    if not batch_statistics_nodes(gm):
+        return dp, micro_batch, False
+    pinned_dp = 1 if dp is None else dp
+    pieces = global_batch // (pinned_dp * micro_batch) if micro_batch else 1
+    check_plan_batch_split(gm, pinned_dp, pieces, "dp=, micro_batch=")
+    return 1, global_batch, True
 
 
 def as_world(world, device=None) -> World:

@@ -30,7 +30,8 @@ whole tensor (LAMB's trust ratio, clipping by total norm).
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+import zlib
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,13 @@ from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
 
 
+
+
+class LoadResult(NamedTuple):
+    """What ``load_full_state_dict`` did not match, as torch's ``load_state_dict`` reports it."""
+
+    missing_keys: list
+    unexpected_keys: list
 
 
 def reduce_dtype(name: str):
@@ -148,13 +156,56 @@ class CompiledModel:
         """FQN -> gradient after ``train_step``, gathered like ``full_state_dict``."""
         return self._gather({fqn: t.grad for fqn, t in self.named_parameters() if t.grad is not None})
 
-    def load_full_state_dict(self, state_dict: dict) -> None:
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
         """Copy this rank's piece of the full tensors in place (optimizers keep their references):
         each rank loads only its stages' tensors, tied copies each from the same entry. Every rank
-        passes the same full state dict (``pipeline_state.load_full_state``)."""
-        load_full_state(self._state, state_dict, aliases=self._aliases, trainable=self._trainable,
+        passes the same full state dict (``pipeline_state.load_full_state``).
+
+        ``strict`` (default, as ``torch.nn.Module.load_state_dict``): a key naming no tensor of the
+        model, or a missing parameter, is refused with the keys named, before anything is copied
+        (buffers are loaded when present, not required: ``full_state_dict()`` holds parameters
+        only). ``strict=False`` loads what matches and returns ``(missing_keys, unexpected_keys)``
+        as torch does."""
+        missing, unexpected = self._state_dict_keys(state_dict)
+        if strict and (missing or unexpected):
+            def shown(keys):
+                return ", ".join(repr(k) for k in keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "")
+            problems = ([f"missing keys: {shown(missing)}"] if missing else []) + \
+                       ([f"unexpected keys (no tensor of the model has these names): {shown(unexpected)}"]
+                        if unexpected else [])
+            raise XirangError("load_full_state_dict: the state dict does not match the model: " + "; ".join(problems),
+                              where=f"CompiledModel.load_full_state_dict, rank {self.rank}",
+                              hint="pass the full model's state_dict() (keys as model.state_dict() names them), "
+                                   "or strict=False to load only the keys that match")
+        state = self._state
+        if not strict:  # load only this rank's tensors the state dict has (under any alias)
+            state = {fqn: t for fqn, t in state.items()
+                     if any(name in state_dict for name in (fqn, *self._aliases.get(fqn, ())))}
+        load_full_state(state, state_dict, aliases=self._aliases, trainable=self._trainable,
                         shards=self.program.shards, tp_rank=self.tp_rank, tp=self.tp,
                         where=f"pp rank {self.pp_rank} (stages {list(self.schedule.stages_of(self.pp_rank))})")
+        return LoadResult(missing, unexpected)
+
+    def _state_dict_keys(self, state_dict) -> tuple[list, list]:
+        """(missing, unexpected) keys of ``state_dict`` against the whole model (every stage, every alias)."""
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise XirangError(f"load_full_state_dict needs a mapping name -> tensor, got {type(state_dict).__name__}",
+                              where="CompiledModel.load_full_state_dict", hint="pass model.state_dict()")
+        not_tensors = [k for k in state_dict if not isinstance(state_dict[k], torch.Tensor)]
+        if not_tensors:
+            raise XirangError(f"load_full_state_dict: the entries {not_tensors[:8]} are not tensors "
+                              f"({type(state_dict[not_tensors[0]]).__name__})",
+                              where=f"load_full_state_dict[{not_tensors[0]!r}]",
+                              hint="pass a state dict of tensors, as model.state_dict() returns (an optimizer's or "
+                                   "a checkpoint's outer dict is not one: take its 'model' entry)")
+        known = {alias for fqn, names in self._aliases.items() for alias in (fqn, *names)}
+        unexpected = sorted(k for k in state_dict if k not in known)
+        # what must be there: every parameter (under any of its tied names). Buffers are loaded when
+        # present but not required: full_state_dict(), the usual source, holds parameters only
+        required = [fqn for fqn in self._aliases if fqn in self._trainable]
+        missing = sorted(fqn for fqn in required
+                         if not any(name in state_dict for name in (fqn, *self._aliases.get(fqn, ()))))
+        return missing, unexpected
 
     def _gather(self, local: dict) -> dict:
         return gather_full(local, shards=self.program.shards, groups=self.groups, aliases=self._aliases)
@@ -186,11 +237,35 @@ class CompiledModel:
         """Forward and backward of every micro-batch through the schedule, gradients averaged over dp
         and summed over tied copies; returns the mean loss of the global batch. The inputs are the
         model's (positional or by name): the global batch on every rank, or with ``pre_sharded=True``
-        this dp rank's share (every pp and tp rank of one dp index passes the same share)."""
-        batch = bind_inputs(self._forward, args, kwargs) if args else kwargs
+        this dp rank's share (every pp and tp rank of one dp index passes the same share).
+
+        Gradients accumulate as ``loss.backward()``'s do: a step adds its gradients to those already
+        in ``.grad``, so two steps before ``optimizer.step()`` sum two batches' gradients, and
+        ``optimizer.zero_grad()`` starts afresh. The batch is checked against the program first
+        (names, tensor kinds, dtypes, ranks, sizes against the plan) and, on more than one rank,
+        against the other ranks (one small all-reduce), so a bad batch fails on every rank at once
+        instead of training wrongly or leaving the other ranks waiting."""
+        try:
+            batch = bind_inputs(self._forward, args, kwargs) if args else kwargs
+        except XirangError as error:  # its words are about example inputs: say it of this step's
+            raise XirangError(f"train_step's inputs do not match the model's forward: "
+                              f"{error.what.rsplit(': ', 1)[-1]}", where=f"CompiledModel.train_step, rank {self.rank}",
+                              hint=f"pass the inputs the model's forward takes, by name: {list(self._inputs)}"
+                              ) from None
+        problem = None
+        try:
+            self._check_batch(batch, pre_sharded)
+        except XirangError as error:
+            problem = error
+        self._agree_on_batch(batch, pre_sharded, problem)
         micro_batches = self._micro_batches(batch, pre_sharded)
+        # the executor and the dp buckets compute this step's gradients afresh; what was in .grad
+        # (an earlier step not yet zeroed) is added back after, as autograd would accumulate it
+        earlier = {}
         for param in self.parameters():
-            param.grad = None  # each step computes fresh gradients
+            if param.grad is not None:
+                earlier[param] = param.grad
+            param.grad = None
         if self.groups.pp is not None:
             dist.barrier(group=self.groups.pp)  # one clock for the timestamps of the pp ranks
         origin = time.perf_counter()
@@ -204,7 +279,116 @@ class CompiledModel:
             if param.grad is None:  # every holder must join the sum, used this step or not
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
+        for param, grad in earlier.items():
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
         return self._step_loss(record)
+
+    # --- the batch against the program and the other ranks ----------------------------------------
+
+    def _input_specs(self) -> dict:
+        """Input name -> the TensorInfo the stage modules were traced with (shape, dtype)."""
+        if getattr(self, "_specs", None) is None:
+            specs = {}
+            for stage in self.programs:
+                placeholders = [n for n in stage.module.graph.nodes if n.op == "placeholder"]
+                for name, node in zip(stage.user_inputs, placeholders[len(placeholders) - len(stage.user_inputs):]):
+                    info = node.meta.get("xr_tensor")
+                    if info is not None and hasattr(info, "shape"):
+                        specs.setdefault(name, info)
+            self._specs = specs
+        return self._specs
+
+    def _check_batch(self, batch: dict, pre_sharded: bool) -> None:
+        where = f"CompiledModel.train_step, rank {self.rank}"
+        if not isinstance(pre_sharded, bool):
+            raise XirangError(f"pre_sharded={pre_sharded!r} must be True or False", where=where,
+                              hint="pre_sharded=True: this dp rank's share; False: the global batch")
+        missing = [name for name in self._inputs if name not in batch]
+        if missing:
+            raise XirangError(f"train_step is missing the input(s) {missing}", where=where,
+                              hint=f"pass the model inputs {list(self._inputs)} as keywords")
+        # a tensor the program never reads would be dropped silently: the model was traced without it
+        unread = sorted(name for name, value in batch.items()
+                        if name not in self._inputs and isinstance(value, torch.Tensor) and value.dim() > 0)
+        if unread:
+            raise XirangError(f"train_step got the input(s) {unread}, which the compiled program does not read: it "
+                              f"was traced with the inputs {list(self._inputs)}", where=where,
+                              hint="drop them, or compile with example inputs that include them (the program "
+                                   "computes only what the example inputs reached)")
+        specs = self._input_specs()
+        for name in self._inputs:
+            value, spec = batch[name], specs.get(name)
+            if spec is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise XirangError(f"input {name!r} is a {type(value).__name__}, but the program was built for a "
+                                  f"tensor of dtype {spec.dtype} and {len(spec.shape)} dim(s)", where=where,
+                                  hint=f"pass {name} as a torch.Tensor like the example inputs")
+            dtype = str(value.dtype).replace("torch.", "")
+            if dtype != spec.dtype:
+                raise XirangError(f"input {name!r} has dtype {dtype}; the program was built for {spec.dtype}",
+                                  where=where, hint=f"convert it ({name}.to(torch.{spec.dtype})), or compile with "
+                                                    f"example inputs of dtype {dtype}")
+            if value.dim() != len(spec.shape):
+                raise XirangError(f"input {name!r} has {value.dim()} dim(s) {tuple(value.shape)}; the program was "
+                                  f"built for {len(spec.shape)}: {tuple(str(d) for d in spec.shape)}", where=where,
+                                  hint="pass tensors shaped like the example inputs (batch first)")
+            dims = self._batch_dims.get(name, {})
+            for dim, size in enumerate(spec.shape):
+                if dim in dims:
+                    self._check_size(name, value, dim, dims[dim], pre_sharded)
+                elif str(size).isdigit() and value.shape[dim] != int(str(size)):
+                    raise XirangError(f"input {name!r} has size {value.shape[dim]} on dim {dim}; the program was "
+                                      f"built for {size} there (shape {tuple(str(d) for d in spec.shape)})",
+                                      where=where, hint="pass tensors shaped like the example inputs")
+
+    def _agree_on_batch(self, batch: dict, pre_sharded: bool, problem) -> None:
+        """Raise ``problem`` (this rank's) or the other ranks' on every rank together, and refuse ranks
+        that passed different batches: one all-reduce (max of each figure and of its negation) of a
+        few numbers per input -- shape, dtype and, for global batches, a sampled checksum."""
+        distributed = self.plan.mesh.size > 1 and dist.is_available() and dist.is_initialized()
+        if not distributed:
+            if problem is not None:
+                raise problem
+            return
+        figures = [1.0 if problem is not None else 0.0]
+        if problem is None:
+            for name in self._inputs:
+                value = batch[name]
+                if not isinstance(value, torch.Tensor):
+                    continue
+                figures += [float(value.dim()), float(zlib.crc32(str(value.dtype).encode())),
+                            *map(float, value.shape)]
+                if not pre_sharded:  # every rank passes the same global batch: compare a sample of it
+                    flat = value.detach().reshape(-1)
+                    sample = flat[::max(1, flat.numel() // 4096)]
+                    # position-weighted, so a reordered batch (same values, other samples per rank) differs too
+                    weights = torch.arange(sample.numel(), dtype=torch.float64, device=sample.device) % 997 + 1
+                    # NaN never equals itself: count non-finite values apart so equal batches compare equal
+                    values = sample.to(torch.float64)
+                    finite = values.isfinite()
+                    figures += [float((values.nan_to_num(0.0, 0.0, 0.0) * weights).sum()), float((~finite).sum())]
+        # ranks with a problem send fewer figures: pad to a fixed length so the all-reduce matches
+        width = 1 + 64 * max(1, len(self._inputs))
+        figures = (figures + [0.0] * width)[:width]
+        agreed = torch.tensor(figures + [-f for f in figures], dtype=torch.float64, device=self.device)  # NCCL: on GPU
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        highest, lowest = agreed[:width], -agreed[width:]
+        if problem is not None:
+            raise problem
+        if highest[0] > 0:
+            raise XirangError("another rank was given a batch train_step refuses (its error names the input)",
+                              where=f"CompiledModel.train_step, rank {self.rank}",
+                              hint="fix the batch on that rank; every rank must pass a valid batch each step")
+        if not torch.equal(highest, lowest):
+            what = "the same global batch" if not pre_sharded else "shares of the same shape and dtype"
+            raise XirangError(f"the ranks were given different batches in this step; every rank must pass {what}",
+                              where=f"CompiledModel.train_step, rank {self.rank}",
+                              hint="give every rank the same global batch (the runtime takes each dp rank's share), "
+                                   "or pre_sharded=True with each dp rank's share of the plan's size")
 
     def _step_loss(self, record: StepRecord) -> torch.Tensor:
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
@@ -219,16 +403,10 @@ class CompiledModel:
         return loss
 
     def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
-        missing = [name for name in self._inputs if name not in batch]
-        if missing:
-            raise XirangError(f"train_step is missing the input(s) {missing}", where="CompiledModel.train_step",
-                              hint=f"pass the model inputs {list(self._inputs)} as keywords")
         m = self.plan.num_micro_batches
         shares = {}
         for name in self._inputs:
             value, dims = batch[name], self._batch_dims.get(name, {})
-            for dim, symbol in dims.items():
-                self._check_size(name, value, dim, symbol, pre_sharded)
             batch_dim = next((d for d, s in dims.items() if s == "batch"), None)
             if batch_dim is None:
                 shares[name] = [value] * m
