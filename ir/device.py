@@ -89,6 +89,9 @@ class DeviceSpec:
     # over; PCIe is full duplex, so a copy out and a copy back can run at once); None: unknown, and
     # the planner does not offer offload on this device
     host_link_bytes_per_s: Optional[float] = None
+    # fixed seconds each op costs whatever its size: eager dispatch on a CPU, a kernel launch on a
+    # GPU (`xirang calibrate` measures it); 0: not known, the roofline alone prices an op
+    op_overhead_s: float = 0.0
     # fractions of the peaks above its kernels reach (Efficiency); the presets set their generation's
     efficiency: Efficiency = Efficiency()
 
@@ -118,6 +121,11 @@ class DeviceSpec:
                 raise InvalidValue(f"DeviceSpec {self.name!r}: host_link_bytes_per_s must be a positive "
                                  f"number of bytes/s or None, got {self.host_link_bytes_per_s!r}")
             object.__setattr__(self, "host_link_bytes_per_s", float(self.host_link_bytes_per_s))
+        if isinstance(self.op_overhead_s, bool) or not isinstance(self.op_overhead_s, (int, float)) \
+                or not self.op_overhead_s >= 0:
+            raise InvalidValue(f"DeviceSpec {self.name!r}: op_overhead_s must be a non-negative number of "
+                             f"seconds, got {self.op_overhead_s!r}")
+        object.__setattr__(self, "op_overhead_s", float(self.op_overhead_s))
         if not isinstance(self.efficiency, Efficiency):
             raise InvalidValue(f"DeviceSpec {self.name!r}: efficiency must be an Efficiency, "
                                f"got {self.efficiency!r}")
@@ -125,11 +133,13 @@ class DeviceSpec:
     # A read-only mapping is neither hashable nor picklable; these two restore both.
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth, self.host_link_bytes_per_s, self.efficiency))
+                     self.memory_bandwidth, self.host_link_bytes_per_s, self.op_overhead_s,
+                     self.efficiency))
 
     def __reduce__(self):
         return (DeviceSpec, (self.name, dict(self.peak_flops), self.memory_bytes,
-                             self.memory_bandwidth, self.host_link_bytes_per_s, self.efficiency))
+                             self.memory_bandwidth, self.host_link_bytes_per_s, self.op_overhead_s,
+                             self.efficiency))
 
     @property
     def offload_frees_memory(self) -> bool:
@@ -151,6 +161,8 @@ class DeviceSpec:
                 "memory_bytes": self.memory_bytes, "memory_bandwidth": self.memory_bandwidth}
         if self.host_link_bytes_per_s is not None:
             data["host_link_bytes_per_s"] = self.host_link_bytes_per_s
+        if self.op_overhead_s:  # written only when measured, so older files read the same
+            data["op_overhead_s"] = self.op_overhead_s
         data["efficiency"] = self.efficiency.to_json()
         return data
 
@@ -162,9 +174,9 @@ class DeviceSpec:
         ``Efficiency()`` (what every device was priced with before)."""
         fields = ("name", "peak_flops", "memory_bytes", "memory_bandwidth")
         if not isinstance(data, dict) or not set(fields) <= set(data) \
-                or not set(data) <= {*fields, "host_link_bytes_per_s", "efficiency"}:
+                or not set(data) <= {*fields, "host_link_bytes_per_s", "op_overhead_s", "efficiency"}:
             raise InvalidValue(f"bad device spec {data!r}: expected an object with the keys "
-                             f"{', '.join(fields)} (and optionally host_link_bytes_per_s, "
+                             f"{', '.join(fields)} (and optionally host_link_bytes_per_s, op_overhead_s, "
                              f"efficiency)")
         data = dict(data)
         if "efficiency" in data:

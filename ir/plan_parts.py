@@ -20,17 +20,19 @@ COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", 
 # "ring" and "tree" are the backend's own flat collective: NCCL chooses between its ring and tree by
 # message size, as the planner's cheaper-of-the-two does, and no per-call switch exists to pin one;
 # gloo runs its ring. "hierarchical" is Xirang's: reduce-scatter inside each node, all-reduce across
-# nodes, all-gather inside, on sub-groups of the axis's group.
+# nodes, all-gather inside, on sub-groups of the axis's group. "measured" is the backend's own flat
+# collective priced by the line `xirang calibrate` fitted to it (ir/calibration.py).
 COLLECTIVE_ALGORITHMS = {
-    "all_reduce": ("ring", "tree", "hierarchical"),
-    "reduce_scatter": ("ring", "hierarchical"),
-    "all_gather": ("ring", "hierarchical"),
-    "all_to_all": ("pairwise",),
-    "broadcast": ("binomial_tree", "scatter_allgather"),
-    "send": ("direct",),
+    "all_reduce": ("ring", "tree", "hierarchical", "measured"),
+    "reduce_scatter": ("ring", "hierarchical", "measured"),
+    "all_gather": ("ring", "hierarchical", "measured"),
+    "all_to_all": ("pairwise", "measured"),
+    "broadcast": ("binomial_tree", "scatter_allgather", "measured"),
+    "send": ("direct", "measured"),
 }
 ENACTED_ALGORITHM = {"ring": "flat", "tree": "flat", "pairwise": "flat", "binomial_tree": "flat",
-                     "scatter_allgather": "flat", "direct": "flat", "hierarchical": "hierarchical"}
+                     "scatter_allgather": "flat", "direct": "flat", "hierarchical": "hierarchical",
+                     "measured": "flat"}
 
 @dataclass(frozen=True)
 class Layout:

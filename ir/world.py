@@ -8,10 +8,13 @@ takes ``latency + n / bandwidth`` (Hockney 1994; Thakur et al. 2005 for the coll
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
+from xirang.ir.calibration import Calibration
 from xirang.ir.device import DeviceSpec, device_spec
 from xirang.ir.errors import InvalidValue
 
@@ -123,11 +126,17 @@ class NodeSpec:
 
 @dataclass(frozen=True)
 class World:
-    """All nodes of the job (in rank order) and the intra-/inter-node links."""
+    """All nodes of the job (in rank order) and the intra-/inter-node links.
+
+    ``calibration``: what ``xirang calibrate`` measured on this machine (collective lines per kind and
+    group size, backward per-op overhead, whether communication overlaps compute); None for a World
+    of datasheet figures. The cost model prefers its measurements where it has them.
+    """
 
     nodes: tuple[NodeSpec, ...]
     intra_node: Optional[LinkSpec] = None  # None: the nodes' own (node_links of their devices)
     inter_node: Optional[LinkSpec] = None
+    calibration: Optional[Calibration] = None
 
     def __post_init__(self):
         nodes = tuple(self.nodes)
@@ -141,6 +150,8 @@ class World:
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), LinkSpec):
                 raise InvalidValue(f"World {name} must be a LinkSpec, got {getattr(self, name)!r}")
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise InvalidValue(f"World calibration must be a Calibration or None, got {self.calibration!r}")
         # first rank of each node, plus the total: node_of is a search in this table
         starts = [0]
         for node in nodes:
@@ -211,6 +222,8 @@ class World:
         """One line, e.g. '16 nodes x 8 a100-80g (128 devices), intra 230 GB/s, inter 200 GB/s'."""
         links = (f"intra {self.intra_node.bandwidth / 1e9:g} GB/s, "
                  f"inter {self.inter_node.bandwidth / 1e9:g} GB/s")
+        if self.calibration is not None:
+            links += f", calibrated on {self.calibration.ranks} {self.calibration.backend} ranks"
         if self.uniform_nodes:
             node = self.nodes[0]
             noun = "node" if self.num_nodes == 1 else "nodes"
@@ -226,17 +239,41 @@ class World:
         return f"{self.num_nodes} nodes: {parts} ({self.size} devices), {links}"
 
     def to_json(self) -> dict:
-        return {"nodes": [node.to_json() for node in self.nodes],
+        data = {"nodes": [node.to_json() for node in self.nodes],
                 "intra_node": self.intra_node.to_json(), "inter_node": self.inter_node.to_json()}
+        if self.calibration is not None:  # absent otherwise, so older files and plans read unchanged
+            data["calibration"] = self.calibration.to_json()
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "World":
         keys = {"nodes", "intra_node", "inter_node"}
-        if not isinstance(data, dict) or set(data) != keys or not isinstance(data["nodes"], list):
-            raise InvalidValue(f"bad world {data!r}: expected an object with exactly the keys "
-                             f"nodes (list of node specs), intra_node, inter_node (link specs)")
+        if not isinstance(data, dict) or not keys <= set(data) or not set(data) <= keys | {"calibration"} \
+                or not isinstance(data["nodes"], list):
+            raise InvalidValue(f"bad world {str(data)[:300]!r}: expected an object with the keys "
+                             f"nodes (list of node specs), intra_node, inter_node (link specs) and "
+                             f"optionally calibration")
+        calibration = data.get("calibration")
         return cls(tuple(NodeSpec.from_json(node) for node in data["nodes"]),
-                   LinkSpec.from_json(data["intra_node"]), LinkSpec.from_json(data["inter_node"]))
+                   LinkSpec.from_json(data["intra_node"]), LinkSpec.from_json(data["inter_node"]),
+                   None if calibration is None else Calibration.from_json(calibration))
+
+    def save(self, path) -> None:
+        """Write ``to_json`` to ``path`` (what ``xirang calibrate`` writes)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "World":
+        """The World in JSON file ``path`` (``xirang calibrate``'s output, or ``save``'s)."""
+        if not Path(path).is_file():
+            raise InvalidValue(f"world file {str(path)!r} does not exist; write one with "
+                               f"`xirang calibrate --out {path}` or World.save")
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise InvalidValue(f"world file {str(path)!r} is not JSON ({error}); write it with "
+                               f"`xirang calibrate` or World.save") from error
+        return cls.from_json(data)
 
 
 _NODES_X_DEVICES = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")

@@ -48,7 +48,11 @@ def cmd_plan(args) -> int:
                                                    "virtual_stages", "recompute", "offload", "precision")}
     from xirang.cli_progress import PlanProgressDisplay
     with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
-        plan = make_plan(model, world=args.world, example_kwargs=example_kwargs, global_batch=args.global_batch,
+        world = args.world
+        if args.world_file:  # a measured World (`xirang calibrate`) replaces --world and --device
+            from xirang.ir.world import World
+            world = World.load(args.world_file)
+        plan = make_plan(model, world=world, example_kwargs=example_kwargs, global_batch=args.global_batch,
                          device=args.device, progress=progress, **{k: v for k, v in pins.items() if v is not None})
     if args.json:
         plan.save(args.json)
@@ -125,6 +129,8 @@ def main(argv=None) -> int:
     plan.add_argument("--world", default="1x8", help="devices: N, or NODESxDEVICES_PER_NODE such as 128x8 "
                                                      "(default 1x8)")
     plan.add_argument("--device", default=None, help="device preset (a100-80g, h100-80g, h200, cpu)")
+    plan.add_argument("--world-file", metavar="JSON", help="a World JSON (written by `xirang calibrate`) instead "
+                                                          "of --world/--device")
     plan.add_argument("--global-batch", type=positive_int, required=True, help="samples per optimizer step")
     plan.add_argument("--batch", type=positive_int, help="batch size of the example inputs passed to the factory")
     plan.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
@@ -218,6 +224,8 @@ def main(argv=None) -> int:
     launch.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     launch.set_defaults(run=cmd_launch)
+    from xirang.cli_calibrate import add_calibrate_parser
+    add_calibrate_parser(commands)
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:

@@ -23,6 +23,13 @@ Links a group sees:
   all_gather: each rank's output (it contributes nbytes/n); all_to_all: each rank's send buffer
   (nbytes/n to each peer); broadcast: the root's buffer; send: the message, group = (src, dst).
 
+Measured lines: where the World carries a calibration (``World.calibration``, written by ``xirang
+calibrate``) with a fit for the collective's kind and group size, and the group lies on one node
+(calibration measures one node's local ranks), the price is the measured ``alpha + beta · nbytes``
+(algorithm "measured"): the backend's own algorithm and the contention of every group running at
+once are in it, which no link-level formula knows. Other kinds and sizes fall back to the formulas,
+whose links a calibrated World sets from its measured send.
+
 Recursive halving-doubling all-reduce (Rabenseifner) is deliberately not offered: NCCL has no such
 algorithm, and in the pure alpha-beta model it would dominate the ring, hiding the link contention
 that makes it lose in practice.
@@ -222,6 +229,10 @@ def collective_costs(kind: str, nbytes: float, group: tuple[int, ...],
         raise InvalidValue(f"send: group must be (src, dst), got {tuple(group)}")
     if topo.size == 1 or nbytes == 0:
         return (CollectiveCost(kind, "none", 0.0, nbytes),)
+    calibration = world.calibration
+    fit = calibration.fit(kind, topo.size) if calibration is not None and topo.num_nodes == 1 else None
+    if fit is not None:
+        return (CollectiveCost(kind, "measured", fit.seconds(nbytes), nbytes),)
     candidates = ((name, price(nbytes, topo)) for name, price in ALGORITHMS[kind])
     return tuple(CollectiveCost(kind, name, seconds, nbytes)
                  for name, seconds in candidates if seconds is not None)

@@ -8,7 +8,18 @@ Terms, each with its source:
   exact solver see the same problem.
 - Step time: ``pipeline_step_time`` (Narayanan et al. 2021, eq. 1 and sec. 2.2.2) of the slowest
   device (the sum of its v chunks when interleaved), plus the data-parallel gradient all-reduce
-  left after the last micro-batch's backward (``exposed_comm_time``; Li et al. 2020).
+  left after the last micro-batch's backward (``exposed_comm_time``; Li et al. 2020). Where the
+  World's calibration says communication does not overlap compute (CPU ranks: gloo's threads run on
+  the cores that compute), every bucket's all-reduce is exposed.
+- Ranks sharing cores (``Calibration.parallel_ranks`` k < N ranks, CPU ranks): the calibrated times
+  are those of every rank busy; a rank idle in the pipeline's bubble leaves its core to the busy
+  ones, which then run up to N/k times faster. The step is then the larger of the two classic
+  bounds of a schedule on k processors (Brent 1974; Graham 1969): the work over the cores, which is
+  m times the mean pipeline rank's busy time (every rank's work at the all-busy rate times k/N,
+  over k), and the critical path at the one-rank-alone speed, the pipeline formula times k/N. With
+  k << N the bubble all but vanishes; with k = N it is the pipeline formula. Where a waiting rank
+  still burns CPU (``Calibration.waiting_share`` w: 0 blocks, 1 spins like compute), the bubble gives
+  back only 1 - w of its time: the work bound becomes work + w · (pipeline formula - work).
 - Memory per device: 16 B per local parameter (``model_state_bytes``, mixed-precision Adam;
   Rajbhandari et al. 2020) + activations × micro-batches in flight on that pipeline rank
   (``in_flight_by_rank``) + the recompute working set: the largest block's activations that
@@ -148,6 +159,10 @@ class CandidatePricer:
         self.grad_bytes, self.memory_fraction = GRAD_BYTES[precision], memory_fraction
         links = [node.device.host_link_bytes_per_s for node in world.nodes]
         self.host_link = None if None in links else min(links)  # the slowest device's link sets the pace
+        self.overlap = world.calibration is None or world.calibration.comm_overlaps_compute
+        parallel = world.calibration.parallel_ranks if world.calibration is not None else None
+        self.shared = parallel / world.size if parallel is not None and parallel < world.size else None
+        self.waiting = world.calibration.waiting_share if world.calibration is not None else 0.0
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
 
     # --- cached pieces ---------------------------------------------------------------------------
@@ -221,7 +236,10 @@ class CandidatePricer:
         """A step time no cut can beat: perfectly balanced stages, no sends, no exposed dp sync."""
         total, longest, _, _ = self.units(c).totals
         device = max(longest, total / c.pp)  # the busiest device holds at least the mean share
-        return pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages)
+        bound = pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages)
+        if self.shared is not None:  # the two bounds of ``price`` on shared cores, at their least
+            return max(c.num_micro_batches * total / c.pp, bound * self.shared)
+        return bound
 
     def memory_lower_bound(self, c: Candidate) -> float:
         """Bytes the average pipeline rank needs at least, so the fullest one too."""
@@ -246,11 +264,16 @@ class CandidatePricer:
         send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
         t_device = rank_times[worst]
         pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v)
+        busy = 1.0  # share of the busiest rank's own time the step shows (below 1 only on shared cores)
+        if self.shared is not None:  # ranks share cores: Brent's bounds (module docstring)
+            work = m * math.fsum(rank_times) / c.pp
+            pipeline = max(work + self.waiting * max(0.0, pipeline - work), pipeline * self.shared)
+            busy = min(1.0, pipeline / (m * t_device)) if t_device else 1.0
         sync = self._exposed_exact if exact else self._exposed_estimate
         dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
-        breakdown = {"compute": m * compute, "tp_comm": m * tp_comm,
-                     "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": m * send,
-                     "dp_exposed": dp_exposed, "offload": m * offload}
+        breakdown = {"compute": busy * m * compute, "tp_comm": busy * m * tp_comm,
+                     "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
+                     "dp_exposed": dp_exposed, "offload": busy * m * offload}
         step = pipeline + dp_exposed
         in_flight = in_flight_by_rank(c.schedule, c.pp, m, v)
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
@@ -289,6 +312,8 @@ class CandidatePricer:
         last = self._cost("all_reduce", rest or cap, group)
         count = full + (rest > 0)
         total = (count - 1) * self._cost("all_reduce", cap, group) + last
+        if not self.overlap:
+            return total
         return max(last, backward * min(1.0, cap / grads) + total - backward)
 
     def _exposed_exact(self, c: Candidate, rank: int, stages) -> float:
@@ -315,4 +340,4 @@ class CandidatePricer:
         elif elapsed:  # backward of units with no parameters after the last bucket is ready
             comm.append(0.0)
             backward.append(elapsed)
-        return exposed_comm_time(comm, backward)
+        return exposed_comm_time(comm, backward) if self.overlap else math.fsum(comm)

@@ -6,6 +6,11 @@ costs, what each link's collectives cost, and the per-node facts both read.
   analysis counts forward traffic only; it is taken as the step's traffic and split between forward
   and backward like the FLOPs, so forward = cost · F_fwd / F_total (half each for a data-moving op
   with no FLOPs that needs a gradient).
+- Fixed cost per op (``DeviceSpec.op_overhead_s``: eager dispatch on a CPU, a kernel launch on a
+  GPU): every op the program dispatches (each ``call_function`` node but Python's ``getitem``) pays
+  it once in the forward, whatever its share of the work; an op that needs a gradient pays the
+  backward's per-op cost once per input that takes a gradient (one autograd node, one gradient op
+  each), at ``World.calibration.backward_op_overhead_s`` where measured, else the forward's figure.
 - Bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
 - Collectives: ``cost_collectives.collective_cost`` on the tp group (alpha-beta, cheapest algorithm).
 - Saved activations, by liveness: the storages the ops of a unit keep for the backward (each
@@ -23,6 +28,7 @@ costs, what each link's collectives cost, and the per-node facts both read.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -72,6 +78,8 @@ class NodeFacts:
     param_bytes: float  # the same in the plan's precision
     saved: tuple[Kept, ...] = ()  # the storages it keeps for its backward (BYTES.saved)
     inputs: tuple[Kept, ...] = ()  # the storage of every activation input (what a recompute starts from)
+    dispatched: bool = False  # an op the program dispatches (pays DeviceSpec.op_overhead_s)
+    grad_inputs: int = 0  # inputs that take a gradient from this op's backward
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
@@ -101,7 +109,9 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         core=in_eager_core(node, seq_known=seq_known),
         params=params, param_bytes=float(params * float_bytes),
         saved=tuple(_kept(node, item, table, float_bytes) for item in items),
-        inputs=tuple(_kept(node, item, table, float_bytes) for item in reads))
+        inputs=tuple(_kept(node, item, table, float_bytes) for item in reads),
+        dispatched=node.op == "call_function" and node.target is not operator.getitem,
+        grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes))
 
 
 def local_fraction(placement, tp: int) -> float:
@@ -115,8 +125,10 @@ class Pricing:
     def __init__(self, values: list[float], tp: int, group: tuple[int, ...], world, device, precision: str,
                  efficiency: Efficiency, table: ExprTable):
         self.values, self.tp, self.group, self.world = values, tp, group, world
+        calibration = getattr(world, "calibration", None)
         self.device, self.precision, self.efficiency, self.table = device, precision, efficiency, table
         self._collectives: dict = {}
+        self.backward_op_s = device.op_overhead_s if calibration is None else calibration.backward_op_overhead_s
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)
@@ -134,8 +146,16 @@ class Pricing:
     def compute(self, facts: NodeFacts, fraction: float) -> float:
         """Roofline seconds (forward + backward) of a node's local share."""
         values = self.values
-        return compute_time(values[facts.total] * fraction, values[facts.traffic] * facts.byte_scale * fraction,
-                            self.device, self.precision, efficiency=self.efficiency, is_matmul=facts.matmul)
+        seconds = compute_time(values[facts.total] * fraction, values[facts.traffic] * facts.byte_scale * fraction,
+                               self.device, self.precision, efficiency=self.efficiency, is_matmul=facts.matmul)
+        return seconds + self.op_overhead(facts)
+
+    def op_overhead(self, facts: NodeFacts) -> float:
+        """Fixed seconds of one node, forward + backward (see the module docstring)."""
+        if not facts.dispatched:
+            return 0.0
+        backward = max(1, facts.grad_inputs) * self.backward_op_s if facts.needs_grad else 0.0
+        return self.device.op_overhead_s + backward
 
     def forward_share(self, facts: NodeFacts) -> float:
         total = self.values[facts.total]

@@ -1,0 +1,128 @@
+"""Does the calibrated cost model predict step times on this machine, and rank meshes as they run?
+
+1. ``xirang calibrate`` on 8 local ranks (or ``--world-file`` a World it wrote).
+2. For each mesh below, plan the same GPT pinned to that mesh on the calibrated World, compile it on 8
+   local gloo ranks, train a few steps and take the median step (``train_step``: forward, backward and
+   every collective; the optimizer step is not part of the planner's step time, so it is not timed).
+3. Print predicted vs measured per mesh, their ratio, and whether the planner's order of the meshes
+   equals the measured one.
+
+    python benchmarks/calibrated_prediction.py [--world-file world.json] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/
+
+import xirang  # noqa: E402
+from examples.gpt import GPTConfig, build_gpt  # noqa: E402
+from xirang.codegen.runtime.calibrate import calibrate  # noqa: E402
+from xirang.codegen.runtime.launch import launch  # noqa: E402
+from xirang.ir.world import World  # noqa: E402
+
+RANKS = 8
+CONFIG = GPTConfig(vocab_size=2048, seq_len=128, hidden=256, heads=8, layers=8)
+GLOBAL_BATCH, SEQ = 16, 128
+# name -> plan pins; micro_batch is per dp rank
+MESHES = {
+    "dp8": dict(dp=8, tp=1, pp=1, micro_batch=2),
+    "tp8": dict(dp=1, tp=8, pp=1, micro_batch=4),
+    "pp8": dict(dp=1, tp=1, pp=8, micro_batch=2, schedule="1f1b"),
+    "3d 2x2x2": dict(dp=2, tp=2, pp=2, micro_batch=2, schedule="1f1b"),
+    "pp4 interleaved": dict(dp=2, tp=1, pp=4, micro_batch=1, schedule="interleaved", virtual_stages=2),
+    "dp4 pp2 full recompute": dict(dp=4, tp=1, pp=2, micro_batch=1, schedule="1f1b", recompute="full"),
+}
+
+
+def _batch(size=GLOBAL_BATCH) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, CONFIG.vocab_size, (size, SEQ), generator=generator),
+            "labels": torch.randint(0, CONFIG.vocab_size, (size, SEQ), generator=generator)}
+
+
+def _plan(world: World, pins: dict):
+    model = build_gpt(CONFIG)  # on CPU, as the ranks build it: the plan must match their trace
+    return xirang.plan(model, world=world, example_kwargs=_batch(2), global_batch=GLOBAL_BATCH,
+                       precision="fp32", **pins)
+
+
+def _train(rank, world_size, plan, world, steps, warmup):
+    torch.manual_seed(0)
+    compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=_batch(2))
+    batch = _batch()
+    times = []
+    for _ in range(warmup + steps):
+        dist.barrier()  # every rank starts the step together: the job's step ends at its slowest rank
+        start = time.perf_counter()
+        compiled.train_step(**batch)
+        times.append(time.perf_counter() - start)
+    return times[warmup:]
+
+
+def measure(plan, world: World, steps: int, warmup: int) -> float:
+    """Median over steps of the slowest rank's train_step seconds."""
+    # 8 ranks on a few busy cores: a rank can be starved for long stretches; it is not frozen
+    per_rank = launch(_train, RANKS, (plan, world, steps, warmup), timeout_s=1800, heartbeat_s=300)
+    return statistics.median(max(step) for step in zip(*per_rank))
+
+
+def _order(times: dict) -> list:
+    return sorted(times, key=times.__getitem__)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-file", help="a World JSON written by `xirang calibrate` (default: calibrate now)")
+    parser.add_argument("--out", default="world_calibrated.json", help="where to write the calibration")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", nargs="*", help="mesh names to run (default all)")
+    parser.add_argument("--predict-only", action="store_true", help="plan and print the predictions, train nothing")
+    args = parser.parse_args(argv)
+    if args.world_file:
+        world = World.load(args.world_file)
+    else:
+        start = time.perf_counter()
+        world = calibrate(RANKS)
+        world.save(args.out)
+        print(f"calibrated in {time.perf_counter() - start:.0f} s -> {args.out}")
+    from xirang.cli_calibrate import describe_calibration
+    print(describe_calibration(world))
+    print(f"\nGPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {SEQ}, vocab {CONFIG.vocab_size}, "
+          f"global batch {GLOBAL_BATCH}, fp32, {RANKS} gloo ranks on {os.cpu_count()} cores")
+    predicted, measured, causes = {}, {}, {}
+    for name, pins in MESHES.items():
+        if args.only and name not in args.only:
+            continue
+        plan = _plan(world, pins)
+        predicted[name] = plan.predicted.step_seconds
+        causes[name] = dict(plan.predicted.breakdown)
+        if args.predict_only:
+            parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
+            print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
+            continue
+        measured[name] = measure(plan, world, args.steps, args.warmup)
+        parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
+        print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  measured {measured[name] * 1e3:8.1f} ms  "
+              f"ratio {predicted[name] / measured[name]:5.2f}   ({parts} ms)", flush=True)
+    if args.predict_only:
+        print(f"predicted order: {_order(predicted)}")
+        return 0
+    worst = max(abs(predicted[n] / measured[n] - 1) for n in predicted)
+    print(f"\nworst |predicted/measured - 1|: {worst:.1%}")
+    print(f"predicted order: {_order(predicted)}")
+    print(f"measured order:  {_order(measured)}")
+    print(f"ranking matches: {_order(predicted) == _order(measured)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

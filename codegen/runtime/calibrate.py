@@ -1,0 +1,417 @@
+"""Microbenchmarks that calibrate the cost model on the machine at hand (``xirang calibrate``).
+
+Every benchmark runs on all N local ranks at once, as training does, so what ranks sharing cores
+(or a PCIe switch, or a NIC) take from each other is in the figures:
+
+- compute: matmuls at training-like shapes (fp32 and bf16), an elementwise add (memory-bound), a
+  tiny op's dispatch (the fixed per-op cost: eager dispatch on CPU, a kernel launch on GPU) and the
+  backward's per-op cost (an autograd node and its gradient op on a tiny tensor). Each op is called
+  the way emitted programs call it (``torch.ops.aten``).
+- collectives: every kind the runtime issues, on every group size 2, 4, ... N that divides N (all
+  groups of that size running at once, as the dp or tp groups of a mesh do), with the calls the
+  runtime makes (all_gather/reduce_scatter as ``codegen/ops/collectives.py`` runs them, send as the
+  pipeline's isend/irecv), over a few message sizes. On ranks that share cores each call follows a
+  chunk of eager ops, as in training (``_in_context_time``): back-to-back calls on idle ranks answer
+  at once, while between ops a peer must first be scheduled again behind the busy ranks.
+
+A sample's time is the median over iterations on each rank, then the slowest rank (a collective
+ends when its last rank does). ``calibrated_world`` fits the lines (``ir/calibration.fit_line``)
+and builds the World the planner reads. The same code runs on GPUs with device "cuda" and nccl; the
+timings synchronise the device around each timed region.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from xirang.ir.calibration import COLLECTIVE_KINDS, Calibration, CollectiveFit, fit_line
+from xirang.ir.device import DeviceSpec, Efficiency
+from xirang.ir.errors import XirangError
+from xirang.ir.world import LinkSpec, NodeSpec, World
+
+# (m, k, n) of the timed matmuls: activations (micro-batch x seq rows) times weight shards of hidden
+# 256..1024 models, the sizes CPU development runs train at; --quick keeps two small ones.
+MATMUL_SHAPES = ((512, 256, 256), (512, 256, 1024), (1024, 1024, 256), (2048, 256, 768))
+QUICK_MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256))
+ELEMENTWISE_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # float32 elements
+QUICK_ELEMENTWISE_SIZES = (1 << 14, 1 << 17)
+MESSAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)  # bytes; dp buckets are up to 25 MiB
+QUICK_MESSAGE_SIZES = (1 << 10, 16 << 10)
+TINY_OPS = 200  # ops per timed chain of the per-op overhead measurements
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls (after ``warmup``), device synchronised."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+LOCKSTEP_WINDOW_S = 0.05  # each lock-step window holds at least this much work, well above the barriers' noise
+QUICK_LOCKSTEP_WINDOW_S = 0.005  # --quick: rough figures in seconds
+
+
+def _lockstep_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 1,
+                   window_s: float = LOCKSTEP_WINDOW_S) -> float:
+    """Median seconds of ``fn`` with every rank running it at once: each window of ``reps`` calls
+    between two barriers, less the median of an empty pair of barriers (what the barriers cost on
+    their own), over ``reps``. ``reps`` (the same on every rank: the largest any rank asks for) makes
+    a window at least ``LOCKSTEP_WINDOW_S`` of work. This is what training sees: every rank busy."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    reps = torch.tensor([max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-7)))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
+    reps = int(reps.item())
+
+    def repeated():
+        for _ in range(reps):
+            fn()
+
+    def window(body) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        body()
+        _sync(device)
+        dist.barrier()
+        return time.perf_counter() - start
+    empty = statistics.median(window(lambda: None) for _ in range(iters))
+    return max(1e-9, statistics.median(window(repeated) for _ in range(iters)) - empty) / reps
+
+
+def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
+    """Compute measurements: with ``lockstep`` (ranks sharing cores) every rank runs each one at once
+    between barriers (``_lockstep_time``), so the figures are those of a rank among N busy ones;
+    else each rank on its own device."""
+    aten, iters = torch.ops.aten, 3 if quick else 7
+    if lockstep:
+        window = QUICK_LOCKSTEP_WINDOW_S if quick else LOCKSTEP_WINDOW_S
+
+        def timed(fn, device, iters):
+            return _lockstep_time(fn, device, iters, window_s=window)
+    else:
+        timed = _median_time
+    out: dict = {"matmul": {}, "elementwise": [], "op_forward_s": 0.0, "op_backward_s": 0.0}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = []
+        shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
+        # bf16 matmuls on CPUs without AMX run 10-30x slower than fp32: the small shapes suffice
+        for m, k, n in (shapes if dtype == torch.float32 or device.startswith("cuda") else QUICK_MATMUL_SHAPES):
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            rows.append([2.0 * m * k * n, timed(lambda a=a, b=b: aten.mm.default(a, b), device, iters)])
+        out["matmul"][str(dtype).removeprefix("torch.")] = rows
+    for count in (QUICK_ELEMENTWISE_SIZES if quick else ELEMENTWISE_SIZES):
+        x, y = torch.randn(count, device=device), torch.randn(count, device=device)
+        # an add reads two tensors and writes one: 3 x 4 bytes per element
+        out["elementwise"].append([12.0 * count, timed(lambda x=x, y=y: aten.add.Tensor(x, y), device, iters)])
+    tiny = torch.ones(8, device=device)
+
+    def forward_chain():
+        z = tiny
+        for _ in range(TINY_OPS):
+            z = aten.mul.Tensor(z, 1.0001)
+    out["op_forward_s"] = timed(forward_chain, device, iters) / TINY_OPS
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def graph():
+        z = leaf
+        for _ in range(TINY_OPS):
+            z = aten.mul.Tensor(z, 1.0001)
+        return z.sum()
+
+    def forward_and_backward():  # the backward of a chain of one-input ops: one autograd node, one gradient op each
+        graph().backward()
+    # forward with autograd recording plus backward, less the plain forward: the backward's per-op cost
+    # (recording the graph is part of what an op costs in training, so it counts with the backward)
+    out["op_backward_s"] = max(0.0, timed(forward_and_backward, device, iters) / TINY_OPS - out["op_forward_s"])
+    return out
+
+
+def _sharing(device: str, quick: bool) -> dict:
+    """How many ranks run at full speed at once: a fixed training-like batch of work (matmuls and a
+    chain of tiny ops) timed on rank 0 alone (the others blocked in a barrier), then on every rank at
+    once (wall time between two barriers). N ranks sharing k cores take N/k times as long together,
+    so k = N · alone / together (k <= N). k may fall below 1: on a machine other processes load, or
+    where switching among more ranks than cores costs time of its own, N ranks together take longer
+    than N times one alone; k is then the effective share of a core the job gets."""
+    aten, rank = torch.ops.aten, dist.get_rank()
+    m, k, n = (QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES)[1]
+    a, b, tiny = torch.randn(m, k, device=device), torch.randn(k, n, device=device), torch.ones(8, device=device)
+
+    def work():
+        for _ in range(2 if quick else 8):
+            aten.mm.default(a, b)
+        z = tiny
+        for _ in range(TINY_OPS):
+            z = aten.mul.Tensor(z, 1.0001)
+        _sync(device)
+    work()  # warm-up
+    alone, together, beside_waiters = [], [], []
+    token = torch.zeros(1, device=device)
+    for _ in range(2 if quick else 4):
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            work()
+            alone.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        dist.barrier()  # the last rank to finish ends the round
+        together.append(time.perf_counter() - start)
+        # rank 0 alone again, the others waiting in an irecv as a pipeline rank waits for its input
+        # (p2p.py): if waiting costs CPU, rank 0 is slowed (``waiting_share``)
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            work()
+            beside_waiters.append(time.perf_counter() - start)
+            for peer in range(1, dist.get_world_size()):
+                dist.isend(token, dst=peer).wait()
+        else:
+            dist.irecv(token, src=0).wait()
+    return {"alone_s": statistics.median(alone) if alone else 0.0, "together_s": statistics.median(together),
+            "beside_waiters_s": statistics.median(beside_waiters) if beside_waiters else 0.0}
+
+
+def group_sizes(world_size: int) -> list[int]:
+    """Group sizes measured: 2, 4, 8, ... dividing ``world_size``, and ``world_size`` itself."""
+    sizes, size = [], 2
+    while size <= world_size:
+        if world_size % size == 0:
+            sizes.append(size)
+        size *= 2
+    if world_size > 1 and world_size not in sizes:
+        sizes.append(world_size)
+    return sizes
+
+
+def _collective_call(kind: str, nbytes: int, group, size: int, group_ranks: Sequence[int], device: str):
+    """A no-argument call running ``kind`` on ``nbytes`` (the cost model's nbytes convention) the way
+    the runtime runs it; None where the kind does not apply to this group."""
+    elements = max(size, nbytes // 4 // size * size)  # float32, divisible by the group
+    rank = dist.get_rank()
+    if kind == "all_reduce":
+        buffer = torch.ones(elements, device=device)
+        return lambda: dist.all_reduce(buffer, group=group)
+    if kind == "all_gather":  # nbytes: each rank's output (codegen/ops/collectives._all_gather)
+        out, local = torch.empty(elements, device=device), torch.ones(elements // size, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, local, group=group)
+    if kind == "reduce_scatter":  # nbytes: each rank's input; the runtime's all-reduce fallback too
+        full, out = torch.ones(elements, device=device), torch.empty(elements // size, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+        def reduce_scatter():
+            try:
+                scatter(out, full, group=group)
+            except (RuntimeError, NotImplementedError):
+                dist.all_reduce(full.clone(), group=group)
+        return reduce_scatter
+    if kind == "all_to_all":
+        send, recv = torch.ones(elements, device=device), torch.empty(elements, device=device)
+        return lambda: dist.all_to_all_single(recv, send, group=group)
+    if kind == "broadcast":
+        buffer = torch.ones(elements, device=device)
+        return lambda: dist.broadcast(buffer, src=group_ranks[0], group=group)
+    if kind == "send":  # the pipeline's isend/irecv between neighbours; timed as half a round trip
+        if size != 2:
+            return None
+        buffer = torch.ones(elements, device=device)
+        peer = group_ranks[1] if rank == group_ranks[0] else group_ranks[0]
+        first = rank == group_ranks[0]
+
+        def ping_pong():
+            for sending in ((True, False) if first else (False, True)):
+                work = dist.isend(buffer, dst=peer) if sending else dist.irecv(buffer, src=peer)
+                work.wait()
+        return ping_pong
+    raise XirangError(f"no microbenchmark for collective {kind!r}", where="codegen/runtime/calibrate.py",
+                      hint=f"known kinds: {', '.join(COLLECTIVE_KINDS)}")
+
+
+CONTEXT_OPS = 40  # tiny ops every rank runs before each collective measured in context
+
+
+def _in_context_time(call: Callable[[], None], device: str, iters: int) -> float:
+    """Median seconds from the end of this rank's own work to the end of ``call``, each call preceded
+    by a chunk of eager ops on every rank, as training issues collectives between ops. On ranks
+    sharing cores this holds what back-to-back calls hide: a rank that must be scheduled again
+    behind the busy ones before it answers, and the ranks' skew in finishing their work."""
+    aten, tiny = torch.ops.aten, torch.ones(8, device=device)
+
+    def work():
+        z = tiny
+        for _ in range(CONTEXT_OPS):
+            z = aten.mul.Tensor(z, 1.0001)
+    work()
+    call()
+    times = []
+    for _ in range(iters):
+        work()
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collective_samples(device: str, quick: bool, in_context: bool = False) -> dict:
+    """{"kind/size": [[nbytes, median seconds on this rank], ...]} for every kind and group size;
+    ``in_context``: each call after a chunk of work (``_in_context_time``), else back to back."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    iters = 3 if quick else 7
+    out: dict = {}
+    for size in group_sizes(world):
+        blocks = [list(range(start, start + size)) for start in range(0, world, size)]
+        groups = [dist.new_group(block) for block in blocks]  # every rank creates every group
+        mine = rank // size
+        group, ranks = groups[mine], blocks[mine]
+        for kind in COLLECTIVE_KINDS:
+            rows = []
+            for nbytes in (QUICK_MESSAGE_SIZES if quick else MESSAGE_SIZES):
+                call = _collective_call(kind, nbytes, group, size, ranks, device)
+                if call is None:
+                    break
+                dist.barrier()  # every group starts together: they contend as in training
+                seconds = _in_context_time(call, device, iters) if in_context else _median_time(call, device, iters)
+                rows.append([float(nbytes), seconds / (2 if kind == "send" else 1)])
+            if rows:
+                out[f"{kind}/{size}"] = rows
+    return out
+
+
+def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool = False) -> dict:
+    """What one rank measures (run by ``launch`` on every rank at once)."""
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    dist.barrier()
+    # ranks sharing cores measure compute in lock-step (every rank busy, as in training; out of step
+    # the samples would mix phases of different load); ``_sharing`` says how the cores are shared
+    shared = world_size > 1 and not device.startswith("cuda")
+    compute = _compute_samples(device, quick, lockstep=shared)
+    dist.barrier()
+    sharing = _sharing(device, quick) if shared else None
+    # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
+    collectives = _collective_samples(device, quick, in_context=sharing is not None) if world_size > 1 else {}
+    return {"rank": rank, "threads": torch.get_num_threads(), "compute": compute, "sharing": sharing,
+            "collectives": collectives}
+
+
+def _slowest(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """Sample-wise worst over ranks of [[x, seconds], ...] lists measured at the same x."""
+    return [[rows[0][0], max(row[1] for row in rows)] for rows in zip(*per_rank)]
+
+
+def _mean(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """Sample-wise mean over ranks of [[x, seconds], ...] lists measured at the same x."""
+    return [[rows[0][0], statistics.fmean(row[1] for row in rows)] for rows in zip(*per_rank)]
+
+
+def _rate(samples: Sequence[Sequence[float]], what: str) -> tuple[float, dict]:
+    """Work per second of ``seconds ≈ c + work / rate`` fitted to (work, seconds) samples; the
+    intercept c is the op's fixed cost at these sizes. Returns the rate and the fit for the file."""
+    c, per_unit, residual = fit_line([s[0] for s in samples], [s[1] for s in samples])
+    fit = {"intercept_s": c, "residual": residual, "samples": [list(s) for s in samples]}
+    if per_unit <= 0:
+        # noise hid the growth with size (tiny --quick sizes on a busy machine): the throughput of
+        # the largest sample, all its time counted as work, is the conservative rate
+        work, seconds = max(samples)
+        fit.update(intercept_s=0.0, note=f"{what}: time did not grow with size; rate of the largest sample")
+        return work / seconds, {**fit, "rate": work / seconds}
+    return 1.0 / per_unit, {**fit, "rate": 1.0 / per_unit}
+
+
+def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
+    """The World of one node of ``len(results)`` devices, every figure measured (see module doc)."""
+    ranks = len(results)
+    raw: dict = {"threads_per_rank": results[0]["threads"], "cpu_count": os.cpu_count()}
+    compute, sharing = results[0]["compute"], results[0]["sharing"]
+    # N ranks on k cores (``_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
+    parallel, waiting = float(ranks), 0.0
+    if sharing is not None and sharing["together_s"] > 0:
+        parallel = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
+        raw["sharing"] = dict(sharing)
+        # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and
+        # "as much as a busy one" (as slow as with every rank busy) the pipeline's waiting ranks are
+        spread = sharing["together_s"] - sharing["alone_s"]
+        waiting = (sharing["beside_waiters_s"] - sharing["alone_s"]) / spread if spread > 0 else 0.0
+        waiting = min(1.0, max(0.0, waiting))
+    peaks = {}  # rates of one rank with every rank busy (measured in lock-step where cores are shared)
+    for dtype, samples in compute["matmul"].items():
+        peaks[dtype], raw[f"matmul_{dtype}"] = _rate(samples, f"{dtype} matmul")
+    # fp16 is not timed: priced at the bf16 rate, the other 16-bit path (CPUs without fp16 units
+    # upcast both)
+    peaks["fp16"] = peaks.get("bfloat16", peaks["float32"])
+    bandwidth, raw["elementwise"] = _rate(compute["elementwise"], "elementwise add")
+    op_forward, op_backward = compute["op_forward_s"], compute["op_backward_s"]
+    raw["collectives_in_context"] = sharing is not None
+    raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
+                   "share cores)")
+    fits = []
+    for key in results[0]["collectives"]:
+        kind, size = key.split("/")
+        per_rank = [r["collectives"][key] for r in results]
+        # back to back, a collective ends at its slowest rank; in context, each rank's time runs from
+        # the end of its own work, which the compute price already puts at the mean rank's: the mean
+        samples = _mean(per_rank) if results[0]["sharing"] is not None else _slowest(per_rank)
+        fits.append(CollectiveFit.fitted(kind, int(size), backend, [tuple(s) for s in samples]))
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        memory = torch.cuda.get_device_properties(0).total_memory
+    else:  # the ranks share the host's memory
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+    spec = DeviceSpec(
+        name="cpu" if not on_gpu else torch.cuda.get_device_name(0).lower().replace(" ", "-"),
+        peak_flops={"fp32": peaks["float32"], "bf16": peaks.get("bfloat16", peaks["float32"]),
+                    "fp16": peaks["fp16"]},
+        memory_bytes=int(memory), memory_bandwidth=bandwidth,
+        # a CPU's host link is a copy within its own memory: read and written, half the bandwidth
+        # each way (as the "cpu" preset); a GPU's is PCIe, not measured here
+        host_link_bytes_per_s=bandwidth / 2 if not on_gpu else None,
+        op_overhead_s=op_forward,
+        # the peaks above are rates reached at training sizes with every rank busy: nothing is left
+        # for a datasheet derating to discount
+        efficiency=Efficiency(matmul=1.0, other=1.0, memory=1.0))
+    send = next((f for f in fits if f.kind == "send"), None)
+    link = LinkSpec(1.0 / send.beta if send and send.beta else 1e12, send.alpha if send else 0.0)
+    raw["inter_node"] = "not measured: one node; the intra-node link stands in for it"
+    calibration = Calibration(ranks, backend, "cuda" if on_gpu else "cpu", tuple(fits), op_backward,
+                              # gloo's communication threads run on the cores the ranks compute on
+                              comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
+                              waiting_share=waiting)
+    return World((NodeSpec(ranks, spec),), link, link, calibration)
+
+
+def calibrate(nprocs: int, *, device: str = "cpu", backend: str | None = None, quick: bool = False,
+              timeout_s: float = 900.0) -> World:
+    """Run the microbenchmarks on ``nprocs`` local ranks and return the measured World."""
+    from xirang.codegen.runtime.launch import launch
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    # ranks sharing busy cores can be starved for long stretches without being frozen
+    results = launch(calibrate_rank, nprocs, (device, quick), backend=backend, timeout_s=timeout_s,
+                     heartbeat_s=120.0)
+    return calibrated_world(results, backend=backend, device=device)

@@ -1,0 +1,221 @@
+"""What ``xirang calibrate`` measured on the machine at hand: collective prices per (kind, group size)
+and the compute facts the cost model reads, with every raw sample and each fit's residual kept so a
+person can see how well the straight lines hold.
+
+A ``Calibration`` rides on a ``World`` (``World.calibration``) and round-trips in its JSON. The cost
+model prices a collective of a kind and group size it holds with the measured line
+``alpha + beta * nbytes`` instead of the link-level formulas (``passes/planning/cost_collectives``).
+Pure data: the microbenchmarks live in ``codegen/runtime/calibrate.py``, the fits here (no torch).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
+
+from xirang.ir.errors import InvalidValue
+
+CALIBRATION_VERSION = 1
+# The kinds the cost model prices (cost_collectives.ALGORITHMS); nbytes follows its convention: one
+# rank's full buffer (all_reduce: the buffer; reduce_scatter: each rank's input; all_gather: each
+# rank's output; all_to_all: each rank's send buffer; broadcast: the root's buffer; send: the message).
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+
+
+def _number(value, what: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise InvalidValue(f"{what} must be a {kind} finite number, got {value!r}")
+    return float(value)
+
+
+def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares fit of ``seconds ≈ alpha + beta · size`` with alpha, beta >= 0.
+
+    Formulation: minimise Σ_i ((t_i - alpha - beta·n_i) / t_i)², the error *relative* to each sample,
+    so a 10 µs sample counts as much as a 10 ms one (an absolute fit would let the largest message
+    set alpha, and the small messages that alpha prices would be ignored). Closed form of the 2x2
+    weighted normal equations (weights w_i = 1/t_i²); if the unconstrained optimum has a negative
+    coordinate, that coordinate is fixed at 0 and the other refitted alone (the constrained optimum
+    of a convex quadratic lies on that edge). Returns (alpha, beta, residual), residual the root mean
+    square relative error of the fitted line over the samples.
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise InvalidValue(f"fit_line needs at least two (size, seconds) samples of equal count, got "
+                           f"{len(sizes)} sizes and {len(seconds)} times")
+    n = [_number(s, "a sample size") for s in sizes]
+    t = [_number(s, "a sample time", positive=True) for s in seconds]
+    w = [1.0 / ti ** 2 for ti in t]
+    sw, sn, snn = sum(w), sum(wi * ni for wi, ni in zip(w, n)), sum(wi * ni * ni for wi, ni in zip(w, n))
+    st, snt = sum(wi * ti for wi, ti in zip(w, t)), sum(wi * ni * ti for wi, ni, ti in zip(w, n, t))
+    det = sw * snn - sn * sn
+    alpha, beta = ((snn * st - sn * snt) / det, (sw * snt - sn * st) / det) if det > 0 else (-1.0, -1.0)
+    if alpha < 0 or beta < 0 or det <= 0:
+        only_beta = (0.0, snt / snn if snn > 0 else 0.0)  # alpha = 0 edge
+        only_alpha = (st / sw, 0.0)  # beta = 0 edge
+        alpha, beta = min((only_beta, only_alpha), key=lambda ab: _relative_sse(ab, n, t))
+    residual = math.sqrt(_relative_sse((alpha, beta), n, t) / len(n))
+    return alpha, beta, residual
+
+
+def _relative_sse(ab, n, t) -> float:
+    return sum(((ti - ab[0] - ab[1] * ni) / ti) ** 2 for ni, ti in zip(n, t))
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """The measured price of one collective ``kind`` on groups of ``group_size`` ranks over ``backend``:
+    ``seconds(nbytes) = alpha + beta · nbytes`` (alpha in s, beta in s/byte), fitted over ``samples``
+    ((nbytes, median seconds) pairs, all groups of that size running at once), with ``residual`` the
+    fit's RMS relative error."""
+
+    kind: str
+    group_size: int
+    backend: str
+    alpha: float
+    beta: float
+    samples: tuple[tuple[float, float], ...] = ()
+    residual: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in COLLECTIVE_KINDS:
+            raise InvalidValue(f"CollectiveFit kind {self.kind!r} is unknown; known: {', '.join(COLLECTIVE_KINDS)}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
+            raise InvalidValue(f"CollectiveFit {self.kind}: group_size must be an int >= 2, got {self.group_size!r}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise InvalidValue(f"CollectiveFit {self.kind}: backend must be a non-empty str, got {self.backend!r}")
+        object.__setattr__(self, "alpha", _number(self.alpha, f"CollectiveFit {self.kind} alpha"))
+        object.__setattr__(self, "beta", _number(self.beta, f"CollectiveFit {self.kind} beta"))
+        object.__setattr__(self, "residual", _number(self.residual, f"CollectiveFit {self.kind} residual"))
+        object.__setattr__(self, "samples", tuple((float(n), float(s)) for n, s in self.samples))
+
+    @classmethod
+    def fitted(cls, kind: str, group_size: int, backend: str,
+               samples: Sequence[tuple[float, float]]) -> "CollectiveFit":
+        """The least-squares line (``fit_line``) through ``samples``."""
+        alpha, beta, residual = fit_line([n for n, _ in samples], [s for _, s in samples])
+        return cls(kind, group_size, backend, alpha, beta, tuple(samples), residual)
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "group_size": self.group_size, "backend": self.backend,
+                "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
+                "bandwidth_bytes_per_s": 1.0 / self.beta if self.beta else None,
+                "residual": self.residual, "samples": [list(s) for s in self.samples]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CollectiveFit":
+        keys = {"kind", "group_size", "backend", "alpha_s", "beta_s_per_byte"}
+        if not isinstance(data, dict) or not keys <= set(data):
+            raise InvalidValue(f"bad collective fit {data!r}: expected an object with the keys "
+                               f"{', '.join(sorted(keys))} "
+                               f"(and optionally residual, samples, bandwidth_bytes_per_s)")
+        return cls(data["kind"], data["group_size"], data["backend"], data["alpha_s"], data["beta_s_per_byte"],
+                   tuple(tuple(s) for s in data.get("samples", ())), data.get("residual", 0.0))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One calibration run on ``ranks`` local ranks of ``device_kind`` ("cpu" or "cuda") over ``backend``.
+
+    - ``collectives``: the measured lines, at most one per (kind, group size).
+    - ``backward_op_overhead_s``: fixed seconds the backward adds per op that needs a gradient (an
+      autograd node run and its gradient kernel's dispatch), beside ``DeviceSpec.op_overhead_s``
+      for the forward dispatch.
+    - ``comm_overlaps_compute``: whether a collective in flight runs beside compute without slowing
+      it. False where the ranks' communication threads share the cores that compute (CPU ranks,
+      gloo): the cost model then leaves no gradient sync hidden behind the backward.
+    - ``parallel_ranks``: how many of the ranks run at full speed at once: ``ranks`` where each has its
+      own device; on CPU ranks sharing fewer cores, the effective core count, ranks / (a matmul's
+      time with every rank busy / its time with one rank busy); below 1 where the job gets less than
+      a core (other load, switching among ranks). None: not measured (as ``ranks``).
+    - ``waiting_share``: on shared cores, what a rank waiting for a message (a pipeline rank in its
+      bubble) costs the busy ones, as a fraction of what a busy rank costs them: 0 where waiting
+      blocks, 1 where it spins as hard as compute.
+    - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
+    """
+
+    ranks: int
+    backend: str
+    device_kind: str
+    collectives: tuple[CollectiveFit, ...] = ()
+    backward_op_overhead_s: float = 0.0
+    comm_overlaps_compute: bool = True
+    raw: Mapping = field(default_factory=dict)
+    parallel_ranks: Optional[float] = None
+    waiting_share: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
+            raise InvalidValue(f"Calibration ranks must be a positive int, got {self.ranks!r}")
+        fits = tuple(self.collectives)
+        if not all(isinstance(f, CollectiveFit) for f in fits):
+            raise InvalidValue(f"Calibration collectives must be CollectiveFit objects, got {fits!r}")
+        keys = [(f.kind, f.group_size) for f in fits]
+        if len(set(keys)) != len(keys):
+            raise InvalidValue(f"Calibration holds two fits for one (kind, group size): {sorted(keys)}")
+        object.__setattr__(self, "collectives", fits)
+        object.__setattr__(self, "backward_op_overhead_s",
+                           _number(self.backward_op_overhead_s, "Calibration backward_op_overhead_s"))
+        object.__setattr__(self, "raw", MappingProxyType(dict(self.raw)))
+        share = _number(self.waiting_share, "Calibration waiting_share")
+        if share > 1:
+            raise InvalidValue(f"Calibration waiting_share must be a fraction in [0, 1], got {share!r}")
+        object.__setattr__(self, "waiting_share", share)
+        if self.parallel_ranks is not None:
+            value = _number(self.parallel_ranks, "Calibration parallel_ranks", positive=True)
+            object.__setattr__(self, "parallel_ranks", min(value, float(self.ranks)))
+        object.__setattr__(self, "_table", {key: f for key, f in zip(keys, fits)})
+
+    def fit(self, kind: str, group_size: int) -> Optional[CollectiveFit]:
+        """The measured line for ``kind`` on ``group_size`` ranks, or None if not measured."""
+        return self._table.get((kind, group_size))
+
+    # The raw table is a read-only dict (not hashable): identity of a calibration is its fits.
+    def __hash__(self) -> int:
+        return hash((self.ranks, self.backend, self.device_kind, self.collectives,
+                     self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
+                     self.waiting_share))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Calibration) and self.to_json() == other.to_json()
+
+    def __reduce__(self):
+        return (Calibration, (self.ranks, self.backend, self.device_kind, self.collectives,
+                              self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
+                              self.parallel_ranks, self.waiting_share))
+
+    def to_json(self) -> dict:
+        return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
+                "device_kind": self.device_kind, "collectives": [f.to_json() for f in self.collectives],
+                "backward_op_overhead_s": self.backward_op_overhead_s,
+                "comm_overlaps_compute": self.comm_overlaps_compute, "parallel_ranks": self.parallel_ranks,
+                "waiting_share": self.waiting_share,
+                "raw": _plain(self.raw)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        keys = {"ranks", "backend", "device_kind", "collectives"}
+        if not isinstance(data, dict) or not keys <= set(data):
+            raise InvalidValue(f"bad calibration {str(data)[:200]!r}: expected an object with the keys "
+                               f"{', '.join(sorted(keys))}; write one with `xirang calibrate`")
+        if data.get("version", CALIBRATION_VERSION) != CALIBRATION_VERSION:
+            raise InvalidValue(f"calibration version {data.get('version')!r} is not {CALIBRATION_VERSION}; "
+                               f"re-run `xirang calibrate`")
+        return cls(data["ranks"], data["backend"], data["device_kind"],
+                   tuple(CollectiveFit.from_json(f) for f in data["collectives"]),
+                   data.get("backward_op_overhead_s", 0.0), bool(data.get("comm_overlaps_compute", True)),
+                   data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0))
+
+
+def _plain(value):
+    """A JSON-ready copy (read-only mappings and tuples made dicts and lists)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

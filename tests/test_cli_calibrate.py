@@ -1,0 +1,23 @@
+"""`xirang calibrate --quick` on 2 local ranks writes a World JSON that measures every collective kind
+the runtime issues and that `xirang plan --world-file` reads."""
+from __future__ import annotations
+
+from xirang.cli import main
+from xirang.ir.calibration import COLLECTIVE_KINDS
+from xirang.ir.world import World
+
+
+def test_calibrate_quick_on_two_ranks_writes_a_world_the_planner_reads(tmp_path, capsys):
+    out = tmp_path / "world.json"
+    assert main(["calibrate", "--world", "2", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "all_reduce" in printed and f"world written to {out}" in printed
+    world = World.load(out)
+    assert world.size == 2 and world.calibration.ranks == 2 and world.calibration.backend == "gloo"
+    device = world.nodes[0].device
+    assert device.op_overhead_s > 0 and device.peak("fp32") > 0 and device.memory_bandwidth > 0
+    assert not world.calibration.comm_overlaps_compute  # gloo on CPU cores
+    for kind in COLLECTIVE_KINDS:
+        fit = world.calibration.fit(kind, 2)
+        assert fit is not None and len(fit.samples) >= 2 and fit.seconds(1024) > 0, kind
+    assert world.calibration.raw["matmul_float32"]["samples"]

@@ -1,0 +1,56 @@
+"""``xirang calibrate``: measure this machine's devices and links on N local ranks and write the World
+JSON that ``xirang plan --world-file``, ``xirang.plan(world=World.load(F))`` and
+``xirang.compile(..., world=...)`` read (the microbenchmarks: ``codegen/runtime/calibrate.py``)."""
+from __future__ import annotations
+
+import time
+
+from xirang.ir.errors import XirangError
+
+
+def add_calibrate_parser(commands) -> None:
+    """The ``calibrate`` subcommand and its options."""
+    calibrate = commands.add_parser("calibrate", help="measure compute, per-op overhead and collectives on N local "
+                                                      "ranks; write a World JSON the planner reads")
+    calibrate.add_argument("--world", type=int, default=8, help="number of local ranks measured at once (default 8)")
+    calibrate.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the ranks compute")
+    calibrate.add_argument("--backend", default=None, help="torch.distributed backend (default gloo on cpu, nccl "
+                                                           "on cuda)")
+    calibrate.add_argument("--out", default="world.json", help="where to write the World JSON (default world.json)")
+    calibrate.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: seconds, for tests "
+                                                                "(figures too rough to plan with)")
+    calibrate.add_argument("--timeout", type=float, default=900.0, help="seconds the ranks may take (default 900)")
+    calibrate.set_defaults(run=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from xirang.codegen.runtime.calibrate import calibrate
+    if args.world < 1:
+        raise XirangError(f"--world must be a positive number of ranks, got {args.world}",
+                          where="xirang calibrate --world", hint="pass the rank count training will use, e.g. 8")
+    start = time.perf_counter()
+    world = calibrate(args.world, device=args.device, backend=args.backend, quick=args.quick,
+                      timeout_s=args.timeout)
+    world.save(args.out)
+    print(describe_calibration(world))
+    print(f"\nmeasured in {time.perf_counter() - start:.1f} s; world written to {args.out}")
+    return 0
+
+
+def describe_calibration(world) -> str:
+    """A table of the measured figures (the file keeps every raw sample too)."""
+    device, calibration = world.nodes[0].device, world.calibration
+    lines = [world.describe(),
+             f"  matmul  fp32 {device.peak('fp32') / 1e9:9.2f} GFLOP/s per rank, bf16 "
+             f"{device.peak('bf16') / 1e9:9.2f} GFLOP/s",
+             f"  memory  {device.memory_bandwidth / 1e9:9.2f} GB/s per rank (elementwise add)",
+             f"  ranks   {calibration.parallel_ranks or calibration.ranks:.2f} of {calibration.ranks} run at full "
+             f"speed at once; a waiting rank costs {calibration.waiting_share:.2f} of a busy one",
+             f"  per op  forward {device.op_overhead_s * 1e6:7.1f} us, backward "
+             f"{calibration.backward_op_overhead_s * 1e6:7.1f} us",
+             f"  {'collective':15s} {'group':>5s} {'alpha us':>10s} {'GB/s':>9s} {'residual':>9s}"]
+    for fit in calibration.collectives:
+        bandwidth = f"{1 / fit.beta / 1e9:9.3f}" if fit.beta else f"{'-':>9s}"
+        lines.append(f"  {fit.kind:15s} {fit.group_size:5d} {fit.alpha * 1e6:10.1f} {bandwidth} "
+                     f"{fit.residual:9.3f}")
+    return "\n".join(lines)
