@@ -108,6 +108,8 @@ def _api_checks(compiled, name: str, dp_rank: int, dp: int) -> dict:
             found["errors"].append(str(error))
     whole = compiled.train_step(**batch(0)).item(), compiled.full_gradients()
     share = {key: value.chunk(dp)[dp_rank] for key, value in batch(0).items()}
+    for param in compiled.parameters():  # gradients accumulate over train_steps, as with backward()
+        param.grad = None
     mine = compiled.train_step(pre_sharded=True, **share).item(), compiled.full_gradients()
     found["pre_sharded"] = max([abs(whole[0] - mine[0])] + [(whole[1][k] - g).abs().max().item()
                                                              for k, g in mine[1].items()])
@@ -115,6 +117,8 @@ def _api_checks(compiled, name: str, dp_rank: int, dp: int) -> dict:
         compiled.train_step(pre_sharded=True, **batch(0))
     except XirangError as error:
         found["errors"].append(str(error))
+    for param in compiled.parameters():  # the training after starts from no gradients, as a fresh model
+        param.grad = None
     return found
 
 
