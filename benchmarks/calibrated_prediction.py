@@ -60,6 +60,8 @@ def _train(rank, world_size, plan, world, steps, warmup):
     batch = _batch()
     times = []
     for _ in range(warmup + steps):
+        for param in compiled.parameters():  # what optimizer.zero_grad does between steps (untimed)
+            param.grad = None
         dist.barrier()  # every rank starts the step together: the job's step ends at its slowest rank
         start = time.perf_counter()
         compiled.train_step(**batch)
