@@ -40,11 +40,12 @@ from xirang.passes.lowering.precision import COMPUTE_DTYPES
 from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
 
-from xirang.codegen.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets
+from xirang.codegen.ops.comm_counter import record_call
+from xirang.codegen.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms, planned_buckets
 from xirang.codegen.runtime.offload import attach_offload
 from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
 from xirang.codegen.runtime.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.process_groups import build_mesh_groups, build_two_level_groups
 from xirang.codegen.runtime.rng_streams import make_rng
 from xirang.codegen.runtime.schedule_check import check_schedule
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
@@ -107,7 +108,7 @@ class CompiledModel:
                   for i in local}
         self._tied = tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
         self._counter, self._event_log = counter, event_log
-        buckets = self._grad_buckets(stages, bucket_bytes or DEFAULT_BUCKET_BYTES) if self.dp > 1 else None
+        buckets = self._grad_buckets(stages, bucket_bytes) if self.dp > 1 else None
         self.grad_buckets = buckets or {}  # local stage -> its dp GradientBuckets
         self.executor = PipelineExecutor(
             self.schedule, self.pp_rank, stages, peers=self.groups.pp_ranks, device=self.device,
@@ -115,9 +116,10 @@ class CompiledModel:
             grad_buckets=buckets, offload=self.activation_offload, rng=self.rng)
         self.last_step: Optional[StepRecord] = None
 
-    def _grad_buckets(self, stages: dict, bucket_bytes: int) -> dict:
-        """One GradientBuckets per local stage; a parameter two local stages read belongs to the
-        one whose last backward comes last, so its dp all-reduce sees every contribution."""
+    def _grad_buckets(self, stages: dict, bucket_bytes: Optional[int]) -> dict:
+        """One GradientBuckets per local stage, with the plan's buckets and algorithms (or, given
+        ``bucket_bytes``, buckets of that size, all flat); a parameter two local stages read belongs to
+        the one whose last backward comes last, so its dp all-reduce sees every contribution."""
         last = {}
         for position, action in enumerate(self.schedule.ranks[self.pp_rank]):
             if isinstance(action, (Backward, BackwardWeight)):
@@ -126,12 +128,22 @@ class CompiledModel:
         for index in sorted(stages, key=lambda i: last[i]):
             for fqn in stages[index].program.parameter_names:
                 owner[fqn] = index
-        return {index: GradientBuckets([self._state[fqn] for fqn in stage.program.parameter_names
-                                        if owner[fqn] == index and fqn in self._trainable],
-                                       self.groups.dp, bucket_bytes=bucket_bytes,
-                                       reduce_dtype=reduce_dtype(self.plan.grad_reduce_dtype),
-                                       event_log=self._event_log, counter=self._counter)
-                for index, stage in stages.items()}
+        follow_plan = bucket_bytes is None and bool(self.plan.buckets)
+        algorithms = plan_bucket_algorithms(self.plan) if follow_plan else {}
+        hierarchy = None
+        if "hierarchical" in algorithms.values():  # the same on every rank: new_group is collective
+            hierarchy = build_two_level_groups(self.plan.mesh, self.plan.world, "dp", self.rank)
+        found = {}
+        for index, stage in stages.items():
+            names = [fqn for fqn in stage.program.parameter_names if owner[fqn] == index and fqn in self._trainable]
+            planned = (planned_buckets(self.plan, stage.program.parameter_names, names, self._state, algorithms)
+                       if follow_plan else None)
+            found[index] = GradientBuckets([self._state[fqn] for fqn in names], self.groups.dp,
+                                           buckets=planned, hierarchy=hierarchy,
+                                           bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                           reduce_dtype=reduce_dtype(self.plan.grad_reduce_dtype),
+                                           event_log=self._event_log, counter=self._counter)
+        return found
 
     # --- parameters ------------------------------------------------------------------------------
 
@@ -278,6 +290,7 @@ class CompiledModel:
             param = self._state[fqn]
             if param.grad is None:  # every holder must join the sum, used this step or not
                 param.grad = torch.zeros_like(param)
+            record_call(self._counter, "all_reduce", param.grad.nbytes, dist.get_world_size(group), f"tied:{fqn}")
             dist.all_reduce(param.grad, group=group)
         for param, grad in earlier.items():
             if param.grad is None:

@@ -41,6 +41,7 @@ def compiled_run(compiled, batch, steps: int) -> dict:
     global batch per step, gradients and parameters gathered to full tensors (collective calls:
     every rank runs this)."""
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
+    optimizer.zero_grad()  # gradients accumulate over train_steps, as with backward(): start from none
     found = []
     for step in range(steps):
         loss = compiled.train_step(**batch(step))
