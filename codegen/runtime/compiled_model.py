@@ -41,7 +41,8 @@ from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
 
 from xirang.codegen.ops.comm_counter import record_call
-from xirang.codegen.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms, planned_buckets
+from xirang.codegen.runtime.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms,
+                                              planned_buckets)
 from xirang.codegen.runtime.offload import attach_offload
 from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
 from xirang.codegen.runtime.pipeline_state import bind_state, gather_full, load_full_state, tied_groups

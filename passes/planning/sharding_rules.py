@@ -227,8 +227,9 @@ def _attention(node, tp):
 def _cross_entropy(node, tp):
     """Vocabulary-parallel (Shoeybi et al. 2019, sec. 3): logits split on the class dim, labels R;
     two all-reduces (the row max; then the target logit and the sum of exp coalesced into one call
-    of two float32 per row, codegen/ops/vocab_parallel.py) give every rank the full loss. Rows split only for reduction 'none' or 'sum': a mean divides by the count of
-    non-ignored labels, which is global."""
+    of two float32 per row, codegen/ops/vocab_parallel.py) give every rank the full loss. Rows split
+    only for reduction 'none' or 'sum': a mean divides by the count of non-ignored labels, which is
+    global."""
     logits, target = node.args[0], node.args[1]
     weight, reduction = arg(node, 2, "weight"), arg(node, 3, "reduction", 1)
     if is_tensor(weight) or arg(node, 5, "label_smoothing", 0.0) or floating(target):
