@@ -56,7 +56,14 @@ def single_rank(name: str) -> tuple[float, float]:
         eager.zero_grad(set_to_none=True)
         eager(**batch).backward()
     compiled = xirang.compile(_model(name), world=1, example_kwargs=batch, global_batch=BATCH, device="cpu")
-    return _timed(eager_step), _timed(lambda: compiled.train_step(**batch))
+    return _timed(eager_step), _timed(lambda: _fresh_step(compiled, batch))
+
+
+def _fresh_step(compiled, batch):
+    """train_step accumulates gradients as backward does: clear them first, as the eager step does."""
+    for param in compiled.parameters():
+        param.grad = None
+    compiled.train_step(**batch)
 
 
 def _dp_rank(rank, world, name):
@@ -64,7 +71,7 @@ def _dp_rank(rank, world, name):
     batch = _batch(MODELS[name].vocab_size, BATCH * world)
     compiled = xirang.compile(_model(name), world=world, example_kwargs=batch, global_batch=BATCH * world,
                               device="cpu", dp=world, tp=1, pp=1, micro_batch=BATCH)
-    xirang_s = _timed(lambda: compiled.train_step(**batch))
+    xirang_s = _timed(lambda: _fresh_step(compiled, batch))
     ddp = torch.nn.parallel.DistributedDataParallel(_model(name))
     share = {k: v.chunk(world)[rank] for k, v in batch.items()}
 

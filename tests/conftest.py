@@ -46,3 +46,16 @@ HF_MODELS = {"gpt2": hf_gpt2, "llama": hf_llama, "bert": hf_bert}
 @pytest.fixture(params=sorted(HF_MODELS))
 def hf_model_name(request):
     return request.param
+
+
+# The bad-input battery's saved plan (tests/bad_input/): here, not in a conftest of that folder, because
+# tests import this file as the module "conftest" and a second conftest.py would take its name.
+@pytest.fixture(scope="session")
+def saved_plan(tmp_path_factory) -> str:
+    """plan.json of tests/bad_input/models.py:mlp on 1 cpu rank (global batch 8)."""
+    import xirang
+    from tests.bad_input.models import mlp
+    model, inputs = mlp()
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    xirang.plan(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8).save(path)
+    return str(path)
