@@ -87,6 +87,7 @@ def test_bad_world_string_says_the_accepted_forms():
     assert "bad world '2x9y'" in result.stderr and "'NxM' (N nodes of M devices" in result.stderr
 
 
+@pytest.mark.matrix  # 13 s of subprocesses: bad plan files are probed in-process by tests/bad_input
 def test_stale_or_hand_broken_plan_json_is_refused_naming_the_field(tmp_path):
     out = tmp_path / "plan.json"
     assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "4",

@@ -335,7 +335,10 @@ class CompiledModel:
         specs = self._input_specs()
         for name in self._inputs:
             value, spec = batch[name], specs.get(name)
-            if spec is None:
+            if spec is None:  # a program sent to this process keeps no meta: check the batch dims alone
+                for dim, symbol in self._batch_dims.get(name, {}).items():
+                    if isinstance(value, torch.Tensor) and dim < value.dim():
+                        self._check_size(name, value, dim, symbol, pre_sharded)
                 continue
             if not isinstance(value, torch.Tensor):
                 raise XirangError(f"input {name!r} is a {type(value).__name__}, but the program was built for a "

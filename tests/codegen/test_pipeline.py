@@ -252,6 +252,7 @@ def config(label: str, name: str, **plan_choices) -> tuple:
     return label, name, plan, lower(analysed(name), plan, rank=0).program, state, 8
 
 
+@pytest.mark.matrix  # 25 s: pipelines are also checked in the default tier by tests/codegen/test_3d.py
 def test_pipeline_4_ranks_matches_single_device():
     configs = [config("gpt2 1f1b", "gpt2", dp=1, pp=4, schedule="1f1b"),
                config("gpt2 gpipe", "gpt2", dp=1, pp=4, schedule="gpipe"),
