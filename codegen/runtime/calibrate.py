@@ -51,12 +51,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` over ``iters`` calls (after ``warmup``), device synchronised."""
+def _median_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 1,
+                 before: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls (after ``warmup``), device synchronised; ``before``
+    runs untimed ahead of every call."""
     for _ in range(warmup):
+        before()
         fn()
     times = []
     for _ in range(iters):
+        before()
         _sync(device)
         start = time.perf_counter()
         fn()
@@ -266,17 +270,7 @@ def _in_context_time(call: Callable[[], None], device: str, iters: int) -> float
         z = tiny
         for _ in range(CONTEXT_OPS):
             z = aten.mul.Tensor(z, 1.0001)
-    work()
-    call()
-    times = []
-    for _ in range(iters):
-        work()
-        _sync(device)
-        start = time.perf_counter()
-        call()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_time(call, device, iters, before=work)
 
 
 def _collective_samples(device: str, quick: bool, in_context: bool = False) -> dict:
