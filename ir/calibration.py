@@ -15,12 +15,12 @@ from types import MappingProxyType
 from typing import Mapping, Optional, Sequence
 
 from xirang.ir.errors import InvalidValue
+from xirang.ir.plan_parts import COLLECTIVE_KINDS
 
 CALIBRATION_VERSION = 1
-# The kinds the cost model prices (cost_collectives.ALGORITHMS); nbytes follows its convention: one
-# rank's full buffer (all_reduce: the buffer; reduce_scatter: each rank's input; all_gather: each
-# rank's output; all_to_all: each rank's send buffer; broadcast: the root's buffer; send: the message).
-COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+# The kinds the cost model prices, one list with the plan's; nbytes follows its convention: one rank's full
+# buffer (all_reduce: the buffer; reduce_scatter: each rank's input; all_gather: each rank's output;
+# all_to_all: each rank's send buffer; broadcast: the root's buffer; send: the message).
 
 
 def _number(value, what: str, *, positive: bool = False) -> float:
