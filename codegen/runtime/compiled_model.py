@@ -25,7 +25,7 @@ sum runs after the dp average; both are linear, so the order does not matter.
 
 Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by
 shard, which is exact for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a
-whole tensor (LAMB's trust ratio, clipping by total norm).
+whole tensor (LAMB's trust ratio); clipping by total norm is ``clip_grad_norm_`` (grad_norm.py).
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from xirang.ir.errors import XirangError
 
 from xirang.codegen.ops.comm_counter import record_call
 from xirang.codegen.runtime.batch_checks import BatchChecks
+from xirang.codegen.runtime.grad_norm import clip_grad_norm
 from xirang.codegen.runtime.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms,
                                               planned_buckets)
 from xirang.codegen.runtime.offload import attach_offload
@@ -161,6 +162,12 @@ class CompiledModel:
     def local_param_bytes(self) -> int:
         """Bytes of the trainable tensors this rank holds (its stages' tp shards)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients (every element once);
+        returns the total norm. Collective; a non-finite norm clips nothing (codegen/runtime/grad_norm.py)."""
+        return clip_grad_norm(self.named_parameters(), max_norm, norm_type, shards=self.program.shards,
+                              tied=self._tied, groups=self.groups, device=self.device)
 
     def full_state_dict(self) -> dict:
         """FQN -> parameter of the whole model, tied weights under every alias. Collective over the
