@@ -27,3 +27,8 @@ from xirang.compile_api import compile  # noqa: E402,A001
 from xirang.codegen.ops.random_ops import ExactReference  # noqa: E402  (the eager reference of rng="exact")
 
 __all__ += ["compile", "launch", "ExactReference"]
+
+from xirang.codegen.runtime.rank_batches import RankBatches, SyntheticTokens, TokenFile  # noqa: E402
+from xirang.codegen.runtime.grad_norm import step_if_finite  # noqa: E402
+
+__all__ += ["RankBatches", "TokenFile", "SyntheticTokens", "step_if_finite"]
