@@ -12,7 +12,7 @@ Layouts: one placement per mesh axis; in JSON only the non-replicated axes are w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
@@ -45,8 +45,8 @@ class Plan:
     world: World
     mesh: Mesh
     micro_batch: int  # samples per micro-batch on one dp rank
-    num_micro_batches: int  # per step and dp rank
-    global_batch: int  # dp * micro_batch * num_micro_batches
+    num_micro_batches: int  # per step and dp rank (with dp_shares: the busiest dp rank's)
+    global_batch: int  # dp * micro_batch * num_micro_batches, or sum(dp_shares)
     schedule: str
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved only)
     recompute: str = "none"
@@ -58,6 +58,9 @@ class Plan:
     # parameter names per gradient bucket, in launch order, each bucket one stage's (collectives "bucket:<k>")
     buckets: tuple[tuple[str, ...], ...] = ()
     fallbacks: tuple[str, ...] = ()  # ops with no sharding rule, run replicated
+    # samples per step of each dp rank when they differ (faster devices take more; whole micro-batches
+    # of micro_batch samples, so every rank runs the same program); () = global_batch / dp each
+    dp_shares: tuple[int, ...] = ()
     collectives: tuple[CollectiveChoice, ...] = ()
     predicted: Prediction
     alternatives: tuple[Alternative, ...] = ()  # other configurations priced, for explain()
@@ -78,7 +81,10 @@ class Plan:
                             hint=f"choose dp, pp, tp whose product is {world.size}")
         for name in ("micro_batch", "num_micro_batches", "global_batch", "virtual_stages"):
             check_int(getattr(self, name), name)
-        if mesh.dp * self.micro_batch * self.num_micro_batches != self.global_batch:
+        object.__setattr__(self, "dp_shares", check_seq(self.dp_shares, "dp_shares", lambda v, w: check_int(v, w)))
+        if self.dp_shares:
+            self._check_dp_shares(mesh)
+        elif mesh.dp * self.micro_batch * self.num_micro_batches != self.global_batch:
             raise PlanError(f"global_batch {self.global_batch} != dp {mesh.dp} x micro_batch {self.micro_batch} "
                             f"x num_micro_batches {self.num_micro_batches} = "
                             f"{mesh.dp * self.micro_batch * self.num_micro_batches}", where="global_batch",
@@ -88,9 +94,11 @@ class Plan:
             raise PlanError(f"virtual_stages is {self.virtual_stages} but schedule {self.schedule!r} runs one "
                             f"stage per pipeline rank", where="virtual_stages",
                             hint="set virtual_stages to 1, or use schedule 'interleaved'")
-        if self.schedule == "interleaved" and self.num_micro_batches % mesh.pp:
-            raise PlanError(f"schedule 'interleaved' needs num_micro_batches ({self.num_micro_batches}) to be a "
-                            f"multiple of pp ({mesh.pp})", where="num_micro_batches",
+        if self.schedule == "interleaved" and any(m % mesh.pp for m in self.micro_batches_per_dp_rank):
+            counts = (f"the micro-batches of every dp rank ({', '.join(map(str, self.micro_batches_per_dp_rank))})"
+                      if self.dp_shares else f"num_micro_batches ({self.num_micro_batches})")
+            raise PlanError(f"schedule 'interleaved' needs {counts} to be a multiple of pp ({mesh.pp})",
+                            where="dp_shares" if self.dp_shares else "num_micro_batches",
                             hint=f"use num_micro_batches in {mesh.pp}, {2 * mesh.pp}, ... or schedule '1f1b'")
         check_choice(self.recompute, RECOMPUTE_MODES, "recompute")
         check_choice(self.offload, OFFLOAD_MODES, "offload")
@@ -139,6 +147,44 @@ class Plan:
                                                            lambda v, w: check_type(v, Alternative, w)))
 
     # A read-only mapping is neither hashable nor picklable; these restore both.
+    def _check_dp_shares(self, mesh: Mesh) -> None:
+        shares = self.dp_shares
+        if len(shares) != mesh.dp:
+            raise PlanError(f"dp_shares lists {len(shares)} shares for dp {mesh.dp}", where="dp_shares",
+                            hint=f"give one sample count per dp rank ({mesh.dp}), or none for even shares")
+        uneven = [f"dp rank {i}: {n}" for i, n in enumerate(shares) if n % self.micro_batch]
+        if uneven:
+            raise PlanError(f"every dp share must be whole micro-batches of micro_batch {self.micro_batch}; "
+                            f"not {', '.join(uneven)}", where="dp_shares",
+                            hint=f"use multiples of {self.micro_batch} (every rank runs the same program, "
+                                 f"built for micro-batches of {self.micro_batch})")
+        if sum(shares) != self.global_batch:
+            raise PlanError(f"dp_shares {list(shares)} sum to {sum(shares)}, not global_batch {self.global_batch}",
+                            where="dp_shares", hint="the shares split the global batch: make them sum to it")
+        if self.num_micro_batches != max(shares) // self.micro_batch:
+            raise PlanError(f"num_micro_batches is {self.num_micro_batches}; with dp_shares it is the busiest dp "
+                            f"rank's, {max(shares)} // micro_batch {self.micro_batch} = "
+                            f"{max(shares) // self.micro_batch}", where="num_micro_batches",
+                            hint="use Plan.with_dp_shares(shares), which sets both")
+
+    @property
+    def micro_batches_per_dp_rank(self) -> tuple[int, ...]:
+        """Micro-batches each dp rank runs per step (all ``num_micro_batches`` without dp_shares)."""
+        if not self.dp_shares:
+            return (self.num_micro_batches,) * self.mesh.dp
+        return tuple(n // self.micro_batch for n in self.dp_shares)
+
+    def with_dp_shares(self, shares) -> "Plan":
+        """This plan with ``shares`` samples per step on each dp rank (``()``: even again). The
+        prediction is kept as it was made for even shares, and a note says so."""
+        shares = tuple(shares)
+        even = not shares
+        m = self.global_batch // (self.mesh.dp * self.micro_batch) if even else max(shares) // self.micro_batch
+        note = "dp_shares set after planning: the predicted step is for even shares"
+        notes = tuple(n for n in self.predicted.notes if n != note) + (() if even else (note,))
+        return replace(self, dp_shares=shares, num_micro_batches=m,
+                       predicted=replace(self.predicted, notes=notes))
+
     def __hash__(self) -> int:
         return hash((self.fingerprint, self.world, self.mesh, self.global_batch, self.schedule, self.stages))
 
@@ -194,9 +240,10 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives and offload came after the first plans were written: optional when reading
+            # alternatives, offload and dp_shares came after the first plans were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
-                       required=tuple(f.name for f in fields(cls) if f.name not in ("alternatives", "offload")))
+                       required=tuple(f.name for f in fields(cls)
+                                      if f.name not in ("alternatives", "offload", "dp_shares")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):

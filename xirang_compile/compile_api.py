@@ -22,6 +22,7 @@ import torch
 from xirang.codegen.emit import check_emittable
 from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
+from xirang.codegen.runtime.dp_balance import DpRebalancer
 from xirang.codegen.runtime.launch import ensure_distributed
 from xirang.codegen.runtime.memory_probe import check_plan_fits
 from xirang.codegen.runtime.process_groups import build_mesh_groups
@@ -51,7 +52,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
             plan: Optional[Plan] = None, global_batch: Optional[int] = None, device=None,
             runtime_device="cpu", bucket_bytes: Optional[int] = None, counter=None,
             event_log: Optional[list] = None, dump_dir=None, seed: Optional[int] = None, rng: str = "streams",
-            **plan_pins) -> CompiledModel:
+            dp_shares=None, rebalance_every: Optional[int] = None, **plan_pins) -> CompiledModel:
     """This rank's ``CompiledModel`` of ``model`` on ``world`` (see the module docstring).
 
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
@@ -68,6 +69,12 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     micro-batch and tp shard and identically where tp replicates; ``rng="exact"`` (verification)
     draws what one device would for the global batch and keeps this rank's piece, so the program
     equals the eager model under ``ExactReference(seed)``.
+
+    Uneven data parallelism: ``dp_shares`` (samples per step of each dp rank, whole micro-batches,
+    summing to the global batch) overrides the plan's even split (``Plan.with_dp_shares``);
+    ``rebalance_every=N`` moves micro-batches from slow dp ranks to fast ones every N steps from their
+    measured compute times (codegen/runtime/dp_balance.py). Either way the loss and the gradients
+    are weighted by share, so training stays equal to one device.
     """
     if not isinstance(model, torch.nn.Module):
         raise XirangError(f"xirang.compile needs the model as a torch.nn.Module, got {type(model).__name__}",
@@ -103,10 +110,18 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
                          global_batch=global_batch, analysed=report, **plan_pins)
         check_emittable(plan)
         check_plan_for_graph(plan, gm, parsed)
+    if dp_shares is not None:
+        try:
+            plan = plan.with_dp_shares(dp_shares)
+        except XirangError as error:
+            raise XirangError(error.what, where=f"xirang.compile(dp_shares={dp_shares!r})", hint=error.hint) from None
     groups = build_mesh_groups(plan.mesh)
     check_plan_fits(plan, groups.rank, runtime_device)  # before building: a plan for a bigger device is refused
     dump = None if dump_dir is None else f"{dump_dir}/rank{groups.rank}"
     program = lower(gm, plan, rank=groups.rank, device=runtime_device, dump_dir=dump).program
-    return CompiledModel(model, plan, program, groups=groups, device=runtime_device, bucket_bytes=bucket_bytes,
-                         counter=counter, event_log=event_log, seed=seed, rng=rng,
-                         source_of=lambda rank: rank_source(gm, plan, rank, runtime_device))
+    compiled = CompiledModel(model, plan, program, groups=groups, device=runtime_device, bucket_bytes=bucket_bytes,
+                             counter=counter, event_log=event_log, seed=seed, rng=rng,
+                             source_of=lambda rank: rank_source(gm, plan, rank, runtime_device))
+    if rebalance_every is not None:
+        compiled.rebalancer = DpRebalancer(compiled, rebalance_every)
+    return compiled

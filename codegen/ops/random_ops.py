@@ -76,6 +76,8 @@ class RngContext:
                               hint=f"use one of {', '.join(MODES)}")
         self.seed, self.mode = int(seed), mode
         self.dp_rank, self.micro_batches, self.micro_batch_size = dp_rank, micro_batches, micro_batch_size
+        # where this dp rank's share starts in the global batch (moved by uneven or rebalanced dp shares)
+        self.share_start = dp_rank * micro_batches * micro_batch_size
         self.step, self.micro_batch = 0, 0
 
     def __repr__(self) -> str:
@@ -92,7 +94,7 @@ class RngContext:
     @property
     def first_sample(self) -> int:
         """Position in the global batch of the current micro-batch's first sample."""
-        return (self.dp_rank * self.micro_batches + self.micro_batch) * self.micro_batch_size
+        return self.share_start + self.micro_batch * self.micro_batch_size
 
     def seed_of(self, site: RandomSite) -> int:
         if self.mode == "exact":

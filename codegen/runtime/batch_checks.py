@@ -89,8 +89,12 @@ class BatchChecks:
                 value = batch[name]
                 if not isinstance(value, torch.Tensor):
                     continue
-                figures += [float(value.dim()), float(zlib.crc32(str(value.dtype).encode())),
-                            *map(float, value.shape)]
+                shape = list(value.shape)
+                if pre_sharded:  # shares may differ per dp rank (dp_shares); check() held each to its own
+                    for dim, symbol in self._batch_dims.get(name, {}).items():
+                        if symbol == "batch" and dim < len(shape):
+                            shape[dim] = 0
+                figures += [float(value.dim()), float(zlib.crc32(str(value.dtype).encode())), *map(float, shape)]
                 if not pre_sharded:  # every rank passes the same global batch: compare a sample of it
                     flat = value.detach().reshape(-1)
                     sample = flat[::max(1, flat.numel() // 4096)]
@@ -122,15 +126,22 @@ class BatchChecks:
     def _check_size(self, name: str, value, dim: int, symbol: str, pre_sharded: bool) -> None:
         plan = self.plan
         got = value.shape[dim]
-        share = plan.num_micro_batches * plan.micro_batch
+        micro_batches = plan.micro_batches_per_dp_rank[self.dp_rank]
+        share = micro_batches * plan.micro_batch
         if symbol == "batch" and pre_sharded and got != share:
+            split = f"dp_shares {list(plan.dp_shares)}" if plan.dp_shares else f"over dp {plan.mesh.dp}"
             raise XirangError(
                 f"input {name!r} has {got} samples on its batch dim {dim}; with pre_sharded=True each dp rank "
-                f"passes its share of exactly {share} = {plan.num_micro_batches} micro-batches x micro_batch "
-                f"{plan.micro_batch} (global batch {plan.global_batch} over dp {plan.mesh.dp})",
+                f"passes its share of exactly {share} = {micro_batches} micro-batches x micro_batch "
+                f"{plan.micro_batch} (global batch {plan.global_batch} {split})",
                 where=f"CompiledModel.train_step(pre_sharded=True), dp rank {self.dp_rank}",
                 hint=f"pass this dp rank's {share} samples, or the global batch of {plan.global_batch} with "
                      f"pre_sharded=False")
+        if symbol == "batch" and not pre_sharded and got != plan.global_batch and plan.dp_shares:
+            raise XirangError(
+                f"input {name!r} has a global batch of {got} samples; this plan splits exactly "
+                f"{plan.global_batch} as dp_shares {list(plan.dp_shares)}", where="CompiledModel.train_step",
+                hint=f"pass {plan.global_batch} samples per step")
         if symbol == "batch" and not pre_sharded and got != plan.global_batch:
             per = plan.mesh.dp * plan.num_micro_batches
             raise XirangError(

@@ -98,27 +98,64 @@ class CompiledModel:
         self.dp, self.dp_rank = self.groups.axis_size("dp"), self.groups.axis_index("dp")
         self.pp, self.pp_rank = self.groups.axis_size("pp"), self.groups.axis_index("pp")
         self.symbols, self.programs = program.symbols, program.stages
-        self.schedule = build_schedule(plan.schedule, self.pp, plan.num_micro_batches, plan.virtual_stages)
-        check_schedule(self.schedule)
+        self.schedule = self._build_schedule(plan)
         self._batch_dims, self._inputs = program.batch_dims, program.inputs
         self._aliases, self._trainable = program.aliases, program.trainable
 
         local = self.schedule.stages_of(self.pp_rank)
         self._state = bind_state(model, [self.programs[i] for i in local], self._trainable, self.device,
                                  shards=program.shards, tp_rank=self.tp_rank, tp=self.tp)
-        stages = {i: LocalStage(self.programs[i], [self._state[fqn] for fqn in self.programs[i].parameter_names])
-                  for i in local}
+        self._stages = stages = {i: LocalStage(self.programs[i], [self._state[fqn] for fqn in
+                                                                 self.programs[i].parameter_names]) for i in local}
         self._tied = tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
         self._counter, self._event_log = counter, event_log
         buckets = self._grad_buckets(stages, bucket_bytes) if self.dp > 1 else None
         self.grad_buckets = buckets or {}  # local stage -> its dp GradientBuckets
-        self.executor = PipelineExecutor(
-            self.schedule, self.pp_rank, stages, peers=self.groups.pp_ranks, device=self.device,
-            tensors_per_cut=max((len(p.crossing_in) for p in self.programs), default=1) or 1,
-            grad_buckets=buckets, offload=self.activation_offload, rng=self.rng)
+        self.executor = self._build_executor()
         self.last_step: Optional[StepRecord] = None
+        self.rebalancer = None  # a codegen/runtime/dp_balance.DpRebalancer moves dp shares between steps
         self._batch_checks = BatchChecks(plan, self.programs, self._inputs, self._batch_dims, self.symbols,
                                          rank=self.rank, dp_rank=self.dp_rank, device=self.device)
+        self._weigh_share()
+
+    def _build_schedule(self, plan):
+        schedule = build_schedule(plan.schedule, self.pp, plan.micro_batches_per_dp_rank[self.dp_rank],
+                                  plan.virtual_stages)
+        check_schedule(schedule)
+        return schedule
+
+    def _build_executor(self) -> PipelineExecutor:
+        return PipelineExecutor(
+            self.schedule, self.pp_rank, self._stages, peers=self.groups.pp_ranks, device=self.device,
+            tensors_per_cut=max((len(p.crossing_in) for p in self.programs), default=1) or 1,
+            grad_buckets=self.grad_buckets or None, offload=self.activation_offload, rng=self.rng)
+
+    def _weigh_share(self) -> None:
+        """This dp rank's weight in the step's averages (loss and gradients): n_i * dp / N for its
+        n_i of the N samples, 1 with even shares; and where its samples start (exact randomness)."""
+        plan = self.plan
+        shares = plan.dp_shares or (plan.global_batch // self.dp,) * self.dp
+        self.share_weight = 1.0 if not plan.dp_shares else shares[self.dp_rank] * self.dp / plan.global_batch
+        for buckets in self.grad_buckets.values():
+            buckets.share_weight = self.share_weight
+        self.rng.share_start = sum(shares[:self.dp_rank])
+        self._batch_checks.plan = plan
+
+    @property
+    def dp_shares(self) -> tuple:
+        """Samples per step of each dp rank now (the plan's, or as rebalancing moved them)."""
+        plan = self.plan
+        return plan.dp_shares or (plan.global_batch // self.dp,) * self.dp
+
+    def set_dp_shares(self, shares) -> None:
+        """Give each dp rank ``shares[i]`` samples from the next step on (whole micro-batches, summing
+        to the global batch; every rank must call it with the same shares). The program is unchanged:
+        a rank runs more or fewer micro-batches, and the averages weigh each rank by its share."""
+        plan = self.plan.with_dp_shares(shares)
+        self.schedule = self._build_schedule(plan)
+        self.plan = plan
+        self.executor = self._build_executor()
+        self._weigh_share()
 
     def _grad_buckets(self, stages: dict, bucket_bytes: Optional[int]) -> dict:
         """One GradientBuckets per local stage, with the plan's buckets and algorithms (or, given
@@ -307,7 +344,10 @@ class CompiledModel:
                 param.grad = grad
             else:
                 param.grad.add_(grad)
-        return self._step_loss(record)
+        loss = self._step_loss(record)
+        if self.rebalancer is not None:
+            self.rebalancer.after_step()
+        return loss
 
     # --- the batch against the program and the other ranks ----------------------------------------
 
@@ -316,6 +356,8 @@ class CompiledModel:
         loss = torch.zeros((), device=self.device)
         if self.pp_rank == last_rank:
             loss = torch.stack(record.losses).mean()
+            if self.share_weight != 1.0:
+                loss = loss * self.share_weight
             if self.groups.dp is not None:
                 dist.all_reduce(loss, group=self.groups.dp)
                 loss /= self.dp
@@ -324,7 +366,7 @@ class CompiledModel:
         return loss
 
     def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
-        m = self.plan.num_micro_batches
+        m, sizes = self.schedule.num_micro_batches, list(self.dp_shares)
         shares = {}
         for name in self._inputs:
             value, dims = batch[name], self._batch_dims.get(name, {})
@@ -332,7 +374,7 @@ class CompiledModel:
             if batch_dim is None:
                 shares[name] = [value] * m
                 continue
-            share = value if pre_sharded else value.chunk(self.dp, dim=batch_dim)[self.dp_rank]
+            share = value if pre_sharded else value.split(sizes, dim=batch_dim)[self.dp_rank]
             shares[name] = list(share.chunk(m, dim=batch_dim))
         return [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
 

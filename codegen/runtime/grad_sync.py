@@ -124,6 +124,9 @@ class GradientBuckets:
         else:
             self.buckets = self._planned(params, buckets)
         self.sync = True
+        # dp rank i with n_i of the N samples (uneven dp shares) weighs its gradient by n_i * dp / N
+        # before the average, so the sum over ranks is the global batch's mean gradient; 1 when even
+        self.share_weight = 1.0
         self._next = 0  # the next bucket to launch; buckets go out in index order only
         self._callback_queued = False
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(bucket))
@@ -207,6 +210,8 @@ class GradientBuckets:
             flat = flat.to(self.reduce_dtype)
         if flat.numel() % k:  # a hierarchical buffer splits into k equal shards: pad with zeros
             flat = torch.cat([flat, flat.new_zeros(k - flat.numel() % k)])
+        if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
+            flat.mul_(self.share_weight)
         flat.div_(world)  # divide first: an average, and a half-precision sum that cannot overflow
         bucket.buffer = flat
         if world > 1:
