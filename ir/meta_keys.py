@@ -61,6 +61,8 @@ ROLE = MetaKey("xr_role", str,
 PARAM_NAME = MetaKey("xr_param_name", str,
                      "fully qualified name of the parameter/buffer a placeholder binds (first alias)", sparse=True)
 PARAM_ALIASES = MetaKey("xr_param_aliases", tuple, "every FQN bound to this tensor (tied weights)", sparse=True)
+CONSTANT_VALUE = MetaKey("xr_constant_value", object, "the tensor a constant placeholder binds: made inside forward "
+                         "(torch.tensor(...), an index list), so the model does not hold it", sparse=True)
 MODULE_PATH = MetaKey("xr_module_path", str, "fully qualified name of the innermost module ('' = root)")
 MODULE_TYPE = MetaKey("xr_module_type", str, "class name of the innermost module")
 SOURCE = MetaKey("xr_source", SourceLocation, "user source line that produced the node", sparse=True)

@@ -42,7 +42,7 @@ def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, t
         for placeholder, fqn in program.parameters:
             if fqn in bound:
                 continue
-            full = state.get(fqn)
+            full = state.get(fqn, program.constants.get(fqn))  # a tensor made in forward: the trace's
             if full is None or full.is_meta:
                 raise XirangError(f"stage {program.index} reads {fqn!r}, which the model "
                                   f"{'has only on the meta device' if full is not None else 'does not have'}",

@@ -14,8 +14,8 @@ import torch
 from torch.export.graph_signature import InputKind
 
 from xirang.ir.errors import TraceError
-from xirang.ir.meta_keys import (MODULE_PATH, MODULE_TYPE, NN_MODULE_STACK, PARAM_ALIASES, PARAM_NAME,
-                                 ROLE, SOURCE, SYMBOL_DIMS, SYMBOLS, TORCH_SYMBOLS, TRACE_INFO, VAL)
+from xirang.ir.meta_keys import (CONSTANT_VALUE, MODULE_PATH, MODULE_TYPE, NN_MODULE_STACK, PARAM_ALIASES,
+                                 PARAM_NAME, ROLE, SOURCE, SYMBOL_DIMS, SYMBOLS, TORCH_SYMBOLS, TRACE_INFO, VAL)
 from xirang.ir.facts import SourceLocation
 from xirang.ir.pass_spec import compiler_pass
 
@@ -29,8 +29,8 @@ _ROLE_OF_KIND = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
                  InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
 
 
-@compiler_pass(provides=(VAL, NN_MODULE_STACK, ROLE, PARAM_NAME, PARAM_ALIASES, MODULE_PATH, MODULE_TYPE,
-                         SOURCE, SYMBOLS, SYMBOL_DIMS, TORCH_SYMBOLS, TRACE_INFO))
+@compiler_pass(provides=(VAL, NN_MODULE_STACK, ROLE, PARAM_NAME, PARAM_ALIASES, CONSTANT_VALUE, MODULE_PATH,
+                         MODULE_TYPE, SOURCE, SYMBOLS, SYMBOL_DIMS, TORCH_SYMBOLS, TRACE_INFO))
 def trace_model(gm, ctx):
     """Capture ctx.model as an aten training graph on fake tensors, with batch/seq symbols."""
     model = ctx.model
@@ -67,7 +67,7 @@ def _trace_folded(model, named, symbolic_dims, info, fold: bool):
     with folded_repeats(model, enabled=fold) as folding:
         exported = _export_with_fallbacks(model, named, symbolic_dims, info)
     gm = exported.graph_module
-    _annotate_placeholders(gm, exported.graph_signature, aliases_of)
+    _annotate_placeholders(gm, exported.graph_signature, aliases_of, exported.constants)
     if not folding.runs:
         return gm
     try:
@@ -128,7 +128,7 @@ def _first_line(exc) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
-def _annotate_placeholders(gm, signature, aliases_of: dict[str, tuple[str, ...]]):
+def _annotate_placeholders(gm, signature, aliases_of: dict[str, tuple[str, ...]], constants: dict):
     """Role and FQN of every placeholder; tied parameters (one tensor, several FQNs) are merged into
     one placeholder so the graph shows the tie that pipeline and gradient sync must respect."""
 
@@ -139,6 +139,8 @@ def _annotate_placeholders(gm, signature, aliases_of: dict[str, tuple[str, ...]]
         if node is None:
             continue
         ROLE.set(node, _ROLE_OF_KIND.get(spec.kind, "input"))
+        if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in constants:  # the runtime binds it
+            CONSTANT_VALUE.set(node, constants[spec.target])
         if spec.target is None:
             continue
         PARAM_NAME.set(node, spec.target)

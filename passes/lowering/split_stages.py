@@ -46,7 +46,7 @@ built for one (micro-batch, seq); another shape needs another split (cheap: no r
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -54,8 +54,8 @@ from torch import fx
 
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
-from xirang.ir.meta_keys import (INSERTED, OFFLOAD, PARAM_NAME, RECOMPUTE, REQUIRES_GRAD, ROLE, STAGE,
-                                 STAGE_MODULES, SYMBOLS, TENSOR, TORCH_SYMBOLS, UNIT)
+from xirang.ir.meta_keys import (CONSTANT_VALUE, INSERTED, OFFLOAD, PARAM_NAME, RECOMPUTE, REQUIRES_GRAD, ROLE,
+                                 STAGE, STAGE_MODULES, SYMBOLS, TENSOR, TORCH_SYMBOLS, UNIT)
 from xirang.ir.pass_spec import compiler_pass
 
 from xirang.codegen.ops.local_ops import local_size
@@ -92,6 +92,7 @@ class StageModule:
     user_inputs: tuple[str, ...]
     crossing_out: tuple[CrossingTensor, ...]  # empty on the last stage
     returns_loss: bool
+    constants: dict = field(default_factory=dict)  # FQN -> value of a tensor made inside forward (no model has it)
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -305,7 +306,8 @@ def _build_stage(gm, index, stage_of, folded, crossing_in, crossing_out, loss) -
         module = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
     return StageModule(index=index, module=module, parameters=tuple(parameters), crossing_in=tuple(crossing_in),
                        user_inputs=tuple(user_inputs), crossing_out=tuple(crossing_out),
-                       returns_loss=loss is not None)
+                       returns_loss=loss is not None,
+                       constants={PARAM_NAME.get(n): CONSTANT_VALUE.get(n) for n in reads if CONSTANT_VALUE.has(n)})
 
 
 def _copy_placeholder(graph, node, name):
