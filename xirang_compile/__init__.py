@@ -32,3 +32,6 @@ from xirang.codegen.runtime.rank_batches import RankBatches, SyntheticTokens, To
 from xirang.codegen.runtime.grad_norm import step_if_finite  # noqa: E402
 
 __all__ += ["RankBatches", "TokenFile", "SyntheticTokens", "step_if_finite"]
+from xirang.hf_weights import empty_pretrained, load_pretrained, save_pretrained  # noqa: E402
+
+__all__ += ["empty_pretrained", "load_pretrained", "save_pretrained"]
