@@ -12,6 +12,9 @@ the graph's fingerprint. Two things made the same model trace differently per de
 - A tensor made inside forward (``torch.tensor(...)``, Falcon's attention) is lifted as a constant
   and, on real devices only, copied by ``aten.lift_fresh_copy`` before use. The copy protects the
   constant from in-place writes; where no user writes in place it changes nothing and is dropped.
+- ``x[:, 0] = 2`` (BART's and T5's shift of the labels) writes a Python number into a view: on CPU
+  export records ``fill_`` from a lifted 0-dim constant, on meta (and CUDA) ``copy_`` from an expanded
+  ``scalar_tensor``. Both become ``fill_(x, 2)`` (``scalar_fills``), which is what they compute.
 - torch.export numbers nodes by a counter per name that also counts nodes it later removes, so the
   same op could be ``mul_6`` in one trace and ``mul_8`` in another. Renumbering in graph order
   (``mul``, ``mul_1``, ... per base name, as fx names them) makes equal structure mean equal names,
@@ -23,6 +26,8 @@ import re
 
 import torch
 from torch.fx import Graph, GraphModule, map_arg
+
+from xirang.ir.meta_keys import CONSTANT_VALUE
 
 _NUMBERED = re.compile(r"^(.*?)(?:_\d+)*$")  # mul_6 -> mul, view_1_2 -> view
 
@@ -56,6 +61,50 @@ def drop_layout_copies(gm: GraphModule) -> int:
     return dropped
 
 
+def _number_of_scalar(node):
+    """The Python number a 0-dim tensor ``node`` holds when the graph states it (a lifted constant with a
+    real value, or ``scalar_tensor(v)`` viewed and expanded), else None; and the nodes that only make it."""
+    chain = []
+    while node.op == "call_function" and node.target in (torch.ops.aten.expand.default, torch.ops.aten.view.default,
+                                                          torch.ops.aten.lift_fresh_copy.default):
+        if node.target == torch.ops.aten.view.default and list(node.args[1]) != []:
+            return None, ()
+        chain.append(node)
+        node = node.args[0]
+    chain.append(node)
+    if node.op == "call_function" and node.target == torch.ops.aten.scalar_tensor.default:
+        return node.args[0], chain
+    value = CONSTANT_VALUE.get(node, None) if node.op == "placeholder" else None
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_meta:
+        return value.item(), chain
+    return None, ()
+
+
+def scalar_fills(gm: GraphModule) -> int:
+    """Rewrite a write of a Python number into a tensor, ``fill_(x, lifted 0-dim constant)`` or
+    ``copy_(x, expand(view(scalar_tensor(v), [])))``, to ``fill_(x, v)``; returns how many."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.fill_.Tensor, torch.ops.aten.copy_.default):
+            continue
+        if not isinstance(node.args[1], torch.fx.Node) or len(node.args) > 2 or node.kwargs:
+            continue
+        value, chain = _number_of_scalar(node.args[1])
+        if value is None or (node.target == torch.ops.aten.copy_.default and chain[0].target !=
+                             torch.ops.aten.expand.default):
+            continue
+        with gm.graph.inserting_before(node):
+            fill = gm.graph.call_function(torch.ops.aten.fill_.Scalar, (node.args[0], value))
+        fill.meta = node.meta
+        node.replace_all_uses_with(fill)
+        gm.graph.erase_node(node)
+        for made in chain:  # the number's own nodes, where nothing else reads them
+            if not made.users:
+                gm.graph.erase_node(made)
+        rewritten += 1
+    return rewritten
+
+
 def canonical_names(graph: Graph) -> Graph:
     """A copy of ``graph`` whose non-placeholder nodes are renamed base, base_1, ... in graph order
     (placeholders keep their names: they are the user's inputs and parameters). Names go through
@@ -84,6 +133,7 @@ def canonical_names(graph: Graph) -> Graph:
 
 def canonical_graph(gm: GraphModule) -> GraphModule:
     """``gm`` without layout-only copies and with canonical node names (the same module object)."""
+    scalar_fills(gm)
     drop_layout_copies(gm)
     gm.graph = canonical_names(gm.graph)
     gm.recompile()
