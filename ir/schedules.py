@@ -1,24 +1,9 @@
-"""Pipeline schedules as data: one list of actions per pipeline rank, in the order that rank issues them.
+"""Pipeline schedules as data: the generators and the one vocabulary of schedule names.
 
-An executor only interprets these lists (docs/architecture.md: schedules are data); ``schedule_check`` proves a list is
-complete and cannot hang, ``schedule_sim`` times it, ``timeline`` prints and draws it.
-
-Conventions
-- p pipeline ranks run ``num_stages = p * v`` stages; stage ``i`` runs on rank ``i % p`` (ir/plan.py),
-  so with v chunks rank r holds stages r, r + p, r + 2p, ...
-- Every action names a stage *this rank runs*, as torch.distributed.pipelining's ``_Action`` does:
-  ``Send(ACTIVATION, stage=s)`` sends the output of local stage s to the rank of s + 1, which lists
-  ``Recv(ACTIVATION, stage=s + 1)``; gradients flow the other way (``Send(GRADIENT, s)`` pairs with
-  ``Recv(GRADIENT, s - 1)``). ``peer`` repeats the other rank so an executor needs no arithmetic.
-- A ``Send`` is listed right after the compute that produced its tensor. A ``Recv`` is listed where
-  the executor should *post* it: just before the compute action that precedes its consumer on this
-  rank (at the very start for the first one). So every receive is a non-blocking irecv that overlaps
-  one compute action, and at most two receive buffers per kind are live: double buffering.
-- Stages that sit on the same rank (p = 1) hand tensors over locally: no Send/Recv is listed.
-- ``Backward`` computes input and weight gradients together. Zero-bubble schedules (Qi et al.,
-  "Zero Bubble Pipeline Parallelism", ICLR 2024) split it into ``BackwardInput`` (what the previous
-  stage waits for; it is what a gradient ``Send`` follows) and a later ``BackwardWeight``; the
-  checker and simulator accept either form for each (stage, micro-batch).
+An executor only interprets the action lists (docs/architecture.md: schedules are data); the actions,
+the ``Schedule`` and the conventions for sends and receives are in ``ir/schedule_actions.py`` (re-exported
+here); ``schedule_check`` proves a list is complete and cannot hang, ``schedule_sim`` times it,
+``timeline`` prints and draws it.
 
 The vocabulary (end of this file): ``SCHEDULES`` names every schedule a Plan, the planner, the CLI
 and the pictures accept, and ``SCHEDULE_SPECS[name]`` gives its title, whether it runs v > 1 model
@@ -31,193 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Callable, Mapping
 from xirang.ir.errors import InvalidValue
-
-ACTIVATION = "activation"  # forward: output of stage s -> input of stage s + 1
-GRADIENT = "gradient"  # backward: gradient w.r.t. the input of stage s -> output of stage s - 1
-KINDS = (ACTIVATION, GRADIENT)
-
-
-def _non_negative_int(owner: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidValue(f"{owner}.{name} must be an int >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class _Compute:
-    stage: int
-    micro_batch: int
-
-    def __post_init__(self):
-        _non_negative_int(type(self).__name__, "stage", self.stage)
-        _non_negative_int(type(self).__name__, "micro_batch", self.micro_batch)
-
-
-@dataclass(frozen=True)
-class Forward(_Compute):
-    """Run stage ``stage`` forward on micro-batch ``micro_batch`` and keep its activations."""
-
-
-@dataclass(frozen=True)
-class Backward(_Compute):
-    """Input and weight gradients of ``stage`` for ``micro_batch``; frees its activations."""
-
-
-@dataclass(frozen=True)
-class BackwardInput(_Compute):
-    """Only the gradient w.r.t. the stage input (``torch.autograd.grad`` on the inputs)."""
-
-
-@dataclass(frozen=True)
-class BackwardWeight(_Compute):
-    """Only the parameter gradients, run after ``BackwardInput`` of the same (stage, micro_batch)."""
-
-
-@dataclass(frozen=True)
-class _Transfer:
-    kind: str
-    stage: int
-    micro_batch: int
-    peer: int
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise InvalidValue(f"{type(self).__name__}.kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("stage", "micro_batch", "peer"):
-            _non_negative_int(type(self).__name__, name, getattr(self, name))
-
-
-@dataclass(frozen=True)
-class Send(_Transfer):
-    """Post a non-blocking send of local ``stage``'s tensor of ``kind`` for ``micro_batch`` to ``peer``."""
-
-
-@dataclass(frozen=True)
-class Recv(_Transfer):
-    """Post a non-blocking receive, from ``peer``, of the ``kind`` tensor local ``stage`` consumes."""
-
-
-Compute = Union[Forward, Backward, BackwardInput, BackwardWeight]
-Action = Union[Forward, Backward, BackwardInput, BackwardWeight, Send, Recv]
-COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
-
-
-def is_compute(action: Action) -> bool:
-    return isinstance(action, COMPUTE_TYPES)
-
-
-def describe(action: Action) -> str:
-    """``Forward(stage=1, micro_batch=0)`` / ``Send(activation, stage=0, micro_batch=0, peer=1)``."""
-    if isinstance(action, _Transfer):
-        return (f"{type(action).__name__}({action.kind}, stage={action.stage}, "
-                f"micro_batch={action.micro_batch}, peer={action.peer})")
-    return f"{type(action).__name__}(stage={action.stage}, micro_batch={action.micro_batch})"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A pipeline schedule: ``ranks[r]`` is pipeline rank r's actions in issue order."""
-
-    name: str
-    num_stages: int
-    num_micro_batches: int
-    ranks: tuple[tuple[Action, ...], ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
-        for name in ("num_stages", "num_micro_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidValue(f"Schedule {self.name!r}: {name} must be an int >= 1, got {value!r}")
-        if not self.ranks or self.num_stages % len(self.ranks):
-            raise InvalidValue(f"Schedule {self.name!r}: {self.num_stages} stages cannot be spread evenly "
-                             f"over {len(self.ranks)} pipeline ranks; give one action list per rank and "
-                             f"a multiple of that many stages")
-
-    @property
-    def pipeline_ranks(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def virtual_stages(self) -> int:
-        return self.num_stages // self.pipeline_ranks
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.pipeline_ranks
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.num_stages, self.pipeline_ranks))
-
-    def with_rank(self, rank: int, actions: Iterable[Action]) -> "Schedule":
-        """A copy whose rank ``rank`` issues ``actions`` instead (for hand edits and tests)."""
-        ranks = list(self.ranks)
-        ranks[rank] = tuple(actions)
-        return Schedule(self.name, self.num_stages, self.num_micro_batches, tuple(ranks))
-
-
-# --- which tensor a compute action waits for, and which it sends ---------------------------------
-
-
-def input_recv(schedule: Schedule, compute: Compute) -> Recv | None:
-    """The Recv that ``compute`` consumes, or None when its input is local (stage 0's data, the
-    last stage's loss, a neighbour stage on the same rank, or a weight gradient)."""
-    rank = schedule.rank_of(compute.stage)
-    if isinstance(compute, Forward):
-        source = compute.stage - 1
-        kind = ACTIVATION
-    elif isinstance(compute, (Backward, BackwardInput)):
-        source = compute.stage + 1
-        kind = GRADIENT
-    else:
-        return None
-    if not 0 <= source < schedule.num_stages or schedule.rank_of(source) == rank:
-        return None
-    return Recv(kind, compute.stage, compute.micro_batch, schedule.rank_of(source))
-
-
-def output_send(schedule: Schedule, compute: Compute) -> Send | None:
-    """The Send that follows ``compute``, or None when its result stays on this rank."""
-    if isinstance(compute, Forward):
-        target, kind = compute.stage + 1, ACTIVATION
-    elif isinstance(compute, (Backward, BackwardInput)):
-        target, kind = compute.stage - 1, GRADIENT
-    else:
-        return None
-    if not 0 <= target < schedule.num_stages or schedule.rank_of(target) == schedule.rank_of(compute.stage):
-        return None
-    return Send(kind, compute.stage, compute.micro_batch, schedule.rank_of(target))
-
-
-def matching_recv(send: Send, sender: int) -> Recv:
-    """The Recv, on rank ``send.peer``, that pairs with ``send`` issued on rank ``sender``."""
-    stage = send.stage + 1 if send.kind == ACTIVATION else send.stage - 1
-    return Recv(send.kind, stage, send.micro_batch, sender)
-
-
-def with_communication(name: str, num_stages: int, m: int,
-                       compute_order: Sequence[Sequence[Compute]]) -> Schedule:
-    """Insert Sends and Recvs into per-rank compute orders (``compute_order[r]`` for rank r) by the
-    conventions of the module docstring."""
-    bare = Schedule(name, num_stages, m, tuple(() for _ in compute_order))
-    ranks = []
-    for order in compute_order:
-        actions: list[Action] = []
-        # Recv for compute i is posted before compute i - 1, so the transfer overlaps that compute.
-        recvs_before = [[] for _ in order]
-        for i, compute in enumerate(order):
-            recv = input_recv(bare, compute)
-            if recv is not None:
-                recvs_before[max(i - 1, 0)].append(recv)
-        for i, compute in enumerate(order):
-            actions.extend(recvs_before[i])
-            actions.append(compute)
-            send = output_send(bare, compute)
-            if send is not None:
-                actions.append(send)
-        ranks.append(tuple(actions))
-    return Schedule(name, bare.num_stages, m, tuple(ranks))
-
+from xirang.ir.schedule_actions import (ACTIVATION, COMPUTE_TYPES, GRADIENT, KINDS, Action,  # noqa: F401
+                                        Backward, BackwardInput, BackwardWeight, Compute, Forward, Recv,
+                                        Schedule, Send, describe, input_recv, is_compute, matching_recv,
+                                        output_send, with_communication)
 
 def _check_sizes(name: str, p: int, m: int, v: int = 1) -> None:
     for label, value in (("p", p), ("m", m), ("v", v)):
@@ -304,6 +108,74 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
     return with_communication("interleaved", p * v, m, order)
 
 
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024 sec. 2.1): 1F1B with the backward split into BackwardInput (B), what the
+    previous stage waits for, and BackwardWeight (W), run later to fill the bubble. Rank r warms up
+    like 1F1B (p - r - 1 forwards) and then holds back its first r W's, so every rank keeps at most
+    min(p, m) micro-batches (1F1B's rank-0 peak) and the W's it owes fill the cool-down. With equal
+    F, B and W times the bubble is a third of 1F1B's: (p - 1)·T_F per rank instead of (p - 1)·3·T_F."""
+    _check_sizes("zb-h1", p, m)
+    order = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        # Warm-up: as 1F1B.
+        computes: list[Compute] = [Forward(rank, mb) for mb in range(warmup)]
+        weights = iter(range(m))  # W's run in micro-batch order, each after its B
+        # Steady: F, B, and a W only after the first `rank` rounds (that delay is what fills the tail).
+        for mb in range(m - warmup):
+            computes += [Forward(rank, warmup + mb), BackwardInput(rank, mb)]
+            if mb >= rank:
+                computes.append(BackwardWeight(rank, next(weights)))
+        # Cool-down: each B followed by one owed W, then the W's still owed.
+        for mb in range(m - warmup, m):
+            computes += [BackwardInput(rank, mb), BackwardWeight(rank, next(weights))]
+        computes += [BackwardWeight(rank, mb) for mb in weights]
+        order.append(computes)
+    return with_communication("zb-h1", p, m, order)
+
+
+def zero_bubble_h2(p: int, m: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024 sec. 2.2): more forwards in the warm-up fill the wait for the first
+    gradient, and W's fill the cool-down, at up to 2p - 1 micro-batches in flight on every rank.
+    Rank r warms up 2(p - r) - 1 forwards, then runs B then F (deferring W's) until it holds 2p - 1,
+    then B, W, F; in the cool-down each B is followed by the oldest W but one, so a W is always at
+    hand while the next gradient travels. Needs m >= 2p - 1. Within one synchronous step the last
+    rank still waits (p - 1)·T_F for its first input; the paper's zero bubble also overlaps that with
+    the previous step's tail, bypassing the optimizer's synchronisation (its sec. 4), which Xirang
+    does not do."""
+    _check_sizes("zb-h2", p, m)
+    _check_enough_for_h2(p, m)
+    order = []
+    cap = 2 * p - 1
+    for rank in range(p):
+        warmup = 2 * (p - rank) - 1
+        computes: list[Compute] = [Forward(rank, mb) for mb in range(warmup)]
+        held, weighed = warmup, 0  # micro-batches holding activations; W's done
+        # Steady: B, (W once at the cap), F.
+        for mb in range(m - warmup):
+            computes.append(BackwardInput(rank, mb))
+            if held == cap:
+                computes.append(BackwardWeight(rank, weighed))
+                weighed, held = weighed + 1, held - 1
+            computes.append(Forward(rank, warmup + mb))
+            held += 1
+        # Cool-down: each B, then a W that keeps one behind it; then the W's still owed.
+        for mb in range(m - warmup, m):
+            computes.append(BackwardInput(rank, mb))
+            if weighed < mb:
+                computes.append(BackwardWeight(rank, weighed))
+                weighed += 1
+        computes += [BackwardWeight(rank, mb) for mb in range(weighed, m)]
+        order.append(computes)
+    return with_communication("zb-h2", p, m, order)
+
+
+def _check_enough_for_h2(p: int, m: int) -> None:
+    if m < 2 * p - 1:
+        raise InvalidValue(f"zb-h2: m={m} micro-batches cannot fill its warm-up of 2p - 1 = {2 * p - 1} "
+                           f"forwards on p={p} pipeline ranks; use m >= {2 * p - 1}, or schedule 'zb-h1'")
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule a Plan names (``plan.schedule``, ``mesh.pp``, ``num_micro_batches``, ``virtual_stages``):
     what the executor runs."""
@@ -315,9 +187,34 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 # (stage, micro-batch) pair of an interleaved rank, which holds 1/v of its layers, counts 1/v:
 # in_flight_by_rank(...)[r] == max_in_flight(schedule)[r] / v. The bubble is the idle time of a
 # step over its ideal (bubble-free) time, with balanced stages and free point-to-point:
-# (p - 1) / (v·m) for every schedule here (v = 1 unless interleaved; Narayanan et al. 2021, eq. 1
-# and sec. 2.2.2). ``bubble_share`` is the idle part of the actual step, what ``simulated_bubble``
-# measures: (p - 1) / (v·m + p - 1).
+# (p - 1) / (v·m) for GPipe and 1F1B (v = 1) and interleaved (Narayanan et al. 2021, eq. 1 and
+# sec. 2.2.2). ``bubble_share`` is the idle part of the actual step, what ``simulated_bubble``
+# measures: (p - 1) / (v·m + p - 1). The zero-bubble schedules' bubble depends on how the backward
+# time compares with the forward's: ``backward_ratio`` r = (T_B + T_W) / T_F with T_B = T_W
+# (Qi et al. 2024 take the three equal: r = 2, the default; the planner passes its units' ratio).
+# ``_idle`` gives each rank's idle time in forward times of one micro-batch (all v chunks).
+
+
+def _classic_idle(p: int, m: int, v: int, r: Fraction) -> Fraction:
+    return (p - 1) * (1 + r) / v  # (p - 1) forward + backward times of one chunk (Narayanan et al. 2021)
+
+
+def _zb_h1_idle(p: int, m: int, v: int, r: Fraction) -> Fraction:
+    # (p - 1)(T_F + T_B - T_W) (Qi et al. 2024, sec. 2.1) = (p - 1)·T_F for T_B = T_W; with m < p
+    # fewer W's than the cool-down's gaps: each of the p - m missing ones leaves T_W idle.
+    return (p - 1) + max(0, p - m) * r / 2
+
+
+def _zb_h2_idle(p: int, m: int, v: int, r: Fraction) -> Fraction:
+    return Fraction(p - 1)  # the first input's trip to the last rank; the W's fill every other gap
+
+
+def _zb_h1_in_flight(p: int, r: int, m: int, v: int) -> Fraction:
+    return Fraction(min(p, m))  # every rank: its 1F1B warm-up plus the r W's it holds back
+
+
+def _zb_h2_in_flight(p: int, r: int, m: int, v: int) -> Fraction:
+    return Fraction(2 * p - 1)  # every rank fills up to 2p - 1 before it runs a W (m >= 2p - 1)
 
 
 def _gpipe_in_flight(p: int, r: int, m: int, v: int) -> Fraction:
@@ -345,6 +242,9 @@ class ScheduleSpec:
     builder: Callable[..., Schedule]  # (p, m) or, chunked, (p, m, v)
     rank_in_flight: Callable[[int, int, int, int], Fraction]  # (p, r, m, v) -> see in_flight_by_rank
     source: str
+    idle: Callable[[int, int, int, Fraction], Fraction] = _classic_idle  # (p, m, v, r) -> per rank, in T_F
+    split_backward: bool = False  # runs BackwardInput and BackwardWeight instead of Backward
+    more_rules: Callable[[int, int], None] | None = None  # (p, m): raises for sizes it cannot build
 
     def check(self, p: int, m: int, v: int = 1) -> None:
         """Raise ValueError unless (p, m, v) suit this schedule (the rules ``build`` enforces)."""
@@ -353,30 +253,39 @@ class ScheduleSpec:
             raise InvalidValue(f"{self.name}: v={v} model chunks per rank needs the 'interleaved' schedule")
         if self.chunked:
             _check_multiple(self.name, p, m)
+        if self.more_rules is not None:
+            self.more_rules(p, m)
 
     def build(self, p: int, m: int, v: int = 1) -> Schedule:
         """The action lists the executor runs for p pipeline ranks, m micro-batches, v chunks."""
         self.check(p, m, v)
         return self.builder(p, m, v) if self.chunked else self.builder(p, m)
 
-    def bubble_fraction(self, p: int, m: int, v: int = 1) -> Fraction:
-        """Idle time over the ideal step time: (p - 1)/(v·m). p=4, m=8: 3/8; interleaved v=2: 3/16."""
+    def bubble_fraction(self, p: int, m: int, v: int = 1, backward_ratio=2) -> Fraction:
+        """Idle time over the ideal step time m·(T_F + T_B + T_W). (p - 1)/(v·m) for GPipe, 1F1B and
+        interleaved, whatever the ratio (p=4, m=8: 3/8; interleaved v=2: 3/16). ZB-H1
+        ((p - 1) + max(0, p - m)·r/2)/(m(1 + r)), ZB-H2 (p - 1)/(m(1 + r)) for r = backward_ratio
+        (p=4, m=8, r=2: 1/8 both)."""
         self.check(p, m, v)
-        return Fraction(p - 1, v * m)
+        r = _ratio(backward_ratio)
+        return self.idle(p, m, v, r) / (m * (1 + r))
 
-    def bubble_share(self, p: int, m: int, v: int = 1) -> Fraction:
-        """Idle part of the actual step, b/(1 + b): (p - 1)/(v·m + p - 1). p=4, m=8: 3/11."""
-        self.check(p, m, v)
-        return Fraction(p - 1, v * m + p - 1)
+    def bubble_share(self, p: int, m: int, v: int = 1, backward_ratio=2) -> Fraction:
+        """Idle part of the actual step, b/(1 + b) for b = ``bubble_fraction``: (p - 1)/(v·m + p - 1)
+        for 1F1B (p=4, m=8: 3/11); ZB-H1 and ZB-H2 at r = 2: (p - 1)/(3m + p - 1) (3/27 = 1/9)."""
+        bubble = self.bubble_fraction(p, m, v, backward_ratio)
+        return bubble / (1 + bubble)
 
     def in_flight_by_rank(self, p: int, m: int, v: int = 1) -> tuple[Fraction, ...]:
         """Activations pipeline rank r holds at its peak, r = 0..p-1, in micro-batches of all the
-        rank's layers: m GPipe, min(p - r, m) 1F1B, min(m, p + (p - 1 - 2r)/v) interleaved."""
+        rank's layers: m GPipe, min(p - r, m) 1F1B, min(m, p + (p - 1 - 2r)/v) interleaved, min(p, m)
+        ZB-H1, 2p - 1 ZB-H2. A split backward frees them at its W, which still reads them: the
+        executor's BackwardInput keeps the stage's whole autograd graph for it."""
         self.check(p, m, v)
         return tuple(self.rank_in_flight(p, r, m, v) for r in range(p))
 
     def in_flight(self, p: int, m: int, v: int = 1) -> Fraction:
-        """The fullest rank's figure (rank 0's): m, min(p, m), min(m, p + (p - 1)/v)."""
+        """The fullest rank's figure (rank 0's): m, min(p, m), min(m, p + (p - 1)/v), min(p, m), 2p - 1."""
         return max(self.in_flight_by_rank(p, m, v))
 
 
@@ -388,8 +297,21 @@ SCHEDULE_SPECS: Mapping[str, ScheduleSpec] = MappingProxyType({spec.name: spec f
     ScheduleSpec("interleaved", "interleaved 1F1B", True, interleaved_one_f_one_b, _interleaved_in_flight,
                  "Narayanan et al. 2021 sec. 2.2.2; in flight per Korthikanti et al. 2022 sec. 4.2.3 "
                  "(Megatron-LM's warm-up of 2(p-r-1) + (v-1)p + 1 chunks of 1/v of the layers)"),
+    ScheduleSpec("zb-h1", "ZB-H1", False, zero_bubble_h1, _zb_h1_in_flight,
+                 "Qi et al. 2024 sec. 2.1: 1F1B's memory, a third of its bubble at T_F = T_B = T_W",
+                 _zb_h1_idle, True),
+    ScheduleSpec("zb-h2", "ZB-H2", False, zero_bubble_h2, _zb_h2_in_flight,
+                 "Qi et al. 2024 sec. 2.2: 2p - 1 in flight; in one synchronous step only the (p-1)·T_F "
+                 "ramp is left, which ZB-H1 also reaches when T_B = T_W", _zb_h2_idle, True, _check_enough_for_h2),
 )})
-SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)  # ("gpipe", "1f1b", "interleaved")
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)  # ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+
+
+def _ratio(value) -> Fraction:
+    if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)) or not value >= 0:
+        raise InvalidValue(f"backward_ratio must be a number >= 0 (backward time over forward time), "
+                           f"got {value!r}")
+    return Fraction(value)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:

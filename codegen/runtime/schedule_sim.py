@@ -7,7 +7,8 @@ time into the durations to model it. ``idle_fractions`` then reads any list of
 ``(rank, action, start, end)`` records -- a simulated ``Timeline`` or an executor's timestamps -- so
 the measured bubble can be printed beside the simulated one and the closed form the planner uses,
 ``ScheduleSpec.bubble_share`` in ir/schedules.py ((p-1)/(v·m+p-1) of the step, v = 1 but for
-interleaved; Narayanan et al. 2021), which equals ``simulated_bubble`` with balanced stages.
+interleaved; Narayanan et al. 2021; the zero-bubble schedules' depends on the F : B : W times), which
+equals ``simulated_bubble`` with balanced stages.
 
 Durations may be ints or ``fractions.Fraction`` for exact results, or floats.
 """
@@ -19,7 +20,8 @@ from numbers import Rational, Real
 from typing import Iterable, NamedTuple, Sequence
 
 from xirang.codegen.runtime.schedule_check import check_schedule
-from xirang.ir.schedules import Action, Backward, BackwardInput, Compute, Forward, Schedule, describe, is_compute
+from xirang.ir.schedules import (Action, Backward, BackwardInput, BackwardWeight, Compute, Forward, Schedule, describe,
+                                 is_compute)
 from xirang.ir.errors import InvalidValue, SolverFailure
 
 
@@ -75,22 +77,32 @@ def _producer_candidates(schedule: Schedule, compute: Compute) -> tuple[Compute,
 
 
 def simulate(schedule: Schedule, *, forward: Real | Sequence[Real] = 1,
-             backward: Real | Sequence[Real] = 2) -> Timeline:
+             backward: Real | Sequence[Real] = 2, backward_input: Real | Sequence[Real] | None = None,
+             backward_weight: Real | Sequence[Real] | None = None) -> Timeline:
     """Start and end of every compute action of ``schedule`` (checked first, so it cannot hang).
 
     ``forward``/``backward``: time of one micro-batch on a stage, one number or one per stage. The
     default 1 : 2 is the usual ratio (a backward computes two matmuls per forward one). A split
-    backward gives half to BackwardInput and half to BackwardWeight (Qi et al. 2024 take them equal).
+    backward runs ``backward_input`` (B) and ``backward_weight`` (W); each defaults to half of
+    ``backward`` (Qi et al. 2024 take them equal), so F = B = W = 1 is ``backward=2``.
     """
     check_schedule(schedule)
     forward_time = _per_stage("forward", forward, schedule.num_stages)
     backward_time = _per_stage("backward", backward, schedule.num_stages)
+    half = tuple(_ratio(full, 2) for full in backward_time)
+    input_time = half if backward_input is None else _per_stage("backward_input", backward_input,
+                                                                schedule.num_stages)
+    weight_time = half if backward_weight is None else _per_stage("backward_weight", backward_weight,
+                                                                  schedule.num_stages)
 
     def duration(compute: Compute) -> Real:
         if isinstance(compute, Forward):
             return forward_time[compute.stage]
-        full = backward_time[compute.stage]
-        return full if isinstance(compute, Backward) else _ratio(full, 2)
+        if isinstance(compute, BackwardInput):
+            return input_time[compute.stage]
+        if isinstance(compute, BackwardWeight):
+            return weight_time[compute.stage]
+        return backward_time[compute.stage]
 
     end_of: dict[Compute, Real] = {}
     rank_free = [0] * schedule.pipeline_ranks

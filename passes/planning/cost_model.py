@@ -45,32 +45,36 @@ def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
 SCHEDULES: Mapping[str, ScheduleSpec] = SCHEDULE_SPECS  # name -> ScheduleSpec (bubble, in flight)
 
 
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:
     """Idle time relative to the ideal (bubble-free) step time: (p-1)/m for GPipe and 1F1B,
-    (p-1)/(v·m) interleaved (Narayanan et al. 2021, eq. 1 and sec. 2.2.2). p=4, m=8: 3/8."""
+    (p-1)/(v·m) interleaved (Narayanan et al. 2021, eq. 1 and sec. 2.2.2). p=4, m=8: 3/8. The
+    zero-bubble schedules' depends on ``backward_ratio`` (backward over forward time, its two
+    halves B and W equal; Qi et al. 2024): ZB-H1 and ZB-H2 at p=4, m=8, ratio 2: 1/8."""
     try:
-        hash((schedule, p, m, v))
+        hash((schedule, p, m, v, backward_ratio))
     except TypeError:  # not a name or not ints: let the spec's checks say which
-        return float(schedule_spec(schedule).bubble_fraction(p, m, v))
-    return _bubble_fraction(schedule, p, m, v)
+        return float(schedule_spec(schedule).bubble_fraction(p, m, v, backward_ratio))
+    return _bubble_fraction(schedule, p, m, v, backward_ratio)
 
 
 @lru_cache(maxsize=4096, typed=True)  # the search prices many candidates of few (schedule, p, m, v)
-def _bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
-    return float(schedule_spec(schedule).bubble_fraction(p, m, v))
+def _bubble_fraction(schedule: str, p: int, m: int, v: int, backward_ratio: float) -> float:
+    return float(schedule_spec(schedule).bubble_fraction(p, m, v, backward_ratio))
 
 
-def bubble_share(schedule: str, p: int, m: int, v: int = 1) -> float:
+def bubble_share(schedule: str, p: int, m: int, v: int = 1, backward_ratio: float = 2.0) -> float:
     """Idle fraction of the actual step time: b/(1+b) for b = bubble_fraction, i.e.
-    (p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(v·m+p-1) interleaved. p=4, m=8: 3/11."""
-    return float(schedule_spec(schedule).bubble_share(p, m, v))
+    (p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(v·m+p-1) interleaved. p=4, m=8: 3/11; ZB-H1 1/9."""
+    return float(schedule_spec(schedule).bubble_share(p, m, v, backward_ratio))
 
 
-def pipeline_step_time(schedule: str, p: int, m: int, t_micro_batch: float, v: int = 1) -> float:
+def pipeline_step_time(schedule: str, p: int, m: int, t_micro_batch: float, v: int = 1,
+                       backward_ratio: float = 2.0) -> float:
     """Step time = m·t·(1 + bubble_fraction): (m + p - 1)·t for GPipe and 1F1B, (m + (p-1)/v)·t
     interleaved, with t the forward+backward time of one micro-batch on one device (all its v
-    chunks). Assumes balanced stages and free point-to-point sends (add those separately)."""
-    return m * t_micro_batch * (1 + bubble_fraction(schedule, p, m, v))
+    chunks); ``backward_ratio`` is its backward over its forward (the zero-bubble schedules' bubble
+    depends on it). Assumes balanced stages and free point-to-point sends (add those separately)."""
+    return m * t_micro_batch * (1 + bubble_fraction(schedule, p, m, v, backward_ratio))
 
 
 # --- data-parallel gradient sync overlapped with the backward -----------------------------------

@@ -7,9 +7,10 @@ Terms, each with its source:
   cut is priced on the slowest link between neighbouring pipeline ranks, so the fast cuts and the
   exact solver see the same problem.
 - Step time: ``pipeline_step_time`` (Narayanan et al. 2021, eq. 1 and sec. 2.2.2) of the slowest
-  device (the sum of its v chunks when interleaved), plus the data-parallel gradient all-reduce
-  left after the last micro-batch's backward (``exposed_comm_time``; Li et al. 2020). Where the
-  World's calibration says communication does not overlap compute (CPU ranks: gloo's threads run on
+  device (the sum of its v chunks when interleaved; the zero-bubble schedules' bubble at the model's
+  backward : forward time ratio, its B and W halves taken equal, Qi et al. 2024), plus the
+  data-parallel gradient all-reduce left after the last micro-batch's backward (``exposed_comm_time``;
+  Li et al. 2020). Where the World's calibration says communication does not overlap compute (CPU ranks: gloo's threads run on
   the cores that compute), every bucket's all-reduce is exposed.
 - Ranks sharing cores (``Calibration.parallel_ranks`` k < N ranks, CPU ranks): the calibrated times
   are those of every rank busy; a rank idle in the pipeline's bubble leaves its core to the busy
@@ -107,6 +108,7 @@ class _Units:
     flops: float  # hardware FLOPs of one micro-batch, the whole model
     offload: tuple[float, ...] = ()  # seconds of offload copies left exposed per micro-batch
     buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
+    backward_ratio: float = 2.0  # backward over forward time of the whole model (zero-bubble bubbles)
 
     def __post_init__(self):  # totals the search reads once per candidate
         object.__setattr__(self, "totals", (math.fsum(self.seconds), max(self.seconds),
@@ -147,7 +149,8 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
         transient=rebuilt + held,
         flops=math.fsum(u.model_flops + (u.model_forward_flops if m == "full" else 0.0)
                         for u, m in zip(units, modes)),
-        offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units))
+        offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units),
+        backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0)
 
 
 class CandidatePricer:
@@ -236,7 +239,8 @@ class CandidatePricer:
         """A step time no cut can beat: perfectly balanced stages, no sends, no exposed dp sync."""
         total, longest, _, _ = self.units(c).totals
         device = max(longest, total / c.pp)  # the busiest device holds at least the mean share
-        bound = pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages)
+        bound = pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages,
+                                   self.units(c).backward_ratio)
         if self.shared is not None:  # the two bounds of ``price`` on shared cores, at their least
             return max(c.num_micro_batches * total / c.pp, bound * self.shared)
         return bound
@@ -263,7 +267,7 @@ class CandidatePricer:
         offload = math.fsum(math.fsum(n.offload[a:b]) for a, b in ranks[worst])
         send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
         t_device = rank_times[worst]
-        pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v)
+        pipeline = pipeline_step_time(c.schedule, c.pp, m, t_device, v, n.backward_ratio)
         busy = 1.0  # share of the busiest rank's own time the step shows (below 1 only on shared cores)
         if self.shared is not None:  # ranks share cores: Brent's bounds (module docstring)
             work = m * math.fsum(rank_times) / c.pp

@@ -12,6 +12,8 @@ chunks per device when interleaved) and recompute mode. The rules, so a reader c
   big enough, and each distinct b costs one tensor-split solve.
 - "interleaved" needs pp > 1 and m a multiple of pp (Megatron-LM's requirement). With one stage
   every schedule is plain gradient accumulation, so only "1f1b" is listed unless pinned.
+- "zb-h1" (split backward, Qi et al. 2024) is offered with pp > 1. "zb-h2" only when pinned: with the
+  backward's two halves priced equal its step equals ZB-H1's at more memory, so it cannot win.
 - Recompute modes apply to blocks only; a model without blocks is offered "none" unless pinned.
 - Activation offload ("blocks": each block's kept activations to host memory, prefetched back) is
   offered with recompute "none" or "selective" (full recompute keeps only block inputs already), on
@@ -194,8 +196,10 @@ def _schedules(pp: int, m: int, units: int, pins: dict) -> Iterator[tuple[str, i
     wanted, v_pin = pins.get("schedule"), pins.get("virtual_stages")
     if wanted is None and v_pin is not None and v_pin > 1:
         wanted = "interleaved"
-    plain = ("1f1b", "gpipe") if pp > 1 or wanted is not None else ("1f1b",)
+    plain = ("1f1b", "gpipe", "zb-h1", "zb-h2") if pp > 1 or wanted is not None else ("1f1b",)
     for schedule in plain:
+        if schedule == "zb-h2" and (wanted != schedule or m < 2 * pp - 1):
+            continue
         if wanted in (None, schedule) and v_pin in (None, 1):
             yield schedule, 1
     if wanted in (None, "interleaved") and pp > 1 and m % pp == 0:
@@ -226,7 +230,8 @@ def _check_pin_values(pins: dict) -> None:
     if pins.get("schedule") == "interleaved" and pins.get("virtual_stages") == 1:
         raise XirangError("schedule='interleaved' with virtual_stages=1 is plain 1F1B",
                           where="virtual_stages=", hint="use virtual_stages >= 2, or schedule='1f1b'")
-    if pins.get("schedule") in ("1f1b", "gpipe") and pins.get("virtual_stages", 1) != 1:
+    if pins.get("schedule") in SCHEDULES and pins.get("schedule") != "interleaved" \
+            and pins.get("virtual_stages", 1) != 1:
         raise XirangError(f"virtual_stages={pins['virtual_stages']} needs schedule 'interleaved', not "
                           f"{pins['schedule']!r}", where="virtual_stages=",
                           hint="set schedule='interleaved', or drop virtual_stages")
@@ -276,6 +281,8 @@ def _why(name: str, value, world: World, units: int, global_batch: int) -> str:
         return f" (needs pp > 1, pp·v <= {units} units, and micro-batches a multiple of pp)"
     if name == "schedule" and value == "interleaved":
         return " (needs pp > 1 and micro-batches per step a multiple of pp)"
+    if name == "schedule" and value == "zb-h2":
+        return " (needs at least 2·pp - 1 micro-batches per step)"
     return ""
 
 

@@ -251,3 +251,50 @@ def test_png_timeline_is_valid_and_draws_actions_where_they_ran():
     assert action_colour(Backward(2, 3)) != action_colour(Forward(2, 3)) != action_colour(Forward(2, 4))
     # Rank 0 waits from t=4 (its warm-up done) to t=10 (micro-batch 0's gradient is back).
     assert pixel(rows, layout.x(7), layout.row_top(0) + 5) == IDLE
+
+
+# --- zero-bubble schedules: the checker knows the split backward's order -----------------------
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_zero_bubble_schedules_are_sound_and_split(name):
+    for p, m in [(1, 3), (2, 3), (3, 5), (4, 8), (5, 9)]:
+        schedule = build_schedule(name, p, m)
+        check_schedule(schedule, rendezvous=False)
+        kinds = {type(a) for actions in schedule.ranks for a in actions if is_compute(a)}
+        assert kinds == {Forward, BackwardInput, BackwardWeight}  # never a fused Backward
+
+
+def test_checker_refuses_a_weight_gradient_before_its_input_gradient():
+    schedule = build_schedule("zb-h1", 2, 4)
+    actions = list(schedule.ranks[1])
+    weight = actions.index(BackwardWeight(1, 0))
+    actions.insert(actions.index(BackwardInput(1, 0)), actions.pop(weight))  # W(1, 0) now before B(1, 0)
+    message = problems_of(schedule.with_rank(1, actions))
+    assert "BackwardWeight(stage=1, micro_batch=0) runs before BackwardInput(stage=1, micro_batch=0)" in message
+    assert "weight gradients are computed from; move it after" in message
+
+
+def test_checker_refuses_an_input_gradient_before_the_next_stages():
+    # Two stages on one rank: B of stage 0 needs stage 1's B of the same micro-batch first.
+    local = with_communication("zb-local", 2, 1, [[Forward(0, 0), Forward(1, 0), BackwardInput(0, 0),
+                                                   BackwardInput(1, 0), BackwardWeight(1, 0), BackwardWeight(0, 0)]])
+    message = problems_of(local)
+    assert ("BackwardInput(stage=0, micro_batch=0) runs before BackwardInput(stage=1, micro_batch=0)" in message
+            and "whose input gradient it takes on the same rank" in message)
+    # Across ranks: rank 0 runs B(0, 1) before the gradient rank 1's B(1, 1) sends has been received.
+    schedule = build_schedule("zb-h1", 2, 4)
+    actions = list(schedule.ranks[0])
+    early = actions.pop(actions.index(BackwardInput(0, 1)))
+    actions.insert(actions.index(BackwardInput(0, 0)) + 1, early)
+    message = problems_of(schedule.with_rank(0, actions))
+    assert "BackwardInput(stage=0, micro_batch=1): its input gradient for micro-batch 1 comes from rank 1" in message
+
+
+def test_simulator_times_f_b_and_w_apart():
+    schedule = build_schedule("zb-h1", 4, 8)
+    timeline = simulate(schedule, forward=1, backward_input=2, backward_weight=3)
+    lengths = {type(e.action): e.end - e.start for e in timeline.entries}
+    assert lengths == {Forward: 1, BackwardInput: 2, BackwardWeight: 3}
+    half = simulate(schedule, forward=1, backward=2)  # no split given: B = W = backward / 2
+    assert {e.end - e.start for e in half.entries} == {1}

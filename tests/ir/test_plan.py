@@ -132,7 +132,7 @@ BAD_PLANS = [
     (dict(mesh=Mesh(1, 2, 2)), "plan.mesh", "mesh dp=1 x pp=2 x tp=2 has 4 ranks but the world has 8 devices"),
     (dict(global_batch=15), "plan.global_batch",
      "global_batch 15 != dp 2 x micro_batch 2 x num_micro_batches 4 = 16"),
-    (dict(schedule="zero_bubble"), "plan.schedule", "not one of gpipe, 1f1b, interleaved"),
+    (dict(schedule="zero_bubble"), "plan.schedule", "not one of gpipe, 1f1b, interleaved, zb-h1, zb-h2"),
     (two_stage(virtual_stages=2), "plan.virtual_stages", "virtual_stages is 2 but schedule '1f1b'"),
     (dict(num_micro_batches=3, global_batch=12), "plan.num_micro_batches",
      "'interleaved' needs num_micro_batches (3) to be a multiple of pp (2)"),

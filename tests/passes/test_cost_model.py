@@ -59,8 +59,13 @@ def test_pipeline_step_time():
 
 
 def test_schedule_checks():
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        bubble_fraction("zb-h1", 4, 8)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        bubble_fraction("zb", 4, 8)
+    with pytest.raises(ValueError, match="zb-h2: m=6 micro-batches cannot fill its warm-up of 2p - 1 = 7"):
+        bubble_fraction("zb-h2", 4, 6)
+    # Zero bubble at F = B = W (ratio 2): a third of 1F1B's 3/8; at B = W = F/2 (ratio 1): 3/16.
+    assert bubble_fraction("zb-h1", 4, 8) == pytest.approx(1 / 8)
+    assert bubble_fraction("zb-h1", 4, 8, backward_ratio=1.0) == pytest.approx(3 / 16)
     with pytest.raises(ValueError, match="needs the 'interleaved'"):
         bubble_fraction("1f1b", 4, 8, v=2)
     with pytest.raises(ValueError, match="multiple of p=4"):

@@ -65,26 +65,31 @@ def test_heterogeneous_units_cut_where_the_bottleneck_is_least():
 
 
 def test_the_bubble_makes_more_micro_batches_win():
-    """Unit time grows with b (1 s per sample per stage), so a step is (8/b + 1) * b = 8 + b s on
-    pp=2: b=1 (m=8) takes 9 s, b=2 10 s, b=4 12 s, b=8 16 s."""
+    """Unit time grows with b (1 s per sample per stage), so a 1F1B step is (8/b + 1) * b = 8 + b s on
+    pp=2: b=1 (m=8) takes 9 s, b=2 10 s, b=4 12 s, b=8 16 s. ZB-H1 leaves only the (p - 1)·T_F ramp
+    (T_F = 0.4 b s): 8.4 s at b=1, and wins."""
     price = pricer(lambda tp, b: [unit("block:a", float(b)), unit("block:b", float(b))])
     result = search_plan(price, parse_world(2), global_batch=8, seq=8, tp=1, pp=2, recompute="none")
     assert (result.best.candidate.micro_batch, result.best.candidate.num_micro_batches) == (1, 8)
-    assert result.best.step_seconds == pytest.approx(9.0)
+    assert (result.best.candidate.schedule, result.best.step_seconds) == ("zb-h1", pytest.approx(8.4))
+    one_f_one_b = next(a for a in result.alternatives if a.candidate.schedule == "1f1b")
+    assert one_f_one_b.step_seconds == pytest.approx(9.0)
     assert sorted(price.calls) == [(1, 1), (1, 2), (1, 4), (1, 8)]
 
 
 def test_interleaving_shrinks_the_bubble():
     """Four 1 s units, pp=2, m=2. 1F1B: 2 s per stage, (2 + 1) x 2 = 6 s. Interleaved v=2: chunks of
-    1 s, a device does 2 s per micro-batch, (m + (p-1)/v) x 2 = (2 + 0.5) x 2 = 5 s."""
+    1 s, a device does 2 s per micro-batch, (m + (p-1)/v) x 2 = (2 + 0.5) x 2 = 5 s. ZB-H1 does
+    better still: 2 x 2 s + (p - 1)·T_F = 4 + 0.8 = 4.8 s."""
     price = pricer(lambda tp, b: [unit(f"block:{i}") for i in range(4)])
     result = search_plan(price, parse_world(2), global_batch=2, seq=8, tp=1, pp=2, micro_batch=1,
                          recompute="none")
-    best = result.best
-    assert (best.candidate.schedule, best.candidate.virtual_stages) == ("interleaved", 2)
-    assert best.bounds == ((0, 1), (1, 2), (2, 3), (3, 4))
-    assert best.step_seconds == pytest.approx(5.0)
-    assert best.breakdown["pp_bubble"] == pytest.approx(1.0)
+    assert (result.best.candidate.schedule, result.best.step_seconds) == ("zb-h1", pytest.approx(4.8))
+    interleaved = next(a for a in result.alternatives if a.candidate.schedule == "interleaved")
+    assert interleaved.candidate.virtual_stages == 2
+    assert interleaved.bounds == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert interleaved.step_seconds == pytest.approx(5.0)
+    assert interleaved.breakdown["pp_bubble"] == pytest.approx(1.0)
     assert {(a.candidate.schedule, a.step_seconds) for a in result.alternatives} >= {("1f1b", 6.0)}
 
 
