@@ -35,3 +35,9 @@ __all__ += ["RankBatches", "TokenFile", "SyntheticTokens", "step_if_finite"]
 from xirang.hf_weights import empty_pretrained, load_pretrained, save_pretrained  # noqa: E402
 
 __all__ += ["empty_pretrained", "load_pretrained", "save_pretrained"]
+
+# distributed checkpoints: save per-rank shards, resume under any plan (codegen/runtime/checkpoint.py)
+from xirang.codegen.runtime.checkpoint import PendingCheckpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from xirang.codegen.runtime.checkpoint_store import latest_checkpoint  # noqa: E402
+
+__all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "PendingCheckpoint"]

@@ -1,0 +1,334 @@
+"""Save and resume training: every rank writes its own shards; any plan (or one device) reads them back.
+
+    xirang.save_checkpoint(compiled, optimizer, "ckpt", step=1000, extra={"loader": 12, "lr": sched.state_dict()})
+    found = xirang.load_checkpoint(compiled, optimizer, "ckpt")   # the latest complete step
+    found["step"], found["extra"]
+
+A checkpoint is a torch.distributed.checkpoint (DCP) folder ``ROOT/step-<8 digits>/``
+(codegen/runtime/checkpoint_store.py: complete only once its marker is written last) holding the
+parameters and the optimizer's per-parameter state under the single-device model's names and global
+shapes (codegen/runtime/checkpoint_layout.py: each rank declares which blocks of each global tensor it
+holds, padding excluded, a tied weight once), the step, the randomness (``compiled.rng_state()``:
+the seed and step every future draw follows; torch's own generator state of every rank) and the
+caller's ``extra`` (plain data). Loading under another plan -- other dp, tp, pp, world size -- is
+DCP's resharding: each rank reads the overlap of the saved blocks with the ones it holds now.
+``target`` may also be a plain ``nn.Module`` (one device, no process group): the same checkpoint
+loads into the single-device model, and a single-device run can be saved and resumed on a mesh.
+
+Optimizer state: a state tensor of the parameter's shape is taken as element-wise (Adam's moments)
+and pieced like the parameter; any other tensor (Adam's scalar ``step``) is saved whole, once; the
+groups' hyperparameters by group index. So it is exact for the element-wise optimizers the runtime
+supports (SGD, Adam, AdamW: compiled_model.py). Buffers are not saved: the runtime does not train them.
+
+``async_save=True``: the rank's tensors are copied to host memory before the call returns (that copy
+blocks: the next optimizer step may change the parameters right after); DCP's planning collectives
+(on a gloo group of their own, so they cannot interleave with training's), the serialisation and the
+file writes run in a background thread, overlapping the training steps that follow. The call returns a
+``PendingCheckpoint``; ``wait()`` on it (every rank) before the next save or the end of the run: the
+marker is written when DCP's coordinator has finished, so a run that dies before leaves no complete step.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from xirang.ir.errors import XirangError
+
+from xirang.codegen.runtime.checkpoint_layout import (EXTRA, LAYOUT, MODEL, OPTIM_STATE, PARAM_GROUPS, RNG, STEP,
+                                                      TORCH_RNG, PiecesLoadPlanner, PiecesSavePlanner, TensorPieces,
+                                                      all_model_names, held_by_compiled, held_by_module, pieces_of,
+                                                      tensor_entries)
+from xirang.codegen.runtime.checkpoint_store import remove_marker, resolve_checkpoint, step_folder, write_marker
+from xirang.ir.placement import Replicate
+
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+_ASYNC_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compiled -> its checkpoint gloo group
+
+
+@contextmanager
+def _one_process(single: bool):
+    """DCP warns that it assumes one process when none is initialised: here that is what was asked."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _is_module(target) -> bool:
+    return isinstance(target, torch.nn.Module)
+
+
+def _rank(target) -> int:
+    return 0 if _is_module(target) else dist.get_rank()
+
+
+def _held(target) -> list:
+    return held_by_module(target) if _is_module(target) else held_by_compiled(target)
+
+
+def _check_plain(value, where: str) -> None:
+    """``extra`` must load with torch.load(weights_only=True): containers of numbers, strings, tensors."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    elif not isinstance(value, _PLAIN):
+        raise XirangError(f"save_checkpoint: {where} is a {type(value).__name__}, not plain data",
+                          where=f"save_checkpoint(extra=...) at {where}",
+                          hint="pass dicts, lists and tuples of numbers, strings, bools, None and tensors "
+                               "(a scheduler's or data loader's state_dict(), not the object)")
+
+
+def _optimizer_entries(held: list, optimizer) -> dict:
+    """optim.* keys -> TensorPieces (element-wise state), whole tensors, or plain values; the groups."""
+    if optimizer is None:
+        return {}
+    by_param = {h.pieces.local: h for h in held}
+    entries = {}
+    for param, state in optimizer.state.items():
+        owner = by_param.get(param)
+        if owner is None:
+            raise XirangError(f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not a trainable "
+                              f"parameter of the model", where="save_checkpoint(optimizer=...)",
+                              hint="build the optimizer over compiled.parameters() (model.parameters() on one device)")
+        for key, value in state.items():
+            name = f"{OPTIM_STATE}{owner.name}.{key}"
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
+                entries[name] = owner.pieces.like(value)
+            elif isinstance(value, torch.Tensor):
+                entries[name] = pieces_of(value, Replicate(), tuple(value.shape), 0, 1, name)
+            else:
+                entries[name] = value
+    entries[PARAM_GROUPS] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return entries
+
+
+def _torch_rng() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _layout(target, held: list) -> dict:
+    if _is_module(target):
+        return {"mesh": "one device", "world": 1, "aliases": {h.name: list(h.aliases) for h in held}}
+    return {"mesh": str(target.plan.mesh), "world": dist.get_world_size(),
+            "aliases": {names[0]: list(names) for names in all_model_names(target)}}
+
+
+def save_checkpoint(target, optimizer, directory, *, step: int, extra=None, async_save: bool = False):
+    """Write ``directory/step-<8 digits>/`` (see the module docstring): collective, every rank calls it.
+    Returns the step folder, or with ``async_save=True`` a ``PendingCheckpoint`` to ``wait()`` on."""
+    folder = step_folder(directory, step)
+    extra = {} if extra is None else extra
+    _check_plain(extra, "extra")
+    held, distributed = _held(target), not _is_module(target)
+    rng_states = [_torch_rng()]
+    if distributed:
+        rng_states = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_states, _torch_rng())
+    state = {MODEL + h.name: h.pieces for h in held}
+    state.update(_optimizer_entries(held, optimizer))
+    layout = _layout(target, held)
+    state.update({STEP: step, EXTRA: extra, RNG: None if _is_module(target) else target.rng_state(),
+                  TORCH_RNG: rng_states, LAYOUT: layout})
+    coordinator = _rank(target) == 0
+    if coordinator:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_marker(folder)  # a step saved again is incomplete until its new marker
+    if distributed:
+        dist.barrier()  # no rank writes into the folder before the old marker is gone
+    writer = FileSystemWriter(folder)
+    if async_save:
+        staged = {key: TensorPieces(value.local.detach().to("cpu", copy=True), value.global_shape, value.pieces)
+                  if isinstance(value, TensorPieces) else copy.deepcopy(value) for key, value in state.items()}
+        future = dcp.async_save(staged, storage_writer=writer, planner=PiecesSavePlanner(),
+                                process_group=None if not distributed else _async_group(target),
+                                async_stager=_AlreadyStaged())
+        return PendingCheckpoint(future, folder, step, layout, coordinator)
+    with _one_process(not distributed):
+        dcp.save(state, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not distributed)
+    if coordinator:  # dcp.save returned on the coordinator: every rank's files are written
+        write_marker(folder, step, layout)
+    if distributed:
+        dist.barrier()  # every rank returns once the step is complete
+    return folder
+
+
+def _async_group(compiled):
+    """A gloo group of the whole world for the background thread's collectives (created once per model)."""
+    if compiled not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[compiled] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[compiled]
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager protocol for a state dict save_checkpoint has already copied to host memory."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PendingCheckpoint:
+    """An async save in flight: ``wait()`` (every rank) returns the step folder once it is complete."""
+
+    def __init__(self, future, folder: Path, step: int, layout: dict, coordinator: bool):
+        self.future, self.folder, self.step = future, folder, step
+        self._layout, self._coordinator, self._lock, self._marked = layout, coordinator, threading.Lock(), False
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> Path:
+        self.future.result()  # DCP's coordinator finished: every rank's files and .metadata are written
+        with self._lock:
+            if self._coordinator and not self._marked:
+                write_marker(self.folder, self.step, self._layout)
+            self._marked = True
+        return self.folder
+
+
+# --- load ----------------------------------------------------------------------------------------------
+
+def _saved_name(names: tuple, saved: dict):
+    return next((name for name in names if MODEL + name in saved), None)
+
+
+def _model_problems(target, held: list, saved: dict) -> list:
+    """Names the model has and the checkpoint not, and the other way; shapes that differ (this rank's)."""
+    groups = [h.aliases for h in held] if _is_module(target) else all_model_names(target)
+    saved_names = {key[len(MODEL):] for key in saved if key.startswith(MODEL)}
+    known = {name for names in groups for name in names}
+    missing = [names[0] for names in groups if not any(name in saved_names for name in names)]
+    unexpected = sorted(saved_names - known)
+    problems = []
+    for label, keys in (("missing from the checkpoint", missing),
+                        ("in the checkpoint but not in the model", unexpected)):
+        if keys:
+            shown = ", ".join(repr(k) for k in keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "")
+            problems.append(f"parameters {label}: {shown}")
+    for h in held:
+        name = _saved_name(h.aliases, saved)
+        if name is not None and tuple(saved[MODEL + name].size) != tuple(h.pieces.global_shape):
+            problems.append(f"{name!r} has shape {tuple(saved[MODEL + name].size)} in the checkpoint, "
+                            f"{tuple(h.pieces.global_shape)} in the model")
+    return problems
+
+
+def _optimizer_targets(held: list, saved: dict, metadata) -> tuple[dict, list]:
+    """Fresh tensors (pieced like their parameter where element-wise) the optimizer state loads into."""
+    entries, installs = {}, []
+    for h in held:
+        name = _saved_name(h.aliases, saved)
+        prefix = f"{OPTIM_STATE}{name}."
+        for key, md in metadata.state_dict_metadata.items():
+            state_key = key[len(prefix):]
+            if not key.startswith(prefix) or "." in state_key:
+                continue
+            if key not in saved:
+                entries[key] = None  # a plain value: unpickled by the planner
+            elif len(md.size) > 0 and tuple(md.size) == tuple(h.pieces.global_shape):
+                entries[key] = h.pieces.like(torch.zeros(h.pieces.local.shape, dtype=md.properties.dtype,
+                                                         device=h.pieces.local.device))
+            else:
+                entries[key] = pieces_of(torch.zeros(md.size, dtype=md.properties.dtype), Replicate(),
+                                         tuple(md.size), 0, 1, key)
+            installs.append((h.pieces.local, state_key, key))
+    return entries, installs
+
+
+def load_checkpoint(target, optimizer, path) -> dict:
+    """Restore parameters, optimizer state and randomness from ``path`` (a step folder, or a root: its
+    latest complete step, newer incomplete ones skipped with a logged message) under this plan;
+    returns ``{"step": int, "extra": dict}``. Collective (every rank calls it) unless ``target`` is an
+    ``nn.Module``. A checkpoint of another model is refused, naming the keys, before anything changes."""
+    distributed = not _is_module(target)
+    folder = resolve_checkpoint(path, quiet=_rank(target) != 0)
+    reader = FileSystemReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as error:  # noqa: BLE001 -- a damaged .metadata: say which folder
+        raise XirangError(f"cannot read the checkpoint metadata in {str(folder)!r}: {type(error).__name__}: {error}",
+                          where=f"load_checkpoint({str(path)!r})",
+                          hint="load an earlier step (the root folder's next complete one) or re-save") from None
+    held, saved = _held(target), tensor_entries(metadata)
+    problems = _model_problems(target, held, saved)
+    for key in (STEP, EXTRA, TORCH_RNG):
+        if key not in metadata.state_dict_metadata:
+            problems.append(f"{key!r} is missing: not a checkpoint xirang.save_checkpoint wrote")
+    if distributed:  # every rank refuses together (a rank that went on to dcp.load would wait forever)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = list(dict.fromkeys(p for found in everyone for p in found))
+    if problems:
+        raise XirangError(f"the checkpoint {str(folder)!r} does not match this model: " + "; ".join(problems[:12]),
+                          where=f"load_checkpoint({str(path)!r})",
+                          hint="load a checkpoint saved from the same model configuration (names are the "
+                               "single-device model's parameter names; the plan may differ)")
+    state = {MODEL + _saved_name(h.aliases, saved): h.pieces for h in held}
+    installs = []
+    if optimizer is not None:
+        optimizer_state, installs = _optimizer_targets(held, saved, metadata)
+        state.update(optimizer_state)
+        if PARAM_GROUPS in metadata.state_dict_metadata:
+            state[PARAM_GROUPS] = None
+    state.update({STEP: None, EXTRA: None, TORCH_RNG: None, RNG: None})
+    with torch.no_grad():
+        for h in held:
+            h.pieces.local.zero_()  # padding rows are in no piece: they load as zeros
+    planner = PiecesLoadPlanner()
+    with _one_process(not distributed):
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=not distributed)
+    loaded = planner.loaded
+    if optimizer is not None:
+        _install_optimizer_state(optimizer, state, installs, loaded.get(PARAM_GROUPS), folder)
+    _restore_rng(target, loaded)
+    return {"step": loaded[STEP], "extra": loaded[EXTRA]}
+
+
+def _install_optimizer_state(optimizer, state: dict, installs: list, groups, folder: Path) -> None:
+    if groups is not None and len(groups) != len(optimizer.param_groups):
+        raise XirangError(f"the checkpoint {str(folder)!r} has {len(groups)} optimizer parameter group(s), the "
+                          f"optimizer {len(optimizer.param_groups)}", where="load_checkpoint(optimizer=...)",
+                          hint="build the optimizer with the same parameter groups as the run that saved")
+    optimizer.state.clear()
+    for param, state_key, key in installs:
+        value = state[key]
+        value = value.local if isinstance(value, TensorPieces) else value
+        optimizer.state[param][state_key] = value
+    for group, saved in zip(optimizer.param_groups, groups or ()):
+        group.update(saved)
+
+
+def _restore_rng(target, loaded: dict) -> None:
+    """Xirang's draws follow (seed, step): restored on every layout. Torch's generator: rank r takes the
+    state rank r saved (a rank beyond the saving world keeps its own; one device takes rank 0's)."""
+    if not _is_module(target) and loaded.get(RNG) is not None:
+        target.load_rng_state(loaded[RNG])
+    states, rank = loaded[TORCH_RNG], _rank(target)
+    if rank < len(states):
+        torch.set_rng_state(states[rank]["cpu"])
+        if "cuda" in states[rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states[rank]["cuda"])
