@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     launch.set_defaults(run=cmd_launch)
     from xirang.cli_calibrate import add_calibrate_parser
     add_calibrate_parser(commands)
+    from xirang.cli_checkpoint import add_checkpoint_parser
+    add_checkpoint_parser(commands)
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
