@@ -37,3 +37,22 @@ def llama2_70b(batch: int = 1, seq: int = 4096):
                          intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096, use_cache=False)
     with torch.device("meta"):
         return LlamaForCausalLM(config), _tokens(batch, seq)
+
+
+def gpt3_175b_hf(batch: int = 1, seq: int = 2048):
+    """Hugging Face GPT-2 class at GPT-3 175B's shape (96 layers, hidden 12288, 96 heads, 2048 positions,
+    vocab 50257) on meta."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=96, n_embd=12288, n_head=96, n_positions=2048, vocab_size=50257, use_cache=False)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(config), _tokens(batch, seq)
+
+
+def llama3_405b(batch: int = 1, seq: int = 8192):
+    """Hugging Face Llama at Llama-3-405B's shape (126 layers, hidden 16384, GQA 128/8 heads, FFN 53248,
+    vocab 128256) on meta."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(num_hidden_layers=126, hidden_size=16384, num_attention_heads=128, num_key_value_heads=8,
+                         intermediate_size=53248, vocab_size=128256, max_position_embeddings=8192, use_cache=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config), _tokens(batch, seq)

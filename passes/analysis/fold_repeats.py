@@ -81,13 +81,14 @@ class Folding:
         self.runs = runs
 
     def expand(self, gm, aliases_of) -> dict:
-        """Replicate layer 2 of every folded run up to the run's full length. Returns a summary."""
+        """Replicate layer 2 of every folded run up to the run's full length. Returns a summary.
+        The graph is changed in place and not recompiled: the caller's next step (``canonical_graph``
+        in ``trace_model``) replaces it and generates the code once, for the whole model."""
         summary = {}
         for run in self.runs:
             _expand_run(gm, run, aliases_of)
             summary[run.prefix] = run.length
         gm.graph.lint()
-        gm.recompile()
         return summary
 
 
