@@ -228,6 +228,8 @@ def main(argv=None) -> int:
     add_calibrate_parser(commands)
     from xirang.cli_checkpoint import add_checkpoint_parser
     add_checkpoint_parser(commands)
+    from xirang.cli_train import add_train_parser
+    add_train_parser(commands)
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:

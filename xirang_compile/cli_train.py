@@ -1,0 +1,268 @@
+"""``xirang train``: a training run that survives -- data per rank, warm-up and cosine learning rate, clipping,
+checkpoints every N steps, resume after a crash, and the measured step time beside the plan's.
+
+    xirang train examples/catalog.py:gpt_tiny --world 8 --dp 2 --tp 2 --pp 2 --synthetic --steps 200 \\
+        --lr 3e-4 --warmup 20 --clip 1.0 --checkpoint-dir ckpt --checkpoint-every 50 --loss-picture loss.png
+    xirang train ... --resume          # after a crash: continues from the newest complete checkpoint
+
+The parent plans once (``cli_verify.prepare``: the same plan every rank would reach) and starts the
+local ranks (codegen/runtime/launch.py: a rank that raises, dies or freezes fails the run naming it,
+the others are stopped); ``--torchrun`` makes this process one rank of a torchrun world instead
+(``--print-command`` prints that command). Each rank builds the factory's model under one seed,
+compiles it with the plan, reads only its dp share of each global batch (``RankBatches``: a token file
+``--data`` or ``--synthetic`` tokens; the model takes ``input_ids`` and ``labels``), and per step:
+``train_step`` on its share, ``clip_grad_norm_`` (``--clip``;
+a non-finite norm skips the step), AdamW, the schedule. Rank 0 logs the loss, tokens per second and
+the measured step time against the plan's predicted ``step_seconds`` (a live bar on a terminal), and
+draws the loss curve at the end (``--loss-picture``, matplotlib: the ``viz`` extra).
+
+Checkpoints (``xirang.save_checkpoint``, codegen/runtime/checkpoint.py: every rank its own shards,
+complete once its marker is written) hold the model, the optimizer, the randomness and, in ``extra``,
+the data position, the learning-rate schedule's state and the losses so far, so ``--resume``
+continues exactly where the newest complete step left off; the run's last step is always saved.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+from xirang.ir.errors import XirangError
+
+MODEL_SEED, ADAM_EPS = 0, 1e-8
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps to the peak, then a half cosine down to ``min_ratio`` of it
+    at ``total`` (Loshchilov & Hutter 2017, without restarts)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _vocabulary(model) -> int:
+    """Token ids below this are valid: the input embedding's rows (Hugging Face's, or the first table)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return embedding.num_embeddings
+
+
+def _batches(args, model, example_kwargs: dict, global_batch: int, compiled):
+    """This rank's RankBatches over ``--data`` or synthetic tokens (its dp share of each global batch)."""
+    from xirang.codegen.runtime.rank_batches import RankBatches, SyntheticTokens, TokenFile
+    seq = example_kwargs["input_ids"].shape[1]
+    source = TokenFile(args.data) if args.data else SyntheticTokens(_vocabulary(model), seed=args.seed)
+    # Hugging Face causal LMs shift their labels themselves; the in-repo models take aligned ones
+    shift = not hasattr(getattr(model, "config", None), "model_type")
+    return RankBatches(source, global_batch=global_batch, seq=seq, dp=compiled.dp, dp_rank=compiled.dp_rank,
+                       shift_labels=shift, seed=args.seed, shares=getattr(compiled, "dp_shares", None))
+
+
+def token_model(args, global_batch: int):
+    """The factory's model under the run's seed and real example inputs; refused unless it takes token ids."""
+    from xirang.model_files import build, load_factory
+    torch.manual_seed(MODEL_SEED)
+    model, example_kwargs = build(load_factory(args.model), global_batch, None)
+    if set(example_kwargs or {}) != {"input_ids", "labels"} or not any(
+            isinstance(m, torch.nn.Embedding) for m in model.modules()):
+        raise XirangError(f"xirang train feeds token ids: the model must take input_ids and labels and embed "
+                          f"tokens; this factory's inputs are {sorted(example_kwargs or {})}",
+                          where=args.model, hint="train other models with xirang run, or your own loop over "
+                                                 "xirang.compile")
+    example = {name: torch.zeros(tuple(value.shape), dtype=value.dtype) for name, value in example_kwargs.items()}
+    return model, example
+
+
+def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
+    """One rank's run (see the module docstring); returns the losses (rank 0 prints as it goes)."""
+    import torch.distributed as dist
+
+    import xirang
+    from xirang.codegen.runtime.checkpoint import save_checkpoint
+    from xirang.codegen.runtime.grad_norm import step_if_finite
+    model, example_kwargs = token_model(args, global_batch)
+    compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan)
+    batches = _batches(args, model, example_kwargs, global_batch, compiled)
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=args.lr, eps=ADAM_EPS, weight_decay=args.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio))
+    say = rank == 0
+    pids = [None] * world
+    if world > 1:
+        dist.all_gather_object(pids, os.getpid())
+    else:
+        pids = [os.getpid()]
+    if say:
+        print("rank pids: " + " ".join(f"{r}:{pid}" for r, pid in enumerate(pids)), flush=True)
+    start, losses = 0, []
+    if args.resume:
+        start, losses = _resume(compiled, optimizer, schedule, batches, args.checkpoint_dir, say)
+    tokens = global_batch * example_kwargs["input_ids"].shape[1]
+    predicted = plan.predicted.step_seconds
+    bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
+    for step in range(start, args.steps):
+        began = time.perf_counter()
+        loss = compiled.train_step(pre_sharded=True, **batches.next_batch())
+        norm = compiled.clip_grad_norm_(args.clip) if args.clip else None
+        stepped = step_if_finite(optimizer, norm) if norm is not None else (optimizer.step() or True)
+        optimizer.zero_grad()
+        lr = schedule.get_last_lr()[0]  # the rate this step used
+        schedule.step()
+        took = time.perf_counter() - began
+        losses.append(loss.item())
+        if say:
+            bar.line(step, losses[-1], tokens / took, took, predicted, lr,
+                     None if norm is None else norm.item(), stepped)
+        done = step + 1
+        every = args.checkpoint_every
+        if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
+            extra = {"data": batches.state_dict(),
+                     "lr": schedule.state_dict(), "losses": list(losses)}
+            save_checkpoint(compiled, optimizer, args.checkpoint_dir, step=done, extra=extra)
+    if bar is not None:
+        bar.finish()
+    return {"losses": losses, "start": start}
+
+
+def _resume(compiled, optimizer, schedule, batches, root, say: bool) -> tuple:
+    """(first step, losses so far) from the newest complete checkpoint under ``root`` (0, [] if none)."""
+    from xirang.codegen.runtime.checkpoint import load_checkpoint
+    from xirang.codegen.runtime.checkpoint_store import latest_checkpoint
+    if latest_checkpoint(root) is None:
+        if say:
+            print(f"resume: no complete checkpoint in {root}; starting at step 0", flush=True)
+        return 0, []
+    found = load_checkpoint(compiled, optimizer, root)
+    extra = found["extra"]
+    schedule.load_state_dict(extra["lr"])
+    batches.load_state_dict(extra["data"])
+    if say:
+        print(f"resume: step {found['step']} from {latest_checkpoint(root, quiet=True)}", flush=True)
+    return found["step"], list(extra["losses"])
+
+
+class TrainProgress:
+    """Rank 0's log: one line per step, and on a terminal a bar redrawn under it."""
+
+    def __init__(self, total: int, start: int, live: bool):
+        self.total, self.start, self.live, self.began = total, start, live, time.perf_counter()
+
+    def line(self, step, loss, tokens_per_s, took, predicted, lr, norm, stepped) -> None:
+        clip = "" if norm is None else f"  |grad| {norm:.3g}" + ("" if stepped else " (non-finite: step skipped)")
+        text = (f"step {step + 1}/{self.total}  loss {loss:.4f}  lr {lr:.3g}{clip}  {tokens_per_s:,.0f} tok/s  "
+                f"step {took * 1e3:.0f} ms (plan {predicted * 1e3:.3g} ms)")
+        if self.live:
+            sys.stdout.write("\r\033[K")
+        print(text, flush=True)
+        if self.live:
+            done = step + 1
+            width = 30
+            filled = int(width * done / self.total)
+            rate = (done - self.start) / max(1e-9, time.perf_counter() - self.began)
+            left = (self.total - done) / rate if rate else 0.0
+            sys.stdout.write(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  ~{left:.0f} s left")
+            sys.stdout.flush()
+
+    def finish(self) -> None:
+        if self.live:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+
+
+def write_loss_picture(path, losses: list, title: str):
+    """The loss per step as a PNG (matplotlib, the ``viz`` extra)."""
+    from xirang.codegen.viz.plotting import new_figure
+    figure = new_figure(800, 450, "--loss-picture")
+    axes = figure.add_subplot(1, 1, 1)
+    axes.plot(range(1, len(losses) + 1), losses, color="#1f5fa8", linewidth=1.5)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.savefig(path)
+    return path
+
+
+def check_train_args(args) -> None:
+    """Everything about the options that can be said before planning or starting a rank."""
+    if bool(args.data) == bool(args.synthetic):
+        raise XirangError("give the data: --data FILE (token ids: .npy or a torch-saved tensor) or --synthetic",
+                          where="xirang train", hint="e.g. --synthetic to try it, --data tokens.npy to train")
+    if args.data and not os.path.isfile(args.data):
+        raise XirangError(f"--data {args.data!r} does not exist", where="--data",
+                          hint="write the token ids with numpy.save('tokens.npy', ids)")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        raise XirangError("--checkpoint-every and --resume need --checkpoint-dir", where="--checkpoint-dir",
+                          hint="name the folder checkpoints go to (and are resumed from)")
+    if args.warmup >= args.steps and args.warmup:
+        raise XirangError(f"--warmup {args.warmup} is not shorter than --steps {args.steps}", where="--warmup",
+                          hint="warm up over a small part of the run, e.g. a tenth")
+    if args.loss_picture:
+        from xirang.cli_args import check_output_file
+        from xirang.codegen.viz.plotting import require_matplotlib
+        check_output_file(args.loss_picture, "--loss-picture")
+        require_matplotlib("--loss-picture")
+
+
+def cmd_train(args) -> int:
+    import xirang
+    from xirang.cli_verify import prepare
+    from xirang.model_files import load_factory
+    load_factory(args.model)
+    check_train_args(args)
+    token_model(args, args.global_batch)  # a model that does not take token ids is refused before planning
+    pins = {k: getattr(args, k) for k in ("tp", "pp", "dp")}
+    if args.torchrun:
+        from xirang.codegen.runtime.launch import ensure_distributed
+        rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model])
+        plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins)
+        train_rank(rank, args.world, args, plan, global_batch)
+        return 0
+    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins)
+    print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
+          f"global batch {global_batch}; predicted step {plan.predicted.step_seconds * 1e3:.3g} ms; "
+          f"{args.steps} steps on {args.world} local CPU ranks", flush=True)
+    results = xirang.launch(train_rank, args.world, args=(args, plan, global_batch), timeout_s=args.timeout,
+                            pg_timeout_s=args.collective_timeout)
+    losses = results[0]["losses"]
+    print(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    if args.loss_picture:
+        path = write_loss_picture(args.loss_picture, losses, f"{args.model}: {plan.mesh}, global batch {global_batch}")
+        print(f"loss curve: {path}")
+    return 0
+
+
+def add_train_parser(commands) -> None:
+    from xirang.cli_args import nonnegative_float, nonnegative_int, positive_float, positive_int
+    train = commands.add_parser("train", help="train a model on N local ranks with per-rank data, a warm-up + "
+                                              "cosine schedule, clipping, checkpoints and --resume")
+    train.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
+    train.add_argument("--world", type=positive_int, required=True, help="number of ranks")
+    for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
+        train.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
+    train.add_argument("--plan", help="plan.json to use (default: planned here)")
+    train.add_argument("--global-batch", type=positive_int, help="samples per step (default: the example inputs')")
+    train.add_argument("--data", help="token ids, one flat array: a .npy file or a tensor saved with torch.save")
+    train.add_argument("--synthetic", action="store_true", help="made-up tokens instead of --data")
+    train.add_argument("--seed", type=nonnegative_int, default=0, help="data order and synthetic tokens (default 0)")
+    train.add_argument("--steps", type=positive_int, default=100, help="optimizer steps (default 100)")
+    train.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate (default 3e-4)")
+    train.add_argument("--warmup", type=nonnegative_int, default=0, help="linear warm-up steps (default 0)")
+    train.add_argument("--min-lr-ratio", type=nonnegative_float, default=0.1,
+                       help="the cosine ends at this fraction of the peak (default 0.1)")
+    train.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay (default 0)")
+    train.add_argument("--clip", type=positive_float, help="clip the global gradient norm to this (default: none)")
+    train.add_argument("--checkpoint-dir", help="folder of checkpoints (step-<n>/); the last step is always saved")
+    train.add_argument("--checkpoint-every", type=positive_int, help="save every N steps")
+    train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    train.add_argument("--loss-picture", metavar="PNG", help="draw the loss per step into PNG at the end")
+    train.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds the whole run may take")
+    train.add_argument("--collective-timeout", type=positive_float, default=120.0,
+                       help="seconds a rank waits in a collective for a peer before failing (default 120)")
+    train.add_argument("--torchrun", action="store_true", help="this process is one rank started by torchrun")
+    train.set_defaults(run=cmd_train)
