@@ -10,6 +10,7 @@ Any choice can be pinned, e.g. to price a published configuration:
 """
 from __future__ import annotations
 
+import resource
 import time
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -32,12 +33,14 @@ class PlanProgress(NamedTuple):
     """One step of planning done: ``stage`` ("analyse", "splits", "search", "assemble"), its wall
     time, and a line for people (``progress=print`` prints it). ``step_done`` is False for the
     events inside a stage (one per tensor-split problem solved while the search runs, the slow part
-    for big models), True for the event that ends the stage."""
+    for big models), True for the event that ends the stage. ``cpu_seconds`` beside ``seconds`` tells
+    work from waiting on a loaded machine."""
 
     stage: str
     seconds: float
     message: str
     step_done: bool = True
+    cpu_seconds: Optional[float] = None  # CPU time of the step: this process and the solver processes it ran
 
     def __str__(self) -> str:
         return self.message
@@ -65,28 +68,31 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     precision = _precision(precision, world)
     check_global_batch(global_batch)  # before the trace, which is the slow part
     report_progress = progress or (lambda event: None)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     report = analysed or analyze(model, example_inputs, example_kwargs)
     gm, seq = report.graph_module, _seq(seq, report.symbols)
     check_trainable(gm)  # a model that cannot train is refused before the search (xirang_compile/model_checks.py)
     dp, micro_batch, whole_batch = _batch_statistics_pins(gm, global_batch, dp, micro_batch)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("analyse", seconds, f"traced and analysed {report.total_params:,} parameters, "
-                                                     f"{len(report.rows)} units in {seconds:.2f} s"))
+                                                     f"{len(report.rows)} units in {seconds:.2f} s",
+                                 cpu_seconds=cpu_seconds() - cpu_start))
 
     from xirang.passes.planning.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
     # efficiency=None: each device's own (DeviceSpec.efficiency: its generation's kernels and software)
     pricer = SplitPricer(gm, world, efficiency=efficiency, precision=precision)
-    solved = []
+    solved, split_cpu = [], []
 
     def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch)
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), cpu_seconds()
         split = pricer.price(tp, tp_group, micro_batch, seq, *rest)
         solved.append((tp, micro_batch))
+        split_cpu.append(cpu_seconds() - cpu_began)
         report_progress(PlanProgress("splits", time.perf_counter() - began,
                                      f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}",
-                                     step_done=False))
+                                     step_done=False, cpu_seconds=split_cpu[-1]))
         return split
+    search_cpu = cpu_seconds()
     try:
         result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
                              memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
@@ -97,17 +103,27 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
         raise XirangError(error.what, where=error.where, hint=f"{error.hint}; note: dp=1 and micro_batch="
                           f"{global_batch} were pinned because the model normalises with batch statistics "
                           f"(BatchNorm in training), which a split batch would change") from None
+    search_cpu = cpu_seconds() - search_cpu - sum(split_cpu)
     report_progress(PlanProgress("splits", result.price_seconds, f"solved {result.splits_priced} tensor splits "
-                                                                 f"(tp, micro-batch) in {result.price_seconds:.2f} s"))
+                                                                 f"(tp, micro-batch) in {result.price_seconds:.2f} s",
+                                 cpu_seconds=sum(split_cpu)))
     report_progress(PlanProgress("search", result.search_seconds,
                                  f"searched {result.candidates} configurations, priced {result.priced}, "
-                                 f"in {result.search_seconds:.2f} s: {result.best.candidate.label()}"))
-    start = time.perf_counter()
+                                 f"in {result.search_seconds:.2f} s: {result.best.candidate.label()}",
+                                 cpu_seconds=search_cpu))
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     made = assemble_plan(gm, world, result, global_batch=global_batch, precision=precision,
                          memory_fraction=MEMORY_FRACTION)
     seconds = time.perf_counter() - start
-    report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s"))
+    report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s",
+                                 cpu_seconds=cpu_seconds() - cpu_start))
     return made
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of the child processes it waited for (CBC solves split ILPs in one)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _batch_statistics_pins(gm, global_batch: int, dp, micro_batch) -> tuple:
