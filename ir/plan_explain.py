@@ -15,7 +15,7 @@ CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"
           ("dp_exposed", "DP exposed"), ("offload", "offload"))
 # the configuration fields that drive each cause; a sentence names those that differ
 _DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m"), "tp_comm": ("tp", "pp", "b", "m"),
-            "pp_bubble": ("pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp"),
+            "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp"),
             "offload": ("offload", "recompute", "tp", "b")}
 PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
                ("activations", "activations"), ("working_set", "work set"), ("buffers", "buffers"))
@@ -24,7 +24,7 @@ PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "
 def _fields(row: Alternative) -> dict:
     return {"recompute": row.recompute, "offload": row.offload, "tp": row.mesh.tp, "pp": row.mesh.pp,
             "dp": row.mesh.dp, "b": row.micro_batch, "m": row.num_micro_batches, "v": row.virtual_stages,
-            "stages": row.mesh.pp * row.virtual_stages}
+            "stages": row.mesh.pp * row.virtual_stages, "schedule": row.schedule}
 
 
 def _context(key: str, other: Alternative, winner: Alternative) -> str:

@@ -10,9 +10,12 @@ The executor only interprets the schedule (docs/architecture.md: schedules are d
 - ``Backward(s, mb)``: ``torch.autograd.backward`` on the stage outputs with their received
   gradients; parameter gradients accumulate in ``.grad`` across micro-batches, the crossing
   inputs' gradients go to the previous stage. ``BackwardInput`` then ``BackwardWeight`` split it
-  (zero-bubble schedules): ``torch.autograd.grad`` on the inputs only (graph retained), and later
-  the backward into the parameters. That split recomputes the shared part of the backward; a
-  per-op split (Qi et al. 2024) would avoid it, and needs nothing new here.
+  (zero-bubble schedules, Qi et al. 2024) per op, as torch.distributed.pipelining does: B runs
+  ``stage_backward_input`` (the gradient w.r.t. the stage inputs, keeping the gradient that reaches
+  each op using a weight), W back-propagates those kept gradients into the weights only, so no part
+  of the backward runs twice. W uses ``torch.autograd.backward`` (not torch's ``stage_backward_weight``,
+  which writes ``.grad`` directly) so the dp buckets' gradient hooks fire. A stage whose inputs take
+  no gradient (stage 0) has nothing to send: its B does nothing and its W is the whole backward.
 - ``Send``/``Recv``: non-blocking (codegen/runtime/p2p.py). A receive is waited on by its consumer only,
   so it overlaps whatever this rank computes in between; sends are waited on at the end of the step.
 - Activation offload (plan.offload): the forward of (stage, mb) runs inside ``offload.forward``, so
@@ -36,6 +39,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
 from xirang.ir.errors import InvalidValue, XirangError
 
@@ -75,6 +80,7 @@ class _Held:
     inputs: list  # crossing-in leaves (None where no gradient flows)
     outputs: list  # stage outputs that take a gradient (the scaled loss on the last stage)
     output_grads: list | None = None  # set by BackwardInput for the later BackwardWeight
+    weight_groups: list | None = None  # per weight-using op, the gradient BackwardInput left for W
 
 
 class PipelineExecutor:
@@ -282,19 +288,46 @@ class PipelineExecutor:
         held.output_grads = grads
         outputs, grads = self._differentiable(held, grads)
         leaves = [leaf for leaf in held.inputs if leaf is not None]
-        self._begin_backward(action)
-        found = iter(torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
-                     if leaves and outputs else [None] * len(leaves))
+        found = iter([None] * len(leaves))
+        if leaves and outputs:
+            self._begin_backward(action)
+            weights = self._weights(action)
+            dinputs, held.weight_groups = stage_backward_input(outputs, grads, leaves, iter(weights))
+            self._check_weight_groups(action, held.weight_groups)
+            found = iter(dinputs)
         self._send_input_grads(action, [next(found) if leaf is not None else None for leaf in held.inputs], held)
 
     def _backward_weight(self, action: BackwardWeight, _received) -> None:
         held = self._held.pop((action.stage, action.micro_batch))
-        weights = [p for p in self.stages[action.stage].parameters if p.requires_grad]
-        outputs, grads = self._differentiable(held, held.output_grads)
-        if weights and outputs:
-            self._begin_backward(action)
-            torch.autograd.backward(outputs, grads, inputs=weights)
+        weights = self._weights(action)
+        if held.weight_groups is None:  # B had nothing to do: the whole backward, into the weights
+            outputs, grads = self._differentiable(held, held.output_grads)
+            if weights and outputs:
+                self._begin_backward(action)
+                torch.autograd.backward(outputs, grads, inputs=weights)
+        else:
+            weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
+            for group in held.weight_groups:
+                _weight_backward(group, weight_of)
         self._end_backward(action)
+
+    def _weights(self, action) -> list:
+        return [p for p in self.stages[action.stage].parameters if p.requires_grad]
+
+    def _check_weight_groups(self, action, groups: list) -> None:
+        """A weight the stage's inputs never reach (read only on a path of its own) is in no group,
+        so the split W would leave its gradient out: refuse rather than train it wrongly."""
+        grouped = {node for group in groups for node in group["params"]}
+        stage = self.stages[action.stage]
+        missing = [fqn for (_, fqn), weight in zip(stage.program.parameters, stage.parameters)
+                   if weight.requires_grad and _get_grad_fn_or_grad_acc(weight) not in grouped]
+        if missing:
+            shown = ", ".join(missing[:4])
+            raise XirangError(f"stage {action.stage} reads weight(s) {shown} on no path from its inputs, so a "
+                              f"split backward cannot give them a gradient",
+                              where=f"schedule {self.schedule.name!r}, pp rank {self.pp_rank}, {action}",
+                              hint="use a schedule without a split backward ('1f1b'), or cut the stages "
+                                   "elsewhere")
 
     def _begin_backward(self, action) -> None:
         if self.offload is not None:
@@ -313,6 +346,30 @@ class PipelineExecutor:
         sent = [grad if grad is not None else torch.zeros(spec.shape, dtype=spec.dtype)
                 for grad, leaf, spec in zip(grads, held.inputs, program.crossing_in) if spec.requires_grad]
         self._hand_over(GRADIENT, action.stage, action.micro_batch, sent)
+
+
+def _weight_backward(group: dict, weight_of: dict) -> None:
+    """W for one group of weights (``stage_backward_input``'s ``param_groups``): back-propagate the
+    gradients B kept at the ops that use them into those weights, accumulating ``.grad`` through
+    autograd so gradient hooks run. Where a group has several such ops, each is handed exactly its
+    kept gradient, so nothing reaches a weight twice through a later op (as torch's own W does)."""
+    edges, grads = [], []
+    for kept, node in zip(group.get("grads") or [], group["intermediates"]):
+        for index, grad in enumerate(kept):
+            if grad is not None:
+                edges.append(GradientEdge(node, index))
+                grads.append(grad)
+    if not edges:
+        return
+    handles = []
+    if len(group["intermediates"]) > 1:
+        handles = [node.register_prehook(lambda _outputs, kept=kept: kept)
+                   for kept, node in zip(group["grads"], group["intermediates"])]
+    try:
+        torch.autograd.backward(edges, grads, inputs=[weight_of[node] for node in group["params"]])
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class _Borrowed:
