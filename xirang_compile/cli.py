@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     for name, kind, text in (("tp", positive_int, "tensor-parallel degree"), ("pp", positive_int, "pipeline stages"),
                              ("dp", positive_int, "data-parallel degree"),
                              ("micro-batch", positive_int, "samples per micro-batch"),
-                             ("schedule", str, "gpipe, 1f1b or interleaved"),
+                             ("schedule", str, "gpipe, 1f1b, interleaved, zb-h1 or zb-h2"),
                              ("virtual-stages", positive_int, "model chunks per pipeline rank (interleaved)"),
                              ("recompute", str, "none, selective or full"),
                              ("offload", str, "activation offload: none, or blocks (to host memory)"),
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     demo = commands.add_parser("demo", help="the main job: plan a small GPT for 8 local CPU ranks, show the plan and "
                                             "schedule, train on a dp x tp x pp plan, compare with one device")
     demo.add_argument("--mesh", default="2x2x2", help="DPxTPxPP (default 2x2x2: 8 ranks)")
-    demo.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved (default 1f1b)")
+    demo.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (default 1f1b)")
     demo.add_argument("--timeline", default="demo_timeline.png", help="where to draw the pipeline timeline (PNG)")
     demo.add_argument("--no-picture", action="store_true", help="do not write the timeline picture")
     demo.add_argument("--trace", default="demo_trace.json", help="where to write what every rank measured, as a "

@@ -58,7 +58,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     (default "a100-80g") or gives a DeviceSpec when ``world`` is not a World. ``global_batch``:
     samples per optimizer step. ``seq``: sequence length to plan for (default: the example inputs').
     ``precision``: "bf16" on GPUs, "fp32" on "cpu" unless given. ``tp``, ``pp``, ``dp``,
-    ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved"), ``virtual_stages``,
+    ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2"), ``virtual_stages``,
     ``recompute`` ("none", "selective", "full") and ``offload`` ("none", "blocks": each block's
     activations to host memory, prefetched back for its backward) pin a choice. ``progress`` receives a
     ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
