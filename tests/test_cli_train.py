@@ -23,6 +23,7 @@ import numpy
 import pytest
 import torch
 
+import xirang
 from xirang.cli import main
 from xirang.cli_train import lr_factor
 
@@ -81,10 +82,9 @@ def _run(command, *, kill_rank=None, after_step=None):
 
 def _final_parameters(folder: Path) -> dict:
     from examples.gpt import build_gpt
-    from xirang.codegen.runtime.checkpoint import load_checkpoint
     torch.manual_seed(0)
     model = build_gpt("tiny")
-    found = load_checkpoint(model, None, folder)
+    found = xirang.load_checkpoint(model, None, folder)
     return {"step": found["step"], "losses": found["extra"]["losses"],
             "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
 

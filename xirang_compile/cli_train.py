@@ -83,7 +83,6 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     import torch.distributed as dist
 
     import xirang
-    from xirang.codegen.runtime.checkpoint import save_checkpoint
     from xirang.codegen.runtime.grad_norm import step_if_finite
     model, example_kwargs = token_model(args, global_batch)
     compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan)
@@ -123,7 +122,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
         if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
             extra = {"data": batches.state_dict(),
                      "lr": schedule.state_dict(), "losses": list(losses)}
-            save_checkpoint(compiled, optimizer, args.checkpoint_dir, step=done, extra=extra)
+            xirang.save_checkpoint(compiled, optimizer, args.checkpoint_dir, step=done, extra=extra)
     if bar is not None:
         bar.finish()
     return {"losses": losses, "start": start}
@@ -131,18 +130,17 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
 
 def _resume(compiled, optimizer, schedule, batches, root, say: bool) -> tuple:
     """(first step, losses so far) from the newest complete checkpoint under ``root`` (0, [] if none)."""
-    from xirang.codegen.runtime.checkpoint import load_checkpoint
-    from xirang.codegen.runtime.checkpoint_store import latest_checkpoint
-    if latest_checkpoint(root) is None:
+    import xirang
+    if xirang.latest_checkpoint(root) is None:
         if say:
             print(f"resume: no complete checkpoint in {root}; starting at step 0", flush=True)
         return 0, []
-    found = load_checkpoint(compiled, optimizer, root)
+    found = xirang.load_checkpoint(compiled, optimizer, root)
     extra = found["extra"]
     schedule.load_state_dict(extra["lr"])
     batches.load_state_dict(extra["data"])
     if say:
-        print(f"resume: step {found['step']} from {latest_checkpoint(root, quiet=True)}", flush=True)
+        print(f"resume: step {found['step']} from {xirang.latest_checkpoint(root, quiet=True)}", flush=True)
     return found["step"], list(extra["losses"])
 
 
