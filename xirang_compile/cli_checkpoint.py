@@ -45,7 +45,7 @@ def cmd_convert(args) -> int:
         raise XirangError(f"--out {str(out)!r} is a folder" if out.is_dir() else
                           f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist",
                           where="xirang checkpoint convert --out", hint="pass a file path in an existing folder")
-    folder = resolve_checkpoint(args.directory)
+    folder = resolve_checkpoint(args.directory, caller="xirang checkpoint convert")
     full = full_checkpoint(folder)
     torch.save(full, out)
     count = sum(t.numel() for t in {id(t): t for t in full["model"].values()}.values())

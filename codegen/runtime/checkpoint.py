@@ -216,24 +216,39 @@ def _saved_name(names: tuple, saved: dict):
     return next((name for name in names if MODEL + name in saved), None)
 
 
-def _model_problems(target, held: list, saved: dict) -> list:
-    """Names the model has and the checkpoint not, and the other way; shapes that differ (this rank's)."""
+def _model_mismatch(target, held: list, saved: dict) -> dict:
+    """What of the model the checkpoint lacks (parameters this rank trains: every one is some rank's),
+    what it has that the model has not, and the shapes that differ."""
     groups = [h.aliases for h in held] if _is_module(target) else all_model_names(target)
     saved_names = {key[len(MODEL):] for key in saved if key.startswith(MODEL)}
     known = {name for names in groups for name in names}
-    missing = [names[0] for names in groups if not any(name in saved_names for name in names)]
-    unexpected = sorted(saved_names - known)
-    problems = []
-    for label, keys in (("missing from the checkpoint", missing),
-                        ("in the checkpoint but not in the model", unexpected)):
-        if keys:
-            shown = ", ".join(repr(k) for k in keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "")
-            problems.append(f"parameters {label}: {shown}")
+    mismatch = {"missing": [h.name for h in held if _saved_name(h.aliases, saved) is None],
+                "unexpected": sorted(saved_names - known), "shapes": []}
     for h in held:
         name = _saved_name(h.aliases, saved)
         if name is not None and tuple(saved[MODEL + name].size) != tuple(h.pieces.global_shape):
-            problems.append(f"{name!r} has shape {tuple(saved[MODEL + name].size)} in the checkpoint, "
-                            f"{tuple(h.pieces.global_shape)} in the model")
+            mismatch["shapes"].append(f"{name!r} has shape {tuple(saved[MODEL + name].size)} in the checkpoint, "
+                                      f"{tuple(h.pieces.global_shape)} in the model")
+    for key in (STEP, EXTRA, TORCH_RNG):
+        if key not in saved:
+            mismatch.setdefault("format", []).append(key)
+    return mismatch
+
+
+def _describe_mismatch(mismatches: list) -> list:
+    """One rank's or every rank's mismatches (all-gathered) as sentences, each key once."""
+    def joined(kind):
+        return sorted({item for mismatch in mismatches for item in mismatch.get(kind, [])})
+    problems = []
+    for kind, label in (("missing", "parameters missing from the checkpoint"),
+                        ("unexpected", "parameters in the checkpoint but not in the model")):
+        keys = joined(kind)
+        if keys:
+            shown = ", ".join(repr(k) for k in keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "")
+            problems.append(f"{label}: {shown}")
+    problems += joined("shapes")[:8]
+    if joined("format"):
+        problems.append(f"{joined('format')} missing: not a checkpoint xirang.save_checkpoint wrote")
     return problems
 
 
@@ -274,16 +289,14 @@ def load_checkpoint(target, optimizer, path) -> dict:
                           where=f"load_checkpoint({str(path)!r})",
                           hint="load an earlier step (the root folder's next complete one) or re-save") from None
     held, saved = _held(target), tensor_entries(metadata)
-    problems = _model_problems(target, held, saved)
-    for key in (STEP, EXTRA, TORCH_RNG):
-        if key not in metadata.state_dict_metadata:
-            problems.append(f"{key!r} is missing: not a checkpoint xirang.save_checkpoint wrote")
+    mismatches = [_model_mismatch(target, held, metadata.state_dict_metadata)]
     if distributed:  # every rank refuses together (a rank that went on to dcp.load would wait forever)
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
-        problems = list(dict.fromkeys(p for found in everyone for p in found))
+        dist.all_gather_object(everyone, mismatches[0])
+        mismatches = everyone
+    problems = _describe_mismatch(mismatches)
     if problems:
-        raise XirangError(f"the checkpoint {str(folder)!r} does not match this model: " + "; ".join(problems[:12]),
+        raise XirangError(f"the checkpoint {str(folder)!r} does not match this model: " + "; ".join(problems),
                           where=f"load_checkpoint({str(path)!r})",
                           hint="load a checkpoint saved from the same model configuration (names are the "
                                "single-device model's parameter names; the plan may differ)")

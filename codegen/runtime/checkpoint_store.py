@@ -79,12 +79,14 @@ def step_folders(root: Path) -> list:
 
 
 def latest_checkpoint(root, *, quiet: bool = False) -> Optional[Path]:
-    """The newest complete step folder under ``root`` (None when there is none); each newer incomplete
-    one is skipped with a logged warning naming it and why (``quiet``: no log, for the other ranks)."""
+    """The newest complete step folder under ``root`` (None when there is none, or no ``root`` yet: a
+    run's first start); each newer incomplete one is skipped with a logged warning naming it and why
+    (``quiet``: no log, for the other ranks)."""
     root = Path(root)
+    if not root.exists():
+        return None
     if not root.is_dir():
-        raise XirangError(f"checkpoint folder {str(root)!r} does not exist" if not root.exists()
-                          else f"{str(root)!r} is a file, not a checkpoint folder",
+        raise XirangError(f"{str(root)!r} is a file, not a checkpoint folder",
                           where=f"latest_checkpoint({str(root)!r})",
                           hint="pass the folder save_checkpoint wrote into (it holds step-<8 digits>/ folders)")
     for _, folder in step_folders(root):
@@ -96,10 +98,10 @@ def latest_checkpoint(root, *, quiet: bool = False) -> Optional[Path]:
     return None
 
 
-def resolve_checkpoint(path, *, quiet: bool = False) -> Path:
+def resolve_checkpoint(path, *, quiet: bool = False, caller: str = "load_checkpoint") -> Path:
     """The complete step folder ``path`` names: itself (a step folder), or the latest one under it (a root)."""
     path = Path(path)
-    where = f"load_checkpoint({str(path)!r})"
+    where = f"{caller}({str(path)!r})"
     if not path.exists():
         raise XirangError(f"checkpoint path {str(path)!r} does not exist", where=where,
                           hint="pass a folder save_checkpoint wrote into, or one of its step-<8 digits>/ folders")

@@ -138,7 +138,9 @@ def test_killed_saves_are_skipped_and_bad_paths_refused(saved, tmp_path, caplog)
     with pytest.raises(XirangError, match="does not exist"):
         xirang.load_checkpoint(model, optimizer, tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    assert xirang.latest_checkpoint(tmp_path / "empty") is None
+    assert xirang.latest_checkpoint(tmp_path / "empty") is None and xirang.latest_checkpoint(tmp_path / "no") is None
+    with pytest.raises(XirangError, match="is a file, not a checkpoint folder"):
+        xirang.latest_checkpoint(next(root.glob("*/.metadata")))
 
 
 def test_a_checkpoint_of_another_model_is_refused(saved):
