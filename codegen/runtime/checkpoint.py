@@ -155,9 +155,10 @@ def save_checkpoint(target, optimizer, directory, *, step: int, extra=None, asyn
     if async_save:
         staged = {key: TensorPieces(value.local.detach().to("cpu", copy=True), value.global_shape, value.pieces)
                   if isinstance(value, TensorPieces) else copy.deepcopy(value) for key, value in state.items()}
-        future = dcp.async_save(staged, storage_writer=writer, planner=PiecesSavePlanner(),
-                                process_group=None if not distributed else _async_group(target),
-                                async_stager=_AlreadyStaged())
+        with _one_process(not distributed):
+            future = dcp.async_save(staged, storage_writer=writer, planner=PiecesSavePlanner(),
+                                    process_group=_async_group(target) if distributed else None,
+                                    async_stager=_AlreadyStaged(), no_dist=not distributed)
         return PendingCheckpoint(future, folder, step, layout, coordinator)
     with _one_process(not distributed):
         dcp.save(state, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not distributed)
@@ -192,21 +193,27 @@ class _AlreadyStaged:
 
 
 class PendingCheckpoint:
-    """An async save in flight: ``wait()`` (every rank) returns the step folder once it is complete."""
+    """An async save in flight. The coordinator writes the marker as soon as DCP has finished (from the
+    background thread); ``wait()`` (every rank) returns the step folder once the step is complete and
+    raises what the save raised."""
 
     def __init__(self, future, folder: Path, step: int, layout: dict, coordinator: bool):
         self.future, self.folder, self.step = future, folder, step
         self._layout, self._coordinator, self._lock, self._marked = layout, coordinator, threading.Lock(), False
+        future.add_done_callback(lambda finished: finished.exception() is None and self._mark())
 
     def done(self) -> bool:
         return self.future.done()
 
-    def wait(self) -> Path:
-        self.future.result()  # DCP's coordinator finished: every rank's files and .metadata are written
-        with self._lock:
+    def _mark(self) -> None:
+        with self._lock:  # once, whichever of the callback and wait() comes first
             if self._coordinator and not self._marked:
                 write_marker(self.folder, self.step, self._layout)
             self._marked = True
+
+    def wait(self) -> Path:
+        self.future.result()  # DCP's coordinator finished: every rank's files and .metadata are written
+        self._mark()
         return self.folder
 
 

@@ -113,6 +113,18 @@ def test_single_device_resume_is_exact_and_converts(saved, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
 
 
+def test_async_save_writes_the_state_of_its_call(tmp_path):
+    model, optimizer = fresh(seed=0)
+    train(model, optimizer, 0, 1)
+    at_save = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pending = xirang.save_checkpoint(model, optimizer, tmp_path, step=1, async_save=True)
+    train(model, optimizer, 1, 2)  # the parameters change while the files are written
+    assert pending.wait() == tmp_path / "step-00000001" and (pending.folder / MARKER).is_file()
+    again, optimizer = fresh()
+    assert xirang.load_checkpoint(again, optimizer, tmp_path)["step"] == 1
+    assert all(torch.equal(p, at_save[n]) for n, p in again.named_parameters())
+
+
 def test_killed_saves_are_skipped_and_bad_paths_refused(saved, tmp_path, caplog):
     root, folder, _, _ = saved
     no_marker, truncated, partial = (root / f"step-{s:08d}" for s in (3, 4, 5))
