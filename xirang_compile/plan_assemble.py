@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from xirang.ir.meta_keys import PARAM_COUNT, PARAM_NAME, REQUIRES_GRAD, ROLE, TENSOR, UNIT
+from xirang.ir.meta_keys import (MODULE_PATH, MODULE_TYPE, PARAM_COUNT, PARAM_NAME, REQUIRES_GRAD, ROLE, SOURCE, TENSOR,
+                                 TRACE_INFO, UNIT)
 from xirang.ir.placement import Shard, local_shape
 from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
 from xirang.ir.plan_explain import why_lost
@@ -18,6 +19,13 @@ from xirang.passes.planning.cost_collectives import ALGORITHMS, collective_cost,
 from xirang.passes.analysis.fingerprint import graph_fingerprint
 from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced, bucket_elements
 from xirang.passes.planning.plan_search import SearchResult
+
+
+def _where(node) -> str:
+    """' (in module 'a.b' (Class), file.py:12)': where a node came from, for a note."""
+    source = SOURCE.get(node, None)
+    line = f", {source.file.rsplit('/', 1)[-1]}:{source.line}" if source is not None else ""
+    return f" (in '{MODULE_PATH.get(node, '')}' ({MODULE_TYPE.get(node, '')}){line})"
 
 
 def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, precision: str,
@@ -47,9 +55,11 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
         collectives.append(CollectiveChoice(names[stop - 1], "pp", "send",
                                             collective_cost("send", nbytes, pair, world).algorithm, int(round(nbytes))))
     fallbacks = tuple(dict.fromkeys(split.fallbacks))
-    notes = [*split.notes, *best.notes]
+    notes = [*split.notes, *best.notes, *TRACE_INFO.get(gm, {}).get("unsupported", ())]
     if fallbacks:
-        notes.append(f"{len(fallbacks)} op(s) have no sharding rule and run replicated: {', '.join(fallbacks[:8])}"
+        where = {n.name: _where(n) for n in gm.graph.nodes if n.name in fallbacks[:8]}
+        notes.append(f"{len(fallbacks)} op(s) have no sharding rule and run replicated: "
+                     f"{', '.join(name + where[name] for name in fallbacks[:8])}"
                      + (", ..." if len(fallbacks) > 8 else ""))
     notes.append(f"the plan may use {memory_fraction:.0%} of device memory; the rest is headroom for "
                  f"CUDA context, NCCL buffers and fragmentation")

@@ -101,6 +101,8 @@ def _export_with_fallbacks(model, named, symbolic_dims, info):
                 exported = torch.export.export(model, (), inputs, strict=False,
                                                dynamic_shapes=export_dynamic_shapes(inputs, dims) if dims else None)
             info["method"] = method
+            info["unsupported"] = tracker.unsupported  # constructs traced with other semantics: plan notes say so
+            info["fallbacks"] += tracker.unsupported
             return exported
         except Exception as exc:  # noqa: BLE001 - every failure is reported, see explain_trace_failure
             if first_failure is None:

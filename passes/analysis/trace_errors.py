@@ -4,14 +4,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import traceback
 
 import torch
+from torch.autograd import Function
 
 from xirang.ir.errors import TraceError
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s+(?P<code>[^\n]*)')
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
-_XIRANG_DIR = __file__.rsplit("/", 2)[0]  # the repository's folders: not user code
+_XIRANG_DIR = __file__.rsplit("/", 3)[0]  # the repository root (this is passes/analysis/): not user code
 
 
 def user_frames(text: str) -> list[tuple[str, int, str]]:
@@ -21,11 +23,15 @@ def user_frames(text: str) -> list[tuple[str, int, str]]:
 
 
 class ModuleCallTracker:
-    """Records which submodule's forward is running, so a failure can name its module path."""
+    """Records which submodule's forward is running, so a failure can name its module path; and every
+    custom ``torch.autograd.Function`` the model applies: export traces through its forward and keeps
+    no trace of its backward, so the gradient Xirang trains with is autograd's of the forward ops
+    (``unsupported``: one line each, with the module and source line)."""
 
     def __init__(self, model: torch.nn.Module):
         self.stack: list[tuple[str, str]] = []
         self.failed_in: tuple[str, str] | None = None
+        self.unsupported: list[str] = []
         self._handles = []
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._enter(name, type(module).__name__)))
@@ -44,15 +50,33 @@ class ModuleCallTracker:
         for handle in self._handles:
             handle.remove()
 
+    def _applied(self, function: type) -> None:
+        frames = user_frames("".join(traceback.format_stack()))
+        module = f"module '{self.stack[-1][0]}' ({self.stack[-1][1]})" if self.stack else "the model's forward"
+        line = f", {frames[-1][0]}:{frames[-1][1]} `{frames[-1][2]}`" if frames else ""
+        note = (f"custom autograd Function {function.__qualname__} in {module}{line}: its backward is not traced; "
+                f"gradients are autograd's of its forward ops (write it with differentiable ops, or register it "
+                f"as a torch.library custom op with its autograd)")
+        if note not in self.unsupported:
+            self.unsupported.append(note)
+
     @contextlib.contextmanager
     def watching(self):
         self.stack.clear()
+        original = Function.__dict__["apply"]  # a classmethod; put back as it was
+
+        def apply(function, *args, **kwargs):
+            if not function.__module__.startswith("torch."):  # torch's own Functions keep their semantics
+                self._applied(function)
+            return original.__func__(function, *args, **kwargs)
+        Function.apply = classmethod(apply)
         try:
             yield self
         except BaseException:
             self.failed_in = self.stack[-1] if self.stack else ("", "")
             raise
         finally:
+            Function.apply = original
             self.remove()
 
 
