@@ -116,3 +116,24 @@ def test_a_killed_rank_fails_the_run_and_resume_finishes_it_exactly(tmp_path):
     worst = max((got["params"][n] - p).abs().max().item() for n, p in want["params"].items())
     print(f"resumed vs uninterrupted: max |param difference| {worst:.1e}")
     assert worst <= 1e-6
+
+
+def test_print_command_spells_the_torchrun_run(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", MODEL, "--world", "2", "--tp", "2", "--synthetic", "--steps", "2", "--clip", "1",
+                 "--print-command"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[words.index("--nproc-per-node") + 1] == "2" and "-m xirang train" in " ".join(words)
+    for flag, value in (("--tp", "2"), ("--steps", "2"), ("--clip", "1.0"), ("--world", "2")):
+        assert words[words.index(flag) + 1] == value
+    assert "--torchrun" in words and "--synthetic" in words and "--print-command" not in words
+
+
+@pytest.mark.matrix
+def test_the_printed_command_trains_under_torchrun(tmp_path):
+    printed = subprocess.run([sys.executable, "-m", "xirang", "train", MODEL, "--world", "2", "--tp", "2",
+                              "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                              "--print-command"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    run = subprocess.run(printed.split(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 2/2" in run.stdout and (tmp_path / "ckpt" / "step-00000002" / "COMPLETE").is_file()

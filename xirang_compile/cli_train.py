@@ -8,10 +8,10 @@ checkpoints every N steps, resume after a crash, and the measured step time besi
 The parent plans once (``cli_verify.prepare``: the same plan every rank would reach) and starts the
 local ranks (codegen/runtime/launch.py: a rank that raises, dies or freezes fails the run naming it,
 the others are stopped); ``--torchrun`` makes this process one rank of a torchrun world instead
-(``--print-command`` prints that command). Each rank builds the factory's model under one seed,
-compiles it with the plan, reads only its dp share of each global batch (``RankBatches``: a token file
-``--data`` or ``--synthetic`` tokens; the model takes ``input_ids`` and ``labels``), and per step:
-``train_step`` on its share, ``clip_grad_norm_`` (``--clip``;
+(``--print-command`` prints that command, with every option of this one). Each rank builds the
+factory's model under one seed, compiles it with the plan, reads only its dp share of each global
+batch (``RankBatches``: a token file ``--data`` or ``--synthetic`` tokens; the model takes
+``input_ids`` and ``labels``), and per step: ``train_step`` on its share, ``clip_grad_norm_`` (``--clip``;
 a non-finite norm skips the step), AdamW, the schedule. Rank 0 logs the loss, tokens per second and
 the measured step time against the plan's predicted ``step_seconds`` (a live bar on a terminal), and
 draws the loss curve at the end (``--loss-picture``, matplotlib: the ``viz`` extra).
@@ -207,19 +207,40 @@ def check_train_args(args) -> None:
         require_matplotlib("--loss-picture")
 
 
+def torchrun_command(args) -> list:
+    """The torchrun command that runs this training with one ``xirang train ... --torchrun`` per rank."""
+    from xirang.codegen.runtime.launch import launch_command
+    rank_args = ["xirang", "train", args.model, "--torchrun"]
+    for option, value in sorted(vars(args).items()):
+        if option in ("model", "command", "torchrun", "print_command") or value is None or value is False \
+                or not isinstance(value, (bool, int, float, str)):
+            continue
+        flag = "--" + option.replace("_", "-")
+        rank_args += [flag] if value is True else [flag, str(value)]
+    return launch_command("-m", args.world, rank_args)
+
+
 def cmd_train(args) -> int:
+    import shlex
+
     import xirang
     from xirang.cli_verify import prepare
     from xirang.model_files import load_factory
     load_factory(args.model)
     check_train_args(args)
     token_model(args, args.global_batch)  # a model that does not take token ids is refused before planning
+    if args.print_command:
+        print(shlex.join(torchrun_command(args)))
+        return 0
     pins = {k: getattr(args, k) for k in ("tp", "pp", "dp")}
     if args.torchrun:
         from xirang.codegen.runtime.launch import ensure_distributed
-        rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model])
+        rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model],
+                                     timeout_s=args.collective_timeout)
         plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins)
-        train_rank(rank, args.world, args, plan, global_batch)
+        losses = train_rank(rank, args.world, args, plan, global_batch)["losses"]
+        if rank == 0 and args.loss_picture:
+            print(f"loss curve: {write_loss_picture(args.loss_picture, losses, f'{args.model}: {plan.mesh}')}")
         return 0
     plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins)
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
@@ -263,4 +284,6 @@ def add_train_parser(commands) -> None:
     train.add_argument("--collective-timeout", type=positive_float, default=120.0,
                        help="seconds a rank waits in a collective for a peer before failing (default 120)")
     train.add_argument("--torchrun", action="store_true", help="this process is one rank started by torchrun")
+    train.add_argument("--print-command", action="store_true",
+                       help="print the torchrun command that runs this training on a cluster, instead of running")
     train.set_defaults(run=cmd_train)
