@@ -24,8 +24,9 @@ supports (SGD, Adam, AdamW: compiled_model.py). Buffers are not saved: the runti
 blocks: the next optimizer step may change the parameters right after); DCP's planning collectives
 (on a gloo group of their own, so they cannot interleave with training's), the serialisation and the
 file writes run in a background thread, overlapping the training steps that follow. The call returns a
-``PendingCheckpoint``; ``wait()`` on it (every rank) before the next save or the end of the run: the
-marker is written when DCP's coordinator has finished, so a run that dies before leaves no complete step.
+``PendingCheckpoint``: rank 0 writes the marker as soon as DCP's coordinator has finished (so a run that
+dies before leaves no complete step); ``wait()`` on it (every rank) before the next save or the end of
+the run, which also raises what the save raised.
 """
 from __future__ import annotations
 
