@@ -45,7 +45,7 @@ def plan_timed(name: str):
     """(plan, {step: (wall, cpu)}, (wall, cpu) of the whole) for one setup."""
     import xirang
     from examples import catalog
-    from xirang.plan_api import cpu_seconds
+    from xirang.passes.planning.plan_search import cpu_seconds
 
     seq, global_batch, world, device = SETUPS[name]
     model, example_kwargs = getattr(catalog, name)(batch=1, seq=seq)

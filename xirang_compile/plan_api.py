@@ -10,7 +10,6 @@ Any choice can be pinned, e.g. to price a published configuration:
 """
 from __future__ import annotations
 
-import resource
 import time
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -18,7 +17,7 @@ from xirang.ir.device import DEVICE_PRESETS, DeviceSpec
 from xirang.ir.plan import PRECISIONS, Plan
 from xirang.ir.world import World, parse_world
 from xirang.passes.planning.cost_model import Efficiency
-from xirang.passes.planning.plan_search import search_plan
+from xirang.passes.planning.plan_search import cpu_seconds, search_plan
 from xirang.passes.planning.plan_search_space import check_global_batch
 
 from xirang.analyze import analyze
@@ -81,16 +80,15 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     from xirang.passes.planning.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
     # efficiency=None: each device's own (DeviceSpec.efficiency: its generation's kernels and software)
     pricer = SplitPricer(gm, world, efficiency=efficiency, precision=precision)
-    solved, split_cpu = [], []
+    solved = []
 
-    def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch)
-        began, cpu_began = time.perf_counter(), cpu_seconds()
+    def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch), 2 at once
+        began = time.perf_counter()
         split = pricer.price(tp, tp_group, micro_batch, seq, *rest)
         solved.append((tp, micro_batch))
-        split_cpu.append(cpu_seconds() - cpu_began)
         report_progress(PlanProgress("splits", time.perf_counter() - began,
                                      f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}",
-                                     step_done=False, cpu_seconds=split_cpu[-1]))
+                                     step_done=False))
         return split
     search_cpu = cpu_seconds()
     try:
@@ -103,10 +101,10 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
         raise XirangError(error.what, where=error.where, hint=f"{error.hint}; note: dp=1 and micro_batch="
                           f"{global_batch} were pinned because the model normalises with batch statistics "
                           f"(BatchNorm in training), which a split batch would change") from None
-    search_cpu = cpu_seconds() - search_cpu - sum(split_cpu)
+    search_cpu = cpu_seconds() - search_cpu - result.price_cpu_seconds
     report_progress(PlanProgress("splits", result.price_seconds, f"solved {result.splits_priced} tensor splits "
                                                                  f"(tp, micro-batch) in {result.price_seconds:.2f} s",
-                                 cpu_seconds=sum(split_cpu)))
+                                 cpu_seconds=result.price_cpu_seconds))
     report_progress(PlanProgress("search", result.search_seconds,
                                  f"searched {result.candidates} configurations, priced {result.priced}, "
                                  f"in {result.search_seconds:.2f} s: {result.best.candidate.label()}",
@@ -118,12 +116,6 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s",
                                  cpu_seconds=cpu_seconds() - cpu_start))
     return made
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process and of the child processes it waited for (CBC solves split ILPs in one)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _batch_statistics_pins(gm, global_batch: int, dp, micro_batch) -> tuple:

@@ -4,7 +4,8 @@ A block is a module that is an indexed child of a container (``model.layers.17``
 such module on a node's module stack. Its kind is a hash of its ops in order: the op, the module path
 relative to the block, the output shapes and dtypes, and how each input is wired (inside the block by
 position, a parameter by relative name and shape, a constant, or from outside). Eighty identical
-decoder layers are one kind with eighty instances, and the planner solves one of them.
+decoder layers are one kind with eighty instances, and the planner solves one of them. Shapes are
+printed once per ``TensorInfo`` object (stamped layers share their template's).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def find_blocks(gm, ctx):
         path = _block_path(node)
         if path is not None:
             members.setdefault(path, []).append(node)
-    kind_of = {path: _structural_hash(path, nodes) for path, nodes in members.items()}
+    shapes: dict = {}
+    kind_of = {path: _structural_hash(path, nodes, shapes) for path, nodes in members.items()}
     order = {path: index for index, path in enumerate(members)}  # first appearance = execution order
     kinds: dict[str, list[str]] = {}
     for path, kind in kind_of.items():
@@ -59,15 +61,15 @@ def _outermost_indexed(fqn: str) -> str | None:
     return None
 
 
-def _structural_hash(path: str, nodes: list[torch.fx.Node]) -> str:
+def _structural_hash(path: str, nodes: list[torch.fx.Node], shapes: dict) -> str:
     position = {n: i for i, n in enumerate(nodes)}
     digest = hashlib.sha256()
     for node in nodes:
         if node.op == "placeholder":
-            entry = ("param", _relative(PARAM_NAME.get(node), path), _shape_text(node))
+            entry = ("param", _relative(PARAM_NAME.get(node), path), _shape_text(node, shapes))
         else:
-            entry = (node.op, str(node.target), _relative_stack(node, path), _shape_text(node),
-                     _wiring((node.args, node.kwargs), position, path))
+            entry = (node.op, str(node.target), _relative_stack(node, path), _shape_text(node, shapes),
+                     _wiring((node.args, node.kwargs), position, path, shapes))
         digest.update(repr(entry).encode())
     return digest.hexdigest()[:12]
 
@@ -82,18 +84,22 @@ def _relative_stack(node, path: str) -> tuple:
                  if isinstance(fqn, str) and fqn.startswith(path))
 
 
-def _shape_text(node) -> str:
-    return repr(TENSOR.get(node, None))
+def _shape_text(node, shapes: dict) -> str:
+    """repr of the node's TensorInfo, printed once per object (``shapes``: id -> (object, text))."""
+    info = TENSOR.get(node, None)
+    if id(info) not in shapes:
+        shapes[id(info)] = (info, repr(info))  # the object is kept so its id is not reused
+    return shapes[id(info)][1]
 
 
-def _wiring(args, position: dict, path: str):
+def _wiring(args, position: dict, path: str, shapes: dict):
     def describe(arg):
         if isinstance(arg, torch.fx.Node):
             if arg in position:
                 return ("in", position[arg])
             if arg.op == "placeholder" and PARAM_NAME.get(arg, None):
                 return ("param", _relative(PARAM_NAME.get(arg), path))
-            return ("outside", _shape_text(arg))
+            return ("outside", _shape_text(arg, shapes))
         if isinstance(arg, (list, tuple)):
             return tuple(describe(a) for a in arg)
         if isinstance(arg, dict):

@@ -1,4 +1,8 @@
-"""Annotate every node's output with its shape (sympy, in batch/seq), dtype and element size."""
+"""Annotate every node's output with its shape (sympy, in batch/seq), dtype and element size.
+
+Layers stamped out by ``fold_repeats`` share their template's fake tensors, so each fake tensor is
+converted once and its (frozen) ``TensorInfo`` shared: reading a SymInt's expression is the slow part.
+"""
 from __future__ import annotations
 
 import sympy
@@ -13,13 +17,19 @@ from xirang.ir.pass_spec import compiler_pass
 def annotate_tensors(gm, ctx):
     """Record shape, dtype and itemsize of each node's output tensor(s) in Xirang's symbols."""
     to_sympy = SizeConverter(TORCH_SYMBOLS.get(gm))
+    converted: dict[int, tuple] = {}  # id(fake tensor) -> (the tensor, kept alive so ids stay unique; its info)
+
+    def info(tensor):
+        if id(tensor) not in converted:
+            converted[id(tensor)] = (tensor, to_sympy.tensor_info(tensor))
+        return converted[id(tensor)][1]
+
     for node in gm.graph.nodes:
         value = VAL.get(node, None)
         if isinstance(value, torch.Tensor):
-            TENSOR.set(node, to_sympy.tensor_info(value))
+            TENSOR.set(node, info(value))
         elif isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
-            TENSOR.set(node, tuple(to_sympy.tensor_info(v) if isinstance(v, torch.Tensor) else None
-                                   for v in value))
+            TENSOR.set(node, tuple(info(v) if isinstance(v, torch.Tensor) else None for v in value))
     return gm
 
 

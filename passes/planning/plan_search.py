@@ -5,7 +5,9 @@ fastest predicted step that fits device memory, reading only per-unit costs (``T
     price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None) -> TensorSplit
 
 is called once per (tp, micro-batch) the candidates need (``SplitPricer.price`` in the compiler; a
-function returning hand-made costs in tests). Then, with no further solves:
+function returning hand-made costs in tests), on ``SPLIT_WORKERS`` threads: CBC solves each split in a
+child process, so while one split's ILP solves there the next one is built here (the results, and so
+the plan, do not depend on the order). Then, with no further solves:
 
 1. every candidate gets a lower bound on its step (balanced stages, no sends, no dp sync) and a
    lower bound on its memory (the average pipeline rank);
@@ -25,7 +27,9 @@ Costs of each term are in ``plan_costs``; the candidate rules in ``plan_search_s
 from __future__ import annotations
 
 import math
+import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -40,6 +44,7 @@ from xirang.passes.planning.unit_costs import TensorSplit
 
 PriceFn = Callable[..., TensorSplit]
 GiB = 1024**3
+SPLIT_WORKERS = 2  # splits priced at once: one builds its ILP while another's CBC process solves
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,9 @@ class SearchResult:
     candidates: int  # configurations enumerated
     priced: int  # configurations cut and priced (the rest were pruned by their lower bound)
     splits_priced: int  # (tp, micro-batch) pairs the price callable solved
-    price_seconds: float  # time spent in the price callable
+    price_seconds: float  # wall time spent in the price callable
     search_seconds: float  # the rest of the search
+    price_cpu_seconds: float = 0.0  # CPU time of the price calls (this process and its CBC processes)
 
 
 def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, precision: str = "bf16",
@@ -74,8 +80,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     first = clock.split(_first_tp(world, pins.get("tp")), pins.get("micro_batch") or 1)
     has_blocks = any(u.name.startswith("block:") for u in first.units)
     todo = candidates(world, len(first.units), global_batch, has_blocks=has_blocks, pins=pins)
-    for c in todo:
-        clock.split(c.tp, c.micro_batch)
+    clock.split_all([(c.tp, c.micro_batch) for c in todo])
     pricer = CandidatePricer(clock.splits, world, global_batch=global_batch, precision=precision,
                              memory_fraction=memory_fraction)
     fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
@@ -90,22 +95,43 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     shown = top[1:max(alternatives - len(shown_failing), 0) + 1] + shown_failing
     return SearchResult(best, clock.splits[(best.candidate.tp, best.candidate.micro_batch)],
                         tuple(shown[:alternatives]), len(todo), priced, len(clock.splits), clock.seconds,
-                        time.perf_counter() - started - clock.seconds)
+                        time.perf_counter() - started - clock.seconds, clock.cpu)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of the child processes it waited for (CBC solves split ILPs in one)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 class _Clock:
-    """Calls ``price`` once per (tp, micro-batch), timing it."""
+    """Calls ``price`` once per (tp, micro-batch), timing it (wall and CPU)."""
 
     def __init__(self, price: PriceFn, seq: int):
-        self.price, self.seq, self.splits, self.seconds = price, seq, {}, 0.0
+        self.price, self.seq, self.splits, self.seconds, self.cpu = price, seq, {}, 0.0, 0.0
 
     def split(self, tp: int, micro_batch: int) -> TensorSplit:
-        key = (tp, micro_batch)
-        if key not in self.splits:
-            start = time.perf_counter()
-            self.splits[key] = self.price(tp, tuple(range(tp)), micro_batch, self.seq)
-            self.seconds += time.perf_counter() - start
-        return self.splits[key]
+        self.split_all([(tp, micro_batch)])
+        return self.splits[(tp, micro_batch)]
+
+    def split_all(self, keys) -> None:
+        """Price every (tp, micro-batch) of ``keys`` not priced yet, ``SPLIT_WORKERS`` at once; the
+        first failure in ``keys`` order is raised, as one by one."""
+        fresh = [key for key in dict.fromkeys(keys) if key not in self.splits]
+        if not fresh:
+            return
+        start, cpu_start = time.perf_counter(), cpu_seconds()
+        with ThreadPoolExecutor(max_workers=min(SPLIT_WORKERS, len(fresh))) as pool:
+            solving = [pool.submit(self.price, tp, tuple(range(tp)), micro_batch, self.seq)
+                       for tp, micro_batch in fresh]
+            try:
+                for key, future in zip(fresh, solving):
+                    self.splits[key] = future.result()
+            finally:  # nothing else runs meanwhile: the time is the price calls'
+                for future in solving:
+                    future.cancel()
+                self.seconds += time.perf_counter() - start
+                self.cpu += cpu_seconds() - cpu_start
 
 
 def _first_tp(world: World, pinned) -> int:

@@ -22,9 +22,13 @@ difference, so CBC's choice, and the plan, are the same on every run.
 
 Speed: candidate strategies and the problem's structure are built once per tp; sizes are sympy
 expressions lambdified once (``ExprTable``); collective prices are memoised per size; solutions are
-cached per (tp, tp_group, micro_batch, seq, memory limit).
+cached per (tp, tp_group, micro_batch, seq, memory limit). ``price`` may be called from several threads
+(the degree search prices two splits at once): the pricer's shared tables are touched under one lock,
+released while CBC solves in its child process, so one split is built while another solves.
 """
 from __future__ import annotations
+
+import threading
 
 from xirang.ir.device import canonical_dtype, device_spec
 from xirang.ir.meta_keys import PARAM_COUNT, ROLE
@@ -85,6 +89,7 @@ class SplitPricer:
         self._problems: dict[int, TpProblem] = {}
         self._facts: dict = {}
         self._solutions: dict[tuple, TensorSplit] = {}
+        self._lock = threading.RLock()  # the tables above and ExprTable grow as problems are built
 
     def _tensor(self, node) -> tuple[int, float]:
         info = tensor_info(node)
@@ -102,6 +107,10 @@ class SplitPricer:
 
     def problem(self, tp: int) -> TpProblem:
         """Candidate strategies and links of one tp, built once (strategies_for can be slow)."""
+        with self._lock:
+            return self._problem(tp)
+
+    def _problem(self, tp: int) -> TpProblem:
         if tp not in self._problems:
             problem = TpProblem(self.graph, self.table, tp, self.float_bytes)
             seq_known = "seq" in self.graph.symbol_names
@@ -136,20 +145,28 @@ class SplitPricer:
         return self._solutions[key]
 
     def _price(self, tp, tp_group, micro_batch, seq, memory_limit) -> TensorSplit:
-        problem = self.problem(tp)
-        point = tuple({"batch": micro_batch, "seq": seq}[name] for name in self.graph.symbol_names)
-        device = self.device or self.world.device_of(tp_group[0])
-        pricing = Pricing(self.table.values(point), tp, tp_group, self.world, device, self.precision,
-                          self.efficiency or device.efficiency, self.table)
-        choice = self._solve(problem, pricing, memory_limit)
-        assembly = Assembly(self.graph, problem, choice, pricing, self._facts)
-        sums, collectives = assembly.sums()
-        units = assembly.units(sums, self.crossing, self.entering, self.flops, self.buffer_sizes)
-        return TensorSplit(tp, micro_batch, seq, units, assembly.placements(), tuple(collectives),
-                           self.fallbacks, self.notes)
+        with self._lock:
+            problem = self.problem(tp)
+            point = tuple({"batch": micro_batch, "seq": seq}[name] for name in self.graph.symbol_names)
+            device = self.device or self.world.device_of(tp_group[0])
+            pricing = Pricing(self.table.values(point), tp, tp_group, self.world, device, self.precision,
+                              self.efficiency or device.efficiency, self.table)
+            split_problem = self._split_problem(problem, pricing, memory_limit)
+        solution = solve_splits(split_problem)  # unlocked: CBC runs in its own process
+        with self._lock:
+            for (rows, cols), link in problem.links.items():
+                if link.terms[solution.choice[rows]][solution.choice[cols]] is None:
+                    raise InvalidValue(f"tp={problem.tp}: the only strategies within memory_limit_bytes need a "
+                                       f"reshard between {rows} and {cols} that is not supported (Partial of "
+                                       f"another reduction); raise the limit or the tp degree")
+            assembly = Assembly(self.graph, problem, solution.choice, pricing, self._facts)
+            sums, collectives = assembly.sums()
+            units = assembly.units(sums, self.crossing, self.entering, self.flops, self.buffer_sizes)
+            return TensorSplit(tp, micro_batch, seq, units, assembly.placements(), tuple(collectives),
+                               self.fallbacks, self.notes)
 
-    def _solve(self, problem: TpProblem, pricing: Pricing, memory_limit) -> dict[str, int]:
-        """The ILP at these numbers: strategy index per decision."""
+    def _split_problem(self, problem: TpProblem, pricing: Pricing, memory_limit) -> SplitProblem:
+        """The ILP at these numbers (its solution: strategy index per decision)."""
         options = {}
         for decision in problem.decisions:
             facts: NodeFacts | None = self._facts.get(decision.node) if decision.node is not None else None
@@ -176,13 +193,7 @@ class SplitPricer:
         edges = [SplitEdge(rows, cols, tuple(tuple(big if c is None else c[0] + epsilon * c[1] for c in cells)
                                              for cells in row)) for (rows, cols), row in entries.items()]
         budget = None if memory_limit is None else memory_limit - self.shared_param_bytes
-        solution = solve_splits(SplitProblem(tuple(nodes), tuple(edges), budget))
-        for (rows, cols), link in problem.links.items():
-            if link.terms[solution.choice[rows]][solution.choice[cols]] is None:
-                raise InvalidValue(f"tp={problem.tp}: the only strategies within memory_limit_bytes need a "
-                                 f"reshard between {rows} and {cols} that is not supported (Partial of another "
-                                 f"reduction); raise the limit or the tp degree")
-        return solution.choice
+        return SplitProblem(tuple(nodes), tuple(edges), budget)
 
 
 def price_units(gm, world: World, *, tp: int, tp_group: tuple[int, ...], micro_batch: int, seq: int,
