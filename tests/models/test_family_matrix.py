@@ -73,6 +73,11 @@ def check_plan_fits_cpu_trace(name: str):
     assert plan.fingerprint == graph_fingerprint(on_cpu), name
     missing = set(plan.placements) - {n.name for n in on_cpu.graph.nodes}
     assert not missing, (name, sorted(missing)[:5])
+    if name == "mixtral":  # the router and the experts' weight gathers have no rule: listed, run replicated
+        assert {"topk", "repeat_interleave", "index_4"} <= set(plan.fallbacks), plan.fallbacks
+        experts = [n for n in plan.placements if "_mlp_experts_" in n]
+        assert experts and all(plan.placements[n].strategy == "replicate" for n in experts), experts
+        assert "have no sharding rule and run replicated: " in plan.explain()
     return plan
 
 
