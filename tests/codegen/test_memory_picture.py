@@ -88,7 +88,7 @@ def test_the_figure_carries_its_title_axis_labels_values_and_legend(plan_pp4):
     figure = draw_memory(plan_pp4)
     title, subtitle = (t.get_text() for t in figure.texts)
     assert title == "Predicted memory per device, by pipeline rank"
-    assert subtitle == "dp=2 x pp=2 x tp=1 on 4 cpu, 1f1b m=4, recompute none, fp32"
+    assert subtitle == "dp=2 x pp=2 x tp=1 on 4 cpu, zb-h1 m=4, recompute none, fp32"
     (axes,) = figure.axes
     assert axes.get_ylabel() == "GiB per device"
     assert [t.get_text() for t in axes.get_yticklabels()] == ["0", "20", "40", "60", "80"]
