@@ -85,7 +85,10 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     import xirang
     from xirang.codegen.runtime.grad_norm import step_if_finite
     model, example_kwargs = token_model(args, global_batch)
-    compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan)
+    # NCCL ranks (torchrun on GPUs) keep their tensors on their GPU; gloo ranks on the CPU
+    nccl = world > 1 and dist.is_initialized() and dist.get_backend() == "nccl"
+    device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+    compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan, runtime_device=device)
     batches = _batches(args, model, example_kwargs, global_batch, compiled)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=args.lr, eps=ADAM_EPS, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
@@ -106,7 +109,8 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
     for step in range(start, args.steps):
         began = time.perf_counter()
-        loss = compiled.train_step(pre_sharded=True, **batches.next_batch())
+        share = {name: value.to(device, non_blocking=True) for name, value in batches.next_batch().items()}
+        loss = compiled.train_step(pre_sharded=True, **share)
         norm = compiled.clip_grad_norm_(args.clip) if args.clip else None
         stepped = step_if_finite(optimizer, norm) if norm is not None else (optimizer.step() or True)
         optimizer.zero_grad()
