@@ -11,6 +11,11 @@ bit-for-bit (torch.equal) with the uninterrupted run; other plans and one device
 reduction orders). A checkpoint of the other model is refused on every rank, naming the keys.
 
 Plans are made on meta at seq 4096 on A100s so tp really shards (asserted), then run at seq 16.
+
+Padded shards: the planner splits neither tiny model's vocabulary, so a second test saves an untied
+GPT with a vocabulary of 1001 at (1, 4, 1) -- its LM head held as 251 rows per rank, the last rank's
+3 of them padding, which the checkpoint must leave out -- and resumes it at (1, 4, 1) (bit for bit),
+(2, 2, 1) (501 rows, 1 padding), (4, 1, 1) and on one device, on 4 ranks.
 """
 from __future__ import annotations
 
@@ -19,9 +24,10 @@ import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import xirang
-from examples.gpt import build_gpt
+from examples.gpt import GPTConfig, build_gpt
 from tests.conftest import hf_llama
 from tests.codegen.single_device import loss_of
 from xirang.codegen.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -36,12 +42,16 @@ from xirang.lower import lower
 WORLD, GLOBAL_BATCH, SEQ, VOCAB_USED, TOLERANCE = 8, 8, 16, 500, 1e-6
 MODELS = ("gpt", "llama")
 RESUMED = ((2, 2, 2), (1, 4, 2), (4, 1, 2), (8, 1, 1))
+PADDED, PADDED_RESUMED = "gpt_vocab1001", ((1, 4, 1), (2, 2, 1), (4, 1, 1))  # untied head, 1001 rows
 
 pytestmark = pytest.mark.matrix
 
 
 def build(name: str, device: str = "cpu"):
     torch.manual_seed(0)
+    if name == PADDED:
+        return build_gpt(GPTConfig(vocab_size=1001, seq_len=64, hidden=64, heads=4, layers=2, tie_embeddings=False),
+                         device=device)
     return build_gpt("tiny", device=device) if name == "gpt" else hf_llama(device=device)
 
 
@@ -53,7 +63,7 @@ def batch(step: int, size: int = GLOBAL_BATCH) -> dict:
 
 def make_plan(name: str, dp: int, tp: int, pp: int):
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2).items()}
-    plan = xirang.plan(build(name, "meta"), world=WORLD, example_kwargs=meta_batch, global_batch=GLOBAL_BATCH,
+    plan = xirang.plan(build(name, "meta"), world=dp * tp * pp, example_kwargs=meta_batch, global_batch=GLOBAL_BATCH,
                        seq=4096, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule="1f1b",
                        micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp)
@@ -111,7 +121,9 @@ def _resume(rank, world, jobs, root):
         resumed = load_checkpoint(compiled, optimizer, f"{root}/{name}")
         losses = steps(compiled, optimizer, resumed["step"], 3)
         found[label] = {"resumed": resumed, "losses": losses, "params": compiled.full_state_dict()}
-    other = {"gpt": "llama", "llama": "gpt"}[name]
+    other = {"gpt": "llama", "llama": "gpt"}.get(name)
+    if other is None:
+        return found
     try:
         load_checkpoint(compiled, optimizer_of(compiled.parameters()), f"{root}/{other}")
         found["refused"] = None
@@ -193,3 +205,33 @@ def test_resume_and_reshard(tmp_path, caplog):
         difference = worst(got, want[name])
         print(f"{name} single device: max |diff| after resume {difference:.1e}")
         assert difference <= TOLERANCE, (name, difference)
+
+
+def test_padded_shards_are_saved_without_padding_and_reshard(tmp_path):
+    plan = make_plan(PADDED, 1, 4, 1)
+    head = plan.placements["p_lm_head_weight"].outputs[0].tp
+    assert head == Shard(0), head  # 1001 rows on 4 ranks: 251 each, the last 3 padding
+    first = launch(_first_run, 4, ({PADDED: plan}, str(tmp_path)), timeout_s=900, heartbeat_s=120)
+    want = first[0][PADDED]
+    saved = FileSystemReader(tmp_path / PADDED / "step-00000003").read_metadata().state_dict_metadata
+    assert tuple(saved["model.lm_head.weight"].size) == (1001, 64)
+    blocks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in saved["model.lm_head.weight"].chunks)
+    assert blocks == [((0, 0), (251, 64)), ((251, 0), (251, 64)), ((502, 0), (251, 64)), ((753, 0), (248, 64))]
+    assert tuple(saved["optim.state.lm_head.weight.exp_avg"].size) == (1001, 64)
+
+    jobs = [(f"{PADDED} {mesh}", PADDED, plan if mesh == (1, 4, 1) else make_plan(PADDED, *mesh))
+            for mesh in PADDED_RESUMED]
+    second = launch(_resume, 4, (jobs, str(tmp_path)), timeout_s=900, heartbeat_s=120)
+    for label, _, resumed_plan in jobs:
+        for rank, result in enumerate(second):
+            got = result[label]
+            if resumed_plan is plan:
+                assert all(torch.equal(a, b) for a, b in zip(got["losses"], want["losses"][3:])), label
+                assert all(torch.equal(got["params"][k], p) for k, p in want["params"].items()), label
+            difference = worst(got, want)
+            if rank == 0:
+                print(f"{label}: max |diff| after resume {difference:.1e}")
+            assert difference <= TOLERANCE, (label, rank, difference)
+    got = single_device_resume(PADDED, tmp_path)
+    print(f"{PADDED} single device: max |diff| after resume {worst(got, want):.1e}")
+    assert worst(got, want) <= TOLERANCE
