@@ -130,10 +130,18 @@ def test_print_command_spells_the_torchrun_run(capsys, monkeypatch):
 
 
 @pytest.mark.matrix
-def test_the_printed_command_trains_under_torchrun(tmp_path):
-    printed = subprocess.run([sys.executable, "-m", "xirang", "train", MODEL, "--world", "2", "--tp", "2",
-                              "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                              "--print-command"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    run = subprocess.run(printed.split(), cwd=REPO, capture_output=True, text=True, timeout=600)
+def test_the_printed_command_trains_under_torchrun_and_fails_on_a_killed_rank(tmp_path):
+    def printed(*extra):
+        return subprocess.run([sys.executable, "-m", "xirang", "train", MODEL, "--world", "2", "--pp", "2",
+                               "--global-batch", "4", "--synthetic", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                               "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), *extra, "--print-command"],
+                              cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    run = subprocess.run(printed("--steps", "2"), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 2/2" in run.stdout and (tmp_path / "ckpt" / "step-00000002" / "COMPLETE").is_file()
+    # under torchrun the survivor's failed collective is said as such, and torchrun names the killed rank
+    code, out, err, took = _run(printed("--steps", "40"), kill_rank=1, after_step=3)
+    print(f"torchrun: killed rank 1 after step 3: exit {code} {took:.1f} s after the kill")
+    assert code != 0 and took < COLLECTIVE_TIMEOUT_S, (code, took, err[-3000:])
+    assert "rank 0 lost a peer in step" in err and "--resume" in err, err[-3000:]
+    assert "local_rank: 1" in err and "SIGKILL" in err, err[-3000:]

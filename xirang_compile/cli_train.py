@@ -107,29 +107,49 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     tokens = global_batch * example_kwargs["input_ids"].shape[1]
     predicted = plan.predicted.step_seconds
     bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
-    for step in range(start, args.steps):
-        began = time.perf_counter()
-        share = {name: value.to(device, non_blocking=True) for name, value in batches.next_batch().items()}
-        loss = compiled.train_step(pre_sharded=True, **share)
-        norm = compiled.clip_grad_norm_(args.clip) if args.clip else None
-        stepped = step_if_finite(optimizer, norm) if norm is not None else (optimizer.step() or True)
-        optimizer.zero_grad()
-        lr = schedule.get_last_lr()[0]  # the rate this step used
-        schedule.step()
-        took = time.perf_counter() - began
-        losses.append(loss.item())
-        if say:
-            bar.line(step, losses[-1], tokens / took, took, predicted, lr,
-                     None if norm is None else norm.item(), stepped)
-        done = step + 1
-        every = args.checkpoint_every
-        if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
-            extra = {"data": batches.state_dict(),
-                     "lr": schedule.state_dict(), "losses": list(losses)}
-            xirang.save_checkpoint(compiled, optimizer, args.checkpoint_dir, step=done, extra=extra)
+    step = start
+    try:
+        for step in range(start, args.steps):
+            began = time.perf_counter()
+            share = {name: value.to(device, non_blocking=True) for name, value in batches.next_batch().items()}
+            loss = compiled.train_step(pre_sharded=True, **share)
+            norm = compiled.clip_grad_norm_(args.clip) if args.clip else None
+            stepped = step_if_finite(optimizer, norm) if norm is not None else (optimizer.step() or True)
+            optimizer.zero_grad()
+            lr = schedule.get_last_lr()[0]  # the rate this step used
+            schedule.step()
+            took = time.perf_counter() - began
+            losses.append(loss.item())
+            if say:
+                bar.line(step, losses[-1], tokens / took, took, predicted, lr,
+                         None if norm is None else norm.item(), stepped)
+            done = step + 1
+            every = args.checkpoint_every
+            if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
+                extra = {"data": batches.state_dict(),
+                         "lr": schedule.state_dict(), "losses": list(losses)}
+                xirang.save_checkpoint(compiled, optimizer, args.checkpoint_dir, step=done, extra=extra)
+    except RuntimeError as error:  # a peer that died shows here as a failed collective (gloo, NCCL, a timeout)
+        if isinstance(error, XirangError) or not _peer_failure(error):
+            raise
+        raise XirangError(f"rank {rank} lost a peer in step {step + 1}: {str(error).splitlines()[0][:300]}",
+                          where=f"xirang train, rank {rank}, step {step + 1}",
+                          hint="another rank died or stopped (the launcher's or torchrun's summary names it); "
+                               "rerun the same command with --resume to continue from the newest complete "
+                               "checkpoint in --checkpoint-dir") from error
     if bar is not None:
         bar.finish()
     return {"losses": losses, "start": start}
+
+
+def _peer_failure(error: RuntimeError) -> bool:
+    """Whether a RuntimeError is a collective that lost its peer (torch names these DistError, or gloo's
+    transport and NCCL errors say so in their text) rather than a bug of the step itself."""
+    import torch.distributed as dist
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return any(word in text for word in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
 
 
 def _resume(compiled, optimizer, schedule, batches, root, say: bool) -> tuple:
