@@ -10,8 +10,8 @@ Terms, each with its source:
   device (the sum of its v chunks when interleaved; the zero-bubble schedules' bubble at the model's
   backward : forward time ratio, its B and W halves taken equal, Qi et al. 2024), plus the
   data-parallel gradient all-reduce left after the last micro-batch's backward (``exposed_comm_time``;
-  Li et al. 2020). Where the World's calibration says communication does not overlap compute (CPU ranks: gloo's threads run on
-  the cores that compute), every bucket's all-reduce is exposed.
+  Li et al. 2020). Where the World's calibration says communication does not overlap compute (CPU
+  ranks: gloo's threads run on the cores that compute), every bucket's all-reduce is exposed.
 - Ranks sharing cores (``Calibration.parallel_ranks`` k < N ranks, CPU ranks): the calibrated times
   are those of every rank busy; a rank idle in the pipeline's bubble leaves its core to the busy
   ones, which then run up to N/k times faster. The step is then the larger of the two classic
@@ -166,6 +166,7 @@ class CandidatePricer:
         parallel = world.calibration.parallel_ranks if world.calibration is not None else None
         self.shared = parallel / world.size if parallel is not None and parallel < world.size else None
         self.waiting = world.calibration.waiting_share if world.calibration is not None else 0.0
+        self.uniform = world.uniform_nodes  # once: it compares every node (2048 of them for a 16k-GPU world)
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
 
     # --- cached pieces ---------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class CandidatePricer:
     def dp_group(self, c: Candidate, rank: int) -> tuple[int, ...]:
         """The dp group of pipeline rank ``rank`` (tp index 0); in a world of identical nodes every
         pipeline rank's group has the same shape, so rank 0's stands for all."""
-        rank = 0 if self.world.uniform_nodes else rank
+        rank = 0 if self.uniform else rank
         key = ("dp", c.dp, c.pp, c.tp, rank)
         if key not in self._pairs:
             self._pairs[key] = c.mesh.group("dp", rank * c.tp)
@@ -213,7 +214,7 @@ class CandidatePricer:
         """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
         key = (c.dp, c.pp, c.tp)
         if key not in self._usable:
-            if self.world.uniform_nodes:
+            if self.uniform:
                 least = [self.world.nodes[0].device.memory_bytes] * c.pp
             else:
                 mesh = c.mesh
