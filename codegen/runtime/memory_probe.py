@@ -87,7 +87,10 @@ class MemoryProbe:
                 if self.live_bytes > self.peak_bytes:
                     self.peak_bytes, self.peak_storages = self.live_bytes, len(self._live)
             entry[1] += 1
-        return _Packed(self, tensor, key)
+        # Detached: a saved output holding itself would tie its grad_fn to this record in a cycle the
+        # garbage collector cannot see, and a node no backward releases (a split backward's
+        # input-gradient-only ops) would then never free it.
+        return _Packed(self, tensor.detach(), key)
 
     @staticmethod
     def _unpack(packed):

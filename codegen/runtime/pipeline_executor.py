@@ -370,6 +370,10 @@ def _weight_backward(group: dict, weight_of: dict) -> None:
     finally:
         for handle in handles:
             handle.remove()
+        # Drop the group's hold on the graph now: left to the garbage collector (the hooks B registered
+        # made a cycle through it), the stage's saved activations outlive the step's W by far.
+        group.pop("intermediates", None)
+        group.pop("grads", None)
 
 
 class _Borrowed:
