@@ -174,6 +174,10 @@ def test_resume_and_reshard(tmp_path, caplog):
     for name in MODELS:
         folder = tmp_path / name / "step-00000003"
         assert first[0][name]["saved"] == str(folder) and (folder / MARKER).is_file()
+        # the single-device model's names and shapes, a tied weight once (the GPT's head is tok_emb)
+        saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+        model = {n: tuple(p.shape) for n, p in build(name, "meta").named_parameters()}
+        assert {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.")} == model
         broken = break_newer_steps(folder)
         with caplog.at_level(logging.WARNING, logger="xirang.checkpoint"):
             assert latest_checkpoint(tmp_path / name) == folder
