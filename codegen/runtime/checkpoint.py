@@ -13,7 +13,8 @@ the seed and step every future draw follows; torch's own generator state of ever
 caller's ``extra`` (plain data). Loading under another plan -- other dp, tp, pp, world size -- is
 DCP's resharding: each rank reads the overlap of the saved blocks with the ones it holds now.
 ``target`` may also be a plain ``nn.Module`` (one device, no process group): the same checkpoint
-loads into the single-device model, and a single-device run can be saved and resumed on a mesh.
+loads into the single-device model (a single-device save is the same format: loading one on a mesh
+takes the same path, but is not tested across processes, and restores no Xirang rng step).
 
 Optimizer state: a state tensor of the parameter's shape is taken as element-wise (Adam's moments)
 and pieced like the parameter; any other tensor (Adam's scalar ``step``) is saved whole, once; the
@@ -333,7 +334,8 @@ def _install_optimizer_state(optimizer, state: dict, installs: list, groups, fol
     if groups is not None and len(groups) != len(optimizer.param_groups):
         raise XirangError(f"the checkpoint {str(folder)!r} has {len(groups)} optimizer parameter group(s), the "
                           f"optimizer {len(optimizer.param_groups)}", where="load_checkpoint(optimizer=...)",
-                          hint="build the optimizer with the same parameter groups as the run that saved")
+                          hint="build the optimizer with the same parameter groups as the run that saved (the "
+                               "parameters were loaded; the optimizer is left as it was)")
     optimizer.state.clear()
     for param, state_key, key in installs:
         value = state[key]

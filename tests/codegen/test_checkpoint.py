@@ -98,7 +98,9 @@ def test_single_device_resume_is_exact_and_converts(saved, tmp_path):
     root, folder, losses, params = saved
     assert folder == root / "step-00000002" and (folder / MARKER).is_file()
     model, optimizer = fresh()
+    optimizer.param_groups[0]["lr"] = 0.5  # the saved hyperparameters come back
     assert xirang.load_checkpoint(model, optimizer, root) == {"step": 2, "extra": {"loader": [2, "a"]}}
+    assert optimizer.param_groups[0]["lr"] == 1e-3
     assert all(torch.equal(a, b) for a, b in zip(train(model, optimizer, 2, 2), losses))
     assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
 
@@ -141,6 +143,9 @@ def test_killed_saves_are_skipped_and_bad_paths_refused(saved, tmp_path, caplog)
     model, optimizer = fresh()
     assert xirang.load_checkpoint(model, optimizer, root)["step"] == 2
 
+    two_groups = torch.optim.AdamW([{"params": [p]} for p in model.parameters()][:2], lr=1e-3)
+    with pytest.raises(XirangError, match="has 1 optimizer parameter group"):
+        xirang.load_checkpoint(model, two_groups, root)
     with pytest.raises(XirangError, match="is incomplete: no COMPLETE marker") as error:
         xirang.load_checkpoint(model, optimizer, no_marker)
     assert "load an earlier step" in str(error.value)
