@@ -84,17 +84,28 @@ def test_run_trains_two_ranks_and_prints_every_loss():
     assert len(losses) == 2 and all(4.0 < loss < 8.0 for loss in losses)  # ln(512) = 6.24 at the start
 
 
+# measured / predicted saved activations per pipeline rank. 1F1B's count is exact: within 10%.
+# ZB-H1 keeps a micro-batch whose W is pending priced as a whole one, but the last stage frees its
+# loss ops at B, so its prediction is conservative there (measured 0.85 of it): the last rank may sit
+# down to 0.8 until the planner prices what a pending W really keeps (issue 18).
+MEMORY_RATIO = {"1f1b": ((0.9, 1.1), (0.9, 1.1)), "zb-h1": ((0.9, 1.1), (0.8, 1.1))}
+
+
 @pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
-def test_run_memory_prints_measured_beside_predicted_per_rank(tmp_path):
-    picture = tmp_path / "memory.png"
-    result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "2", "--pp", "2", "--steps", "1", "--memory",
-                    "--memory-picture", str(picture))
+@pytest.mark.parametrize("schedule", sorted(MEMORY_RATIO))
+def test_run_memory_prints_measured_beside_predicted_per_rank(tmp_path, schedule):
+    picture, plan = tmp_path / "memory.png", tmp_path / "plan.json"
+    made = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--pp", "2",
+                  "--schedule", schedule, "--global-batch", "8", "--json", str(plan))
+    assert made.returncode == 0, made.stderr[-3000:]
+    result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "2", "--plan", str(plan), "--steps", "1",
+                    "--memory", "--memory-picture", str(picture))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("rank  pp  measured saved"))
-    for rank in range(2):  # rank, pp rank, measured MiB, predicted MiB, ratio within 10%
+    for rank, (low, high) in enumerate(MEMORY_RATIO[schedule]):  # rank, pp rank, measured, predicted, ratio
         fields = lines[header + 1 + rank].split()
-        assert fields[:2] == [str(rank), str(rank)] and 0.9 < float(fields[4]) < 1.1, lines[header + 1 + rank]
+        assert fields[:2] == [str(rank), str(rank)] and low < float(fields[4]) < high, lines[header + 1 + rank]
     assert picture.is_file() and "memory picture:" in result.stdout
 
 
