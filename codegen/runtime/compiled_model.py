@@ -133,8 +133,7 @@ class CompiledModel:
     def _weigh_share(self) -> None:
         """This dp rank's weight in the step's averages (loss and gradients): n_i * dp / N for its
         n_i of the N samples, 1 with even shares; and where its samples start (exact randomness)."""
-        plan = self.plan
-        shares = plan.dp_shares or (plan.global_batch // self.dp,) * self.dp
+        plan, shares = self.plan, self.dp_shares
         self.share_weight = 1.0 if not plan.dp_shares else shares[self.dp_rank] * self.dp / plan.global_batch
         for buckets in self.grad_buckets.values():
             buckets.share_weight = self.share_weight
