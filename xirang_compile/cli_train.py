@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -108,6 +110,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     predicted = plan.predicted.step_seconds
     bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
     step = start
+    stopped = _StopOnSigterm(rank, lambda: step)
     try:
         for step in range(start, args.steps):
             began = time.perf_counter()
@@ -137,9 +140,35 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
                           hint="another rank died or stopped (the launcher's or torchrun's summary names it); "
                                "rerun the same command with --resume to continue from the newest complete "
                                "checkpoint in --checkpoint-dir") from error
+    finally:
+        stopped.restore()
     if bar is not None:
         bar.finish()
     return {"losses": losses, "start": start}
+
+
+class _StopOnSigterm:
+    """While installed, SIGTERM raises a XirangError naming the rank and step instead of killing the
+    process silently: torchrun stops the surviving ranks with SIGTERM the moment one rank fails, often
+    before the survivors' own collectives notice the loss, and they should still say what happened."""
+
+    def __init__(self, rank: int, current_step):
+        self.rank, self.current_step, self.previous = rank, current_step, None
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
+            self.previous = signal.signal(signal.SIGTERM, self._stop)
+
+    def _stop(self, signum, frame):
+        step = self.current_step() + 1
+        raise XirangError(f"rank {self.rank} was stopped by its launcher (SIGTERM) in step {step}",
+                          where=f"xirang train, rank {self.rank}, step {step}",
+                          hint="torchrun stops every rank once one fails (its summary names the rank that failed "
+                               "first); rerun the same command with --resume to continue from the newest "
+                               "complete checkpoint in --checkpoint-dir")
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
 
 
 def _peer_failure(error: RuntimeError) -> bool:
