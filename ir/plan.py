@@ -51,6 +51,9 @@ class Plan:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved only)
     recompute: str = "none"
     offload: str = "none"
+    # the residual stream may be split along the sequence on tp (Korthikanti et al. 2022): the split
+    # ILP was offered those layouts (placements say where it took them)
+    sequence_parallel: bool = False
     precision: str = "fp32"
     grad_reduce_dtype: str = "fp32"
     placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
@@ -102,6 +105,9 @@ class Plan:
                             hint=f"use num_micro_batches in {mesh.pp}, {2 * mesh.pp}, ... or schedule '1f1b'")
         check_choice(self.recompute, RECOMPUTE_MODES, "recompute")
         check_choice(self.offload, OFFLOAD_MODES, "offload")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"sequence_parallel is {self.sequence_parallel!r}", where="sequence_parallel",
+                            hint="set it to true or false")
         check_choice(self.precision, PRECISIONS, "precision")
         check_choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
         check_type(self.placements, Mapping, "placements", "mapping node name -> NodeStrategy")
@@ -240,10 +246,11 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives, offload and dp_shares came after the first plans were written: optional when reading
+            # alternatives, offload, dp_shares and sequence_parallel came after the first plans were written:
+            # optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
-                       required=tuple(f.name for f in fields(cls)
-                                      if f.name not in ("alternatives", "offload", "dp_shares")))
+                       required=tuple(f.name for f in fields(cls) if f.name not in (
+                           "alternatives", "offload", "dp_shares", "sequence_parallel")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):
