@@ -34,6 +34,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # forward and are prefetched back one block ahead of its backward (passes/lowering, codegen/runtime)
 OFFLOAD_MODES = ("none", "blocks")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# ZeRO stages the runtime enacts: 0 (optimizer state replicated over dp) or 1 (sharded over dp:
+# gradients reduce-scattered, updated parameters all-gathered; codegen/runtime/dist_optimizer.py)
+ZERO_STAGES = (0, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,7 @@ class Plan:
     sequence_parallel: bool = False
     precision: str = "fp32"
     grad_reduce_dtype: str = "fp32"
+    zero_stage: int = 0  # ZERO_STAGES; 1 needs dp > 1 and lists each bucket's reduce-scatter and all-gather
     placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
     stages: tuple[StagePlan, ...]
     # parameter names per gradient bucket, in launch order, each bucket one stage's (collectives "bucket:<k>")
@@ -110,6 +114,7 @@ class Plan:
                             hint="set it to true or false")
         check_choice(self.precision, PRECISIONS, "precision")
         check_choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
+        self._check_zero_stage(mesh)
         check_type(self.placements, Mapping, "placements", "mapping node name -> NodeStrategy")
         object.__setattr__(self, "placements", MappingProxyType(
             {check_str(name, "placements key"): check_type(s, NodeStrategy, f"placements[{name!r}]")
@@ -151,6 +156,43 @@ class Plan:
                             where="predicted.memory_bytes_per_device", hint=REPLAN)
         object.__setattr__(self, "alternatives", check_seq(self.alternatives, "alternatives",
                                                            lambda v, w: check_type(v, Alternative, w)))
+
+    def _check_zero_stage(self, mesh: Mesh) -> None:
+        if type(self.zero_stage) is not int or self.zero_stage not in ZERO_STAGES:
+            raise PlanError(f"zero_stage is {self.zero_stage!r}; the runtime enacts ZeRO stages "
+                            f"{', '.join(map(str, ZERO_STAGES))}", where="zero_stage",
+                            hint="use 0 (replicated optimizer state) or 1 (sharded over dp); stages 2 and 3 "
+                                 "are not implemented")
+        if self.zero_stage and mesh.dp == 1:
+            raise PlanError(f"zero_stage {self.zero_stage} shards over dp, but mesh {mesh} has dp 1",
+                            where="zero_stage", hint="use zero_stage 0, or a mesh with dp > 1")
+
+    def with_zero_stage(self, stage: int) -> "Plan":
+        """This plan under ZeRO stage ``stage``: each bucket's all-reduce becomes a reduce-scatter of the
+        gradients and an all-gather of the updated parameters (both "ring": flat, over dp; the buffer
+        padded to a multiple of dp), except buckets holding a weight tied across pipeline ranks, which
+        stay all-reduced (their copies are summed after the dp average); and back for stage 0. The
+        prediction is kept and a note says so (``xirang.plan(zero_stage=)`` prices it instead)."""
+        tied = {choice.node.removeprefix("tied:") for choice in self.collectives if choice.node.startswith("tied:")}
+        item = {"fp32": 4, "bf16": 2, "fp16": 2}[self.grad_reduce_dtype]
+        param_item, dp = 4, self.mesh.dp  # parameters are stored in fp32 (the graph casts them)
+        collectives = []
+        for choice in self.collectives:
+            node = choice.node
+            if not node.startswith("bucket:") or choice.kind == "all_gather":
+                if not node.startswith("bucket:"):
+                    collectives.append(choice)
+                continue
+            if stage == 0 or tied.intersection(self.buckets[int(node.removeprefix("bucket:"))]):
+                collectives.append(replace(choice, kind="all_reduce"))  # the all-gather above is dropped
+                continue
+            elements = -(-(choice.nbytes // item) // dp) * dp
+            collectives += [CollectiveChoice(node, "dp", "reduce_scatter", "ring", elements * item),
+                            CollectiveChoice(node, "dp", "all_gather", "ring", elements * param_item)]
+        note = "zero_stage set after planning: the predicted memory and step are for the plan's own stage"
+        notes = tuple(n for n in self.predicted.notes if n != note) + (() if stage == self.zero_stage else (note,))
+        return replace(self, zero_stage=stage, collectives=tuple(collectives),
+                       predicted=replace(self.predicted, notes=notes))
 
     # A read-only mapping is neither hashable nor picklable; these restore both.
     def _check_dp_shares(self, mesh: Mesh) -> None:
@@ -246,11 +288,11 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives, offload, dp_shares and sequence_parallel came after the first plans were written:
-            # optional when reading
+            # alternatives, offload, dp_shares, sequence_parallel and zero_stage came after the first plans
+            # were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
                        required=tuple(f.name for f in fields(cls) if f.name not in (
-                           "alternatives", "offload", "dp_shares", "sequence_parallel")))
+                           "alternatives", "offload", "dp_shares", "sequence_parallel", "zero_stage")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):

@@ -15,7 +15,7 @@ CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"
           ("dp_exposed", "DP exposed"), ("offload", "offload"))
 # the configuration fields that drive each cause; a sentence names those that differ
 _DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m"), "tp_comm": ("tp", "pp", "b", "m"),
-            "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp"),
+            "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp", "zero"),
             "offload": ("offload", "recompute", "tp", "b")}
 PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
                ("activations", "activations"), ("working_set", "work set"), ("buffers", "buffers"))
@@ -24,7 +24,7 @@ PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "
 def _fields(row: Alternative) -> dict:
     return {"recompute": row.recompute, "offload": row.offload, "tp": row.mesh.tp, "pp": row.mesh.pp,
             "dp": row.mesh.dp, "b": row.micro_batch, "m": row.num_micro_batches, "v": row.virtual_stages,
-            "stages": row.mesh.pp * row.virtual_stages, "schedule": row.schedule}
+            "stages": row.mesh.pp * row.virtual_stages, "schedule": row.schedule, "zero": row.zero_stage}
 
 
 def _context(key: str, other: Alternative, winner: Alternative) -> str:
@@ -35,11 +35,12 @@ def _context(key: str, other: Alternative, winner: Alternative) -> str:
 
 
 def label(row: Alternative) -> str:
-    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full' (and ' offload=blocks')."""
+    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full' (and ' offload=blocks', ' zero=1')."""
     v = f" v={row.virtual_stages}" if row.schedule == "interleaved" else ""
     offload = f" offload={row.offload}" if row.offload != "none" else ""
+    zero = f" zero={row.zero_stage}" if row.zero_stage else ""
     return (f"dp={row.mesh.dp} pp={row.mesh.pp} tp={row.mesh.tp} b={row.micro_batch} "
-            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}{offload}")
+            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}{offload}{zero}")
 
 
 def as_row(plan) -> Alternative:
@@ -47,7 +48,7 @@ def as_row(plan) -> Alternative:
     p = plan.predicted
     return Alternative(mesh=plan.mesh, micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches,
                        schedule=plan.schedule, virtual_stages=plan.virtual_stages, recompute=plan.recompute,
-                       offload=plan.offload,
+                       offload=plan.offload, zero_stage=plan.zero_stage,
                        step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
                        memory_bytes_per_device=p.memory_bytes_per_device, breakdown=p.breakdown)
 
@@ -76,6 +77,23 @@ def why_lost(winner: Alternative, other: Alternative, usable_bytes: float) -> st
     return f"{slower / winner.step_seconds:.1%} slower: " + "; ".join(parts or ["small differences in every cause"])
 
 
+def zero_trade(plan) -> str:
+    """'zero-1 saves 34.0 GiB/device, costs 0.4 s of exposed all-gather (vs zero-0 at the same mesh...)':
+    the plan's ZeRO stage against the alternative that differs from it in the ZeRO stage only, or ''."""
+    winner = as_row(plan)
+    same = [a for a in plan.alternatives if a.zero_stage != winner.zero_stage
+            and label(a).replace(f" zero={a.zero_stage}", "") == label(winner).replace(f" zero={winner.zero_stage}", "")]
+    if not same:
+        return ""
+    other = same[0]
+    zero1, zero0 = (winner, other) if winner.zero_stage else (other, winner)
+    saved = (max(zero0.memory_bytes_per_device) - max(zero1.memory_bytes_per_device)) / GiB
+    cost = zero1.breakdown.get("dp_exposed", 0.0) - zero0.breakdown.get("dp_exposed", 0.0)
+    fits = "" if zero0.fits else "; zero-0 does not fit"
+    return (f"zero-1 saves {saved:.1f} GiB/device, costs {cost:.3g} s of exposed all-gather per step "
+            f"(zero-1 {zero1.step_seconds:.4g} s vs zero-0 {zero0.step_seconds:.4g} s{fits}).")
+
+
 def why_won(plan) -> str:
     """Why the plan's configuration was chosen, read from the alternatives it carries."""
     if not plan.alternatives:
@@ -99,6 +117,7 @@ def explain_data(plan) -> dict:
                 "dp": item.mesh.dp, "pp": item.mesh.pp, "tp": item.mesh.tp, "micro_batch": item.micro_batch,
                 "num_micro_batches": item.num_micro_batches, "schedule": item.schedule,
                 "virtual_stages": item.virtual_stages, "recompute": item.recompute, "offload": item.offload,
+                "zero_stage": item.zero_stage,
                 "step_seconds": item.step_seconds, "tflops_per_device": item.tflops_per_device,
                 "seconds_by_cause": {key: item.breakdown.get(key, 0.0) for key, _ in CAUSES},
                 "memory_bytes_per_pipeline_rank": list(item.memory_bytes_per_device),
@@ -151,6 +170,8 @@ def explain_plan(plan) -> str:
     lines.extend(_memory_table(plan))
     lines.append("")
     lines.append(f"Why this plan: {why_won(plan)}")
+    if zero_trade(plan):
+        lines.append(f"ZeRO: {zero_trade(plan)}")
     for a in plan.alternatives:
         lines.append(f"  - {label(a)}: {a.why}")
     if plan.predicted.notes:

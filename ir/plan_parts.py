@@ -232,9 +232,11 @@ class Alternative:
     fits: bool = True
     why: str = ""
     offload: str = "none"
+    zero_stage: int = 0  # 0, or 1: ZeRO-1's optimizer state sharded over dp (Plan.zero_stage)
 
     def __post_init__(self):
         check_type(self.mesh, Mesh, "mesh")
+        check_int(self.zero_stage, "zero_stage", minimum=0)
         for name in ("micro_batch", "num_micro_batches", "virtual_stages"):
             check_int(getattr(self, name), name)
         check_str(self.schedule, "schedule")
@@ -251,7 +253,8 @@ class Alternative:
         check_type(self.why, str, "why")
 
     def __hash__(self) -> int:
-        return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute, self.offload))
+        return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute, self.offload,
+                     self.zero_stage))
 
     def __reduce__(self):
         return (Alternative.from_json, (self.to_json(),))
@@ -265,7 +268,7 @@ class Alternative:
     @classmethod
     def from_json(cls, data) -> "Alternative":
         names = tuple(f.name for f in fields(cls))
-        check_keys(data, names, "alternative", required=tuple(n for n in names if n != "offload"))  # came later
+        check_keys(data, names, "alternative", required=tuple(n for n in names if n not in ("offload", "zero_stage")))  # came later
         with errors_at("mesh"):
             mesh = Mesh.from_json(data["mesh"])
         return cls(**{**data, "mesh": mesh})
