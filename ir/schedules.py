@@ -52,13 +52,26 @@ def gpipe(p: int, m: int) -> Schedule:
     return with_communication("gpipe", p, m, order)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
+def one_f_one_b(p: int, m: int, extra_warmup: tuple = ()) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021 sec. 2.2.1): same bubble as GPipe, but rank r
-    keeps at most p - r micro-batches in flight instead of m."""
+    keeps at most p - r micro-batches in flight instead of m.
+
+    ``extra_warmup[r]`` more forwards in rank r's warm-up (adaptive micro-batch injection,
+    codegen/runtime/injection.py): the rank then keeps p - r + extra_warmup[r] in flight, and a slow
+    or jittery downstream stage finds its inputs queued instead of waiting on this rank's backward.
+    The backwards still run in micro-batch order, so the gradients are summed in the same order."""
     _check_sizes("1f1b", p, m)
+    extra = check_extra_warmup(extra_warmup, p)
+    warmups = [min(p - rank - 1 + extra[rank], m) for rank in range(p)]
+    for rank in range(p - 1):
+        # rank r + 1's warm-up forwards all come from rank r's warm-up and first steady forward
+        if warmups[rank + 1] > warmups[rank]:
+            raise InvalidValue(f"extra_warmup {extra}: rank {rank + 1} would warm up {warmups[rank + 1]} forwards "
+                               f"but rank {rank} feeds it only {warmups[rank] + 1} before waiting on its "
+                               f"first backward; give each rank at most one more extra than the rank before it")
     order = []
     for rank in range(p):
-        warmup = min(p - rank - 1, m)
+        warmup = min(p - rank - 1 + extra[rank], m)
         # Warm-up: forwards until micro-batch 0's gradient can come back from the last stage.
         computes: list[Compute] = [Forward(rank, mb) for mb in range(warmup)]
         # Steady: one forward, then the oldest backward; activations in flight stay at warmup + 1.
@@ -176,9 +189,24 @@ def _check_enough_for_h2(p: int, m: int) -> None:
                            f"forwards on p={p} pipeline ranks; use m >= {2 * p - 1}, or schedule 'zb-h1'")
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def check_extra_warmup(extra_warmup, p: int) -> tuple:
+    """``extra_warmup`` as a tuple of p ints >= 0 (() means none); InvalidValue naming the entry otherwise."""
+    extra = tuple(extra_warmup) if extra_warmup else (0,) * p
+    if len(extra) != p or any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in extra):
+        raise InvalidValue(f"extra_warmup must give one whole number >= 0 per pipeline rank (p={p}), "
+                           f"got {tuple(extra_warmup)!r}")
+    return extra
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1, extra_warmup: tuple = ()) -> Schedule:
     """The schedule a Plan names (``plan.schedule``, ``mesh.pp``, ``num_micro_batches``, ``virtual_stages``):
-    what the executor runs."""
+    what the executor runs. ``extra_warmup`` (1F1B only) deepens each rank's warm-up, see ``one_f_one_b``."""
+    if any(check_extra_warmup(extra_warmup, p)):
+        if name != "1f1b":
+            raise InvalidValue(f"extra warm-up (adaptive micro-batch injection) is built for the '1f1b' "
+                               f"schedule only, not {name!r}")
+        schedule_spec(name).check(p, m, v)
+        return one_f_one_b(p, m, tuple(extra_warmup))
     return schedule_spec(name).build(p, m, v)
 
 

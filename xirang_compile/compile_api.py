@@ -23,6 +23,7 @@ from xirang.codegen.emit import check_emittable
 from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.dp_balance import DpRebalancer
+from xirang.codegen.runtime.injection import AdaptiveInjection
 from xirang.codegen.runtime.launch import ensure_distributed
 from xirang.codegen.runtime.memory_probe import check_plan_fits
 from xirang.codegen.runtime.process_groups import build_mesh_groups
@@ -52,7 +53,8 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
             plan: Optional[Plan] = None, global_batch: Optional[int] = None, device=None,
             runtime_device="cpu", bucket_bytes: Optional[int] = None, counter=None,
             event_log: Optional[list] = None, dump_dir=None, seed: Optional[int] = None, rng: str = "streams",
-            dp_shares=None, rebalance_every: Optional[int] = None, **plan_pins) -> CompiledModel:
+            dp_shares=None, rebalance_every: Optional[int] = None, inject_every: Optional[int] = None,
+            zero_stage: Optional[int] = None, **plan_pins) -> CompiledModel:
     """This rank's ``CompiledModel`` of ``model`` on ``world`` (see the module docstring).
 
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
@@ -75,6 +77,13 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     ``rebalance_every=N`` moves micro-batches from slow dp ranks to fast ones every N steps from their
     measured compute times (codegen/runtime/dp_balance.py). Either way the loss and the gradients
     are weighted by share, so training stays equal to one device.
+
+    ``zero_stage=1``: ZeRO-1, the optimizer state sharded over dp (codegen/runtime/dist_optimizer.py;
+    ``parameters()`` are then the shard parameters); on a given plan it is ``Plan.with_zero_stage``.
+
+    Adaptive micro-batch injection: ``inject_every=N`` (1F1B, pp >= 2) re-chooses every N steps how
+    many extra forwards each pipeline rank runs in its warm-up, from the stages' measured times and
+    within the memory the plan leaves (codegen/runtime/injection.py); the numbers are unchanged.
     """
     if not isinstance(model, torch.nn.Module):
         raise XirangError(f"xirang.compile needs the model as a torch.nn.Module, got {type(model).__name__}",
@@ -110,6 +119,11 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
                          global_batch=global_batch, analysed=report, **plan_pins)
         check_emittable(plan)
         check_plan_for_graph(plan, gm, parsed)
+    if zero_stage is not None and zero_stage != plan.zero_stage:
+        try:
+            plan = plan.with_zero_stage(zero_stage)
+        except XirangError as error:
+            raise XirangError(error.what, where=f"xirang.compile(zero_stage={zero_stage!r})", hint=error.hint) from None
     if dp_shares is not None:
         try:
             plan = plan.with_dp_shares(dp_shares)
@@ -124,4 +138,6 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
                              source_of=lambda rank: rank_source(gm, plan, rank, runtime_device))
     if rebalance_every is not None:
         compiled.rebalancer = DpRebalancer(compiled, rebalance_every)
+    if inject_every is not None:
+        compiled.injection = AdaptiveInjection(compiled, inject_every)
     return compiled

@@ -98,6 +98,7 @@ class CompiledModel:
         self.dp, self.dp_rank = self.groups.axis_size("dp"), self.groups.axis_index("dp")
         self.pp, self.pp_rank = self.groups.axis_size("pp"), self.groups.axis_index("pp")
         self.symbols, self.programs = program.symbols, program.stages
+        self.extra_warmup: tuple = ()  # more 1F1B warm-up forwards per pp rank (set_extra_warmup)
         self.schedule = self._build_schedule(plan)
         self._batch_dims, self._inputs = program.batch_dims, program.inputs
         self._aliases, self._trainable = program.aliases, program.trainable
@@ -114,13 +115,14 @@ class CompiledModel:
         self.executor = self._build_executor()
         self.last_step: Optional[StepRecord] = None
         self.rebalancer = None  # a codegen/runtime/dp_balance.DpRebalancer moves dp shares between steps
+        self.injection = None  # a codegen/runtime/injection.AdaptiveInjection deepens 1F1B warm-ups between steps
         self._batch_checks = BatchChecks(plan, self.programs, self._inputs, self._batch_dims, self.symbols,
                                          rank=self.rank, dp_rank=self.dp_rank, device=self.device)
         self._weigh_share()
 
     def _build_schedule(self, plan):
         schedule = build_schedule(plan.schedule, self.pp, plan.micro_batches_per_dp_rank[self.dp_rank],
-                                  plan.virtual_stages)
+                                  plan.virtual_stages, self.extra_warmup)
         check_schedule(schedule)
         return schedule
 
@@ -155,6 +157,13 @@ class CompiledModel:
         self.plan = plan
         self.executor = self._build_executor()
         self._weigh_share()
+
+    def set_extra_warmup(self, extra_warmup) -> None:
+        """Run ``extra_warmup[r]`` more forwards in pipeline rank r's 1F1B warm-up from the next step on
+        (codegen/runtime/injection.py; every rank of the pp group must call it with the same values)."""
+        self.extra_warmup = tuple(extra_warmup)
+        self.schedule = self._build_schedule(self.plan)
+        self.executor = self._build_executor()
 
     def _grad_buckets(self, stages: dict, bucket_bytes: Optional[int]) -> dict:
         """One GradientBuckets per local stage, with the plan's buckets and algorithms (or, given
@@ -346,6 +355,8 @@ class CompiledModel:
         loss = self._step_loss(record)
         if self.rebalancer is not None:
             self.rebalancer.after_step()
+        if self.injection is not None:
+            self.injection.after_step()
         return loss
 
     # --- the batch against the program and the other ranks ----------------------------------------
