@@ -8,6 +8,7 @@ takes ``latency + n / bandwidth`` (Hockney 1994; Thakur et al. 2005 for the coll
 """
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from dataclasses import dataclass
@@ -199,10 +200,8 @@ class World:
     def node_of(self, rank: int) -> int:
         """Index of the node holding global ``rank``."""
         self._check_rank(rank)
-        for index in range(self.num_nodes):
-            if rank < self._starts[index + 1]:
-                return index
-        raise AssertionError("unreachable: rank was range-checked")
+        # the last node whose first rank is <= rank (every node holds at least one device)
+        return bisect.bisect_right(self._starts, rank) - 1
 
     def local_rank(self, rank: int) -> int:
         """Position of ``rank`` among the devices of its node (torchrun's LOCAL_RANK)."""

@@ -23,15 +23,19 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 def graph_fingerprint(gm) -> str:
     """Hex digest of ``gm``'s structure (needs ``xr_tensor``; ``xr_role``/``xr_param_name`` if set)."""
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
+    shape_texts: dict[int, str] = {}  # id(facts) -> repr: stamped layers share their template's facts
     digest = hashlib.sha256()
     for node in gm.graph.nodes:
-        digest.update(repr(_entry(node, position)).encode())
+        digest.update(repr(_entry(node, position, shape_texts)).encode())
         digest.update(b"\n")
     return digest.hexdigest()[:FINGERPRINT_CHARS]
 
 
-def _entry(node, position: dict) -> tuple:
-    shape = repr(TENSOR.get(node, None))
+def _entry(node, position: dict, shape_texts: dict[int, str]) -> tuple:
+    facts = TENSOR.get(node, None)  # held by the node for the whole call, so its id stays its own
+    shape = shape_texts.get(id(facts))
+    if shape is None:
+        shape = shape_texts[id(facts)] = repr(facts)
     if node.op == "placeholder":
         # parameters by FQN (tied weights by all their names); user inputs by argument name
         name = PARAM_NAME.get(node, None) or str(node.target)

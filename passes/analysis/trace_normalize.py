@@ -135,6 +135,5 @@ def canonical_graph(gm: GraphModule) -> GraphModule:
     """``gm`` without layout-only copies and with canonical node names (the same module object)."""
     scalar_fills(gm)
     drop_layout_copies(gm)
-    gm.graph = canonical_names(gm.graph)
-    gm.recompile()
+    gm.graph = canonical_names(gm.graph)  # GraphModule's graph setter recompiles: the code is generated once
     return gm

@@ -140,24 +140,31 @@ def _solution(problem: StageCutProblem, bounds, solver: str) -> StageCutSolution
     return StageCutSolution(bounds, times, memory, max(times), "optimal", solver)
 
 
-def _min_bottleneck(problem: StageCutProblem, stage_cost):
-    """(least max over stages of ``stage_cost(s, start, stop)``, bounds), or (inf, None).
+def _min_bottleneck(problem: StageCutProblem, stage_costs):
+    """(least max over stages of a stage's cost, bounds), or (inf, None). ``stage_costs(s, j)`` lists
+    the cost of stage s covering [i, j) for i = s .. j-1 (one call per row, not one per pair: the
+    DP is O(L^2 p) and a Python call per pair was most of the degree search on 126-layer models).
 
     best[s][j] is the least bottleneck of stages 0..s covering units [0, j); stage s then covers
-    [i, j) for some i, and stages before it need at least one unit each, so i >= s.
+    [i, j) for some i, and stages before it need at least one unit each, so i >= s. Ties go to the
+    smallest i.
     """
     units, p = problem.units, problem.stages
     best = [[math.inf] * (units + 1) for _ in range(p)]
     start = [[-1] * (units + 1) for _ in range(p)]
     for j in range(1, units - p + 2):
-        best[0][j], start[0][j] = stage_cost(0, 0, j), 0
+        best[0][j], start[0][j] = stage_costs(0, j)[0], 0
     for s in range(1, p):
+        before, row_best, row_start = best[s - 1], best[s], start[s]
         for j in range(s + 1, units - (p - 1 - s) + 1):
-            for i in range(s, j):
-                if best[s - 1][i] < best[s][j]:
-                    value = max(best[s - 1][i], stage_cost(s, i, j))
-                    if value < best[s][j]:
-                        best[s][j], start[s][j] = value, i
+            least, argument = math.inf, -1
+            for i, cost in zip(range(s, j), stage_costs(s, j)):
+                earlier = before[i]
+                if earlier < least:
+                    value = earlier if earlier >= cost else cost  # max(), without the call
+                    if value < least:
+                        least, argument = value, i
+            row_best[j], row_start[j] = least, argument
     if math.isinf(best[p - 1][units]):
         return math.inf, None
     bounds, stop = [], units
@@ -165,6 +172,27 @@ def _min_bottleneck(problem: StageCutProblem, stage_cost):
         bounds.append((start[s][stop], stop))
         stop = start[s][stop]
     return best[p - 1][units], bounds[::-1]
+
+
+def _pairwise(stage_cost):
+    """``stage_costs`` for ``_min_bottleneck`` from a cost of one (stage, start, stop)."""
+    return lambda s, j: [stage_cost(s, i, j) for i in range(s, j)]
+
+
+def _fitting_times(problem: StageCutProblem):
+    """``stage_costs`` of stage times, infinite where the stage does not fit its memory; the same
+    arithmetic as ``stage_time`` and ``fits``, so the same floats, a row at a time."""
+    compute, static, activation = problem._prefix
+    units, comm = problem.units, problem.boundary_comm
+
+    def row(s, j):
+        speed, cap, in_flight = problem.speeds[s], problem.capacities[s], problem.in_flight[s]
+        send = comm[j - 1] if j < units else 0.0
+        compute_j, static_j, activation_j = compute[j], static[j], activation[j]
+        return [(compute_j - compute[i]) / speed + send
+                if static_j - static[i] + (activation_j - activation[i]) * in_flight <= cap else math.inf
+                for i in range(s, j)]
+    return row
 
 
 def _check_memory(problem: StageCutProblem) -> None:
@@ -175,11 +203,11 @@ def _check_memory(problem: StageCutProblem) -> None:
             return 0.0
         return need / cap if cap else math.inf
 
-    worst, bounds = _min_bottleneck(problem, load)
+    worst, bounds = _min_bottleneck(problem, _pairwise(load))
     if worst == 0.0:
         return
     if bounds is None:  # every split puts bytes on a zero-byte device: show the least-loaded split
-        _, bounds = _min_bottleneck(problem, problem.stage_memory)
+        _, bounds = _min_bottleneck(problem, _pairwise(problem.stage_memory))
     s = max(range(problem.stages), key=lambda t: load(t, *bounds[t]))
     need, cap = problem.stage_memory(s, *bounds[s]), problem.capacities[s]
     a, b = bounds[s]
@@ -210,9 +238,11 @@ def solve_stage_cuts(problem: StageCutProblem, *, method: str = "auto") -> Stage
 
 def solve_stage_cuts_dp(problem: StageCutProblem) -> StageCutSolution:
     """The same optimum by dynamic programming over (stage, last unit): O(L^2 p), no solver."""
-    _check_memory(problem)
-    _, bounds = _min_bottleneck(
-        problem, lambda s, a, b: problem.stage_time(s, a, b) if problem.fits(s, a, b) else math.inf)
+    _, bounds = _min_bottleneck(problem, _fitting_times(problem))
+    if bounds is None:  # no split fits: _check_memory says which comes closest
+        _check_memory(problem)
+        raise SolverFailure(f"the stage-cut DP found no split of {problem.units} units into {problem.stages} "
+                            f"stages although one fits device memory")
     return _solution(problem, bounds, "dp")
 
 
