@@ -151,9 +151,9 @@ def test_the_printed_command_trains_under_torchrun_and_fails_on_a_killed_rank(tm
 
 
 def test_sigterm_during_training_says_which_rank_and_step_and_how_to_resume():
-    from xirang.cli_train import _StopOnSigterm
+    from xirang.cli_train import StopOnSigterm
     before = signal.getsignal(signal.SIGTERM)
-    stop = _StopOnSigterm(3, lambda: 4)
+    stop = StopOnSigterm(3, lambda: 4)
     try:
         with pytest.raises(XirangError, match=r"rank 3 was stopped by its launcher \(SIGTERM\) in step 5") as caught:
             os.kill(os.getpid(), signal.SIGTERM)

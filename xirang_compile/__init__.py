@@ -41,3 +41,9 @@ from xirang.codegen.runtime.checkpoint import PendingCheckpoint, load_checkpoint
 from xirang.codegen.runtime.checkpoint_store import latest_checkpoint  # noqa: E402
 
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "PendingCheckpoint"]
+
+# the plan re-priced from a run's measured steps (xirang_compile/reprice.py, codegen/runtime/step_costs.py)
+from xirang.codegen.runtime.step_costs import MeasuredCosts  # noqa: E402
+from xirang.reprice import Repricing, reprice  # noqa: E402
+
+__all__ += ["reprice", "Repricing", "MeasuredCosts"]

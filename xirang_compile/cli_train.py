@@ -110,7 +110,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     predicted = plan.predicted.step_seconds
     bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
     step = start
-    stopped = _StopOnSigterm(rank, lambda: step)
+    stopped = StopOnSigterm(rank, lambda: step)
     try:
         for step in range(start, args.steps):
             began = time.perf_counter()
@@ -147,7 +147,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     return {"losses": losses, "start": start}
 
 
-class _StopOnSigterm:
+class StopOnSigterm:
     """While installed, SIGTERM raises a XirangError naming the rank and step instead of killing the
     process silently: torchrun stops the surviving ranks with SIGTERM the moment one rank fails, often
     before the survivors' own collectives notice the loss, and they should still say what happened."""

@@ -65,8 +65,10 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                  f"CUDA context, NCCL buffers and fragmentation")
     notes.append(f"searched {result.candidates} configurations, priced {result.priced}, "
                  f"{result.splits_priced} tensor splits")
-    winner, usable = _row(best), min(best.usable_per_rank)
-    alternatives = tuple(replace(row, why=why_lost(winner, row, usable)) for row in map(_row, result.alternatives))
+    # the tied sums run after the dp sync, exposed: each row pays its own (the winner's layout of the weight)
+    rows = [_row(p, tied_sum_seconds(gm, p, names, split.placements, world)) for p in (best, *result.alternatives)]
+    winner, usable = rows[0], min(best.usable_per_rank)
+    alternatives = tuple(replace(row, why=why_lost(winner, row, usable)) for row in rows[1:])
     predicted = Prediction(step_seconds=winner.step_seconds, tflops_per_device=winner.tflops_per_device,
                            memory_bytes_per_device=winner.memory_bytes_per_device, breakdown=winner.breakdown,
                            notes=tuple(notes), memory_parts=memory_parts(best))
@@ -77,14 +79,20 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                 fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives)
 
 
-def _row(p: Priced) -> Alternative:
-    """A priced candidate as the Plan records it (bytes rounded up to ints)."""
+def _row(p: Priced, tied_seconds: float = 0.0) -> Alternative:
+    """A priced candidate as the Plan records it (bytes rounded up to ints), with ``tied_seconds`` of
+    tied-weight sums added to its step (cause "tied_sum", present only where there are any)."""
     c = p.candidate
+    breakdown = {key: p.breakdown[key] for key in CAUSES}
+    step, tflops = p.step_seconds, p.tflops_per_device
+    if tied_seconds > 0:
+        breakdown["tied_sum"] = tied_seconds
+        step, tflops = step + tied_seconds, tflops * step / (step + tied_seconds)
     return Alternative(mesh=c.mesh, micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
                        schedule=c.schedule, virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload,
-                       step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
+                       step_seconds=step, tflops_per_device=tflops,
                        memory_bytes_per_device=tuple(int(math.ceil(b)) for b in p.memory_per_rank),
-                       breakdown={key: p.breakdown[key] for key in CAUSES}, fits=p.fits)
+                       breakdown=breakdown, fits=p.fits)
 
 
 def memory_parts(p: Priced) -> tuple[dict[str, int], ...]:
@@ -157,21 +165,32 @@ def gradient_buckets(gm, best: Priced, names: list[str], placements, precision: 
     return tuple(buckets), sizes
 
 
-def tied_sums(gm, best: Priced, names: list[str], placements, world: World) -> list:
-    """The all-reduce that sums the copies of each weight read on several pipeline ranks (a tied
-    embedding and LM head), over the ranks holding a copy: one rank's gradient, in the parameter's
-    dtype (the runtime sums ``param.grad`` after the dp average), as a ``CollectiveChoice``."""
+def _tied_copies(gm, best: Priced, names: list[str], placements):
+    """(parameter node, bytes of one rank's gradient, group of the ranks holding a copy) of each weight
+    read on several pipeline ranks (a tied embedding and LM head)."""
     c = best.candidate
-    found = []
     for node, earliest in stages_reading(gm, best, names).items():
         holders = sorted({index % c.pp for index in earliest})
         if len(holders) < 2 or not REQUIRES_GRAD.get(node, True):
             continue
         nbytes = local_elements(node, placements, c.tp) * TENSOR.get(node).itemsize
-        group = tuple(c.mesh.rank_of(dp=0, pp=r, tp=0) for r in holders)
-        found.append(CollectiveChoice(f"tied:{PARAM_NAME.get(node)}", "pp", "all_reduce",
-                                      collective_cost("all_reduce", nbytes, group, world).algorithm, int(nbytes)))
-    return found
+        yield node, nbytes, tuple(c.mesh.rank_of(dp=0, pp=r, tp=0) for r in holders)
+
+
+def tied_sums(gm, best: Priced, names: list[str], placements, world: World) -> list:
+    """The all-reduce that sums the copies of each weight read on several pipeline ranks (a tied
+    embedding and LM head), over the ranks holding a copy: one rank's gradient, in the parameter's
+    dtype (the runtime sums ``param.grad`` after the dp average), as a ``CollectiveChoice``."""
+    return [CollectiveChoice(f"tied:{PARAM_NAME.get(node)}", "pp", "all_reduce",
+                             collective_cost("all_reduce", nbytes, group, world).algorithm, int(nbytes))
+            for node, nbytes, group in _tied_copies(gm, best, names, placements)]
+
+
+def tied_sum_seconds(gm, best: Priced, names: list[str], placements, world: World) -> float:
+    """Seconds of the tied sums of ``best`` per step: the runtime runs them one after another once the
+    step's dp sync is done (``CompiledModel.train_step``), so nothing hides them and they add to the step."""
+    return math.fsum(collective_cost("all_reduce", nbytes, group, world).seconds
+                     for _, nbytes, group in _tied_copies(gm, best, names, placements))
 
 
 def local_elements(node, placements, tp: int) -> int:

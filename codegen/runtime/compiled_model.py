@@ -347,6 +347,7 @@ class CompiledModel:
                 param.grad = torch.zeros_like(param)
             record_call(self._counter, "all_reduce", param.grad.nbytes, dist.get_world_size(group), f"tied:{fqn}")
             dist.all_reduce(param.grad, group=group)
+        record.finished = time.perf_counter() - origin  # gradients final: the exposed sync ends here
         for param, grad in earlier.items():
             if param.grad is None:
                 param.grad = grad
@@ -387,6 +388,12 @@ class CompiledModel:
             share = value if pre_sharded else value.split(sizes, dim=batch_dim)[self.dp_rank]
             shares[name] = list(share.chunk(m, dim=batch_dim))
         return [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
+
+    def measured_costs(self):
+        """The last step's measured stage and sync seconds, gathered from every rank (collective over the
+        world; ``codegen/runtime/step_costs.measure_step``): what ``xirang.reprice`` corrects the plan with."""
+        from xirang.codegen.runtime.step_costs import measure_step
+        return measure_step(self)
 
     def gather_timestamps(self) -> list:
         """Every pp rank's (pp rank, action, start, end) of the last step, on every rank (collective

@@ -71,6 +71,9 @@ class StepRecord:
     losses: list = field(default_factory=list)
     timestamps: list = field(default_factory=list)  # (pp_rank, action, start, end)
     most_in_flight: dict = field(default_factory=dict)  # stage -> micro-batches
+    # seconds from the step's start until its gradients are final (dp waits, tied sums; set by the
+    # CompiledModel): what follows the last compute is the exposed sync (codegen/runtime/step_costs.py)
+    finished: float | None = None
 
 
 @dataclass

@@ -1,0 +1,110 @@
+"""What a run's steps measured, per pipeline stage and for the gradient sync after the last compute,
+gathered from every rank: the input of re-pricing (``xirang.reprice``, xirang_compile/reprice.py).
+
+Read from the records the executor keeps anyway (``StepRecord.timestamps``, the ones ``xirang run
+--trace`` draws, and ``StepRecord.finished``); nothing is timed a second time:
+
+- ``forward[s]`` / ``backward[s]``: seconds of stage s per micro-batch -- on each rank the mean over the
+  step's micro-batches (a zero-bubble backward is its B plus its W), then the largest over the ranks
+  that run stage s (its dp and tp replicas: the slowest one sets the pipeline's pace);
+- ``sync_seconds``: from a rank's last compute to the step's gradients being final (the dp buckets'
+  waits, then the tied sums), the largest over ranks: the gradient sync the backward did not hide;
+- ``step_seconds``: the largest ``finished`` over ranks (from the barrier that starts the step).
+
+The tensor-parallel collectives run inside the stage modules, so they are inside the stage seconds;
+``tp_seconds`` (tp collectives per step on the busiest rank) is None unless a caller timed them apart.
+Several steps combine figure by figure by the median (``MeasuredCosts.median``); leave the first step
+out of it (its allocations and autograd set-up are not the steady state).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+from xirang.ir.errors import XirangError
+from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, Forward
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Measured seconds of a run (see the module docstring); ``steps``: how many steps they summarise."""
+
+    forward: Mapping[int, float]  # stage -> seconds per micro-batch
+    backward: Mapping[int, float]
+    sync_seconds: float
+    step_seconds: float
+    num_micro_batches: int  # per step on each rank
+    tp_seconds: Optional[float] = None
+    steps: int = 1
+    ranks: int = field(default=1, compare=False)
+
+    def __post_init__(self):
+        if set(self.forward) != set(self.backward) or not self.forward:
+            raise XirangError(f"measured forward stages {sorted(self.forward)} and backward stages "
+                              f"{sorted(self.backward)} differ or are empty", where="MeasuredCosts",
+                              hint="give every stage's forward and backward seconds per micro-batch")
+        object.__setattr__(self, "forward", MappingProxyType({int(s): float(v) for s, v in self.forward.items()}))
+        object.__setattr__(self, "backward", MappingProxyType({int(s): float(v) for s, v in self.backward.items()}))
+
+    @staticmethod
+    def median(steps: Sequence["MeasuredCosts"]) -> "MeasuredCosts":
+        """Each figure's median over ``steps`` (measurements of one plan)."""
+        if not steps:
+            raise XirangError("no measured steps to combine", where="MeasuredCosts.median",
+                              hint="measure at least one step (compiled.measured_costs() after train_step)")
+        stages = sorted(steps[0].forward)
+        tp = [s.tp_seconds for s in steps if s.tp_seconds is not None]
+        return MeasuredCosts(
+            forward={s: statistics.median(m.forward[s] for m in steps) for s in stages},
+            backward={s: statistics.median(m.backward[s] for m in steps) for s in stages},
+            sync_seconds=statistics.median(m.sync_seconds for m in steps),
+            step_seconds=statistics.median(m.step_seconds for m in steps),
+            num_micro_batches=steps[0].num_micro_batches, tp_seconds=statistics.median(tp) if tp else None,
+            steps=sum(m.steps for m in steps), ranks=steps[0].ranks)
+
+
+def rank_summary(record, num_micro_batches: int) -> dict:
+    """This rank's part of one step: per local stage its mean forward and backward seconds per micro-batch,
+    the end of its last compute and ``finished``."""
+    forward, backward, last = {}, {}, 0.0
+    for _, action, start, end in record.timestamps:
+        if isinstance(action, Forward):
+            forward.setdefault(action.stage, []).append(end - start)
+        elif isinstance(action, (Backward, BackwardInput, BackwardWeight)):
+            backward.setdefault(action.stage, []).append(end - start)
+        last = max(last, end)
+    finished = record.finished if record.finished is not None else last
+    return {"forward": {s: sum(v) / num_micro_batches for s, v in forward.items()},
+            "backward": {s: sum(v) / num_micro_batches for s, v in backward.items()},
+            "sync": max(0.0, finished - last), "finished": finished}
+
+
+def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
+    """One step's ``MeasuredCosts`` from every rank's ``rank_summary``: the slowest rank of each figure."""
+    forward, backward = {}, {}
+    for summary in summaries:
+        for stage, seconds in summary["forward"].items():
+            forward[stage] = max(forward.get(stage, 0.0), seconds)
+        for stage, seconds in summary["backward"].items():
+            backward[stage] = max(backward.get(stage, 0.0), seconds)
+    return MeasuredCosts(forward, backward, max(s["sync"] for s in summaries),
+                         max(s["finished"] for s in summaries), num_micro_batches, ranks=len(summaries))
+
+
+def measure_step(compiled) -> MeasuredCosts:
+    """The last ``train_step`` of ``compiled`` (a CompiledModel), gathered over the whole world: a
+    collective, every rank calls it after the same step."""
+    if compiled.last_step is None:
+        raise XirangError("no step measured yet", where="CompiledModel.measured_costs",
+                          hint="call it after train_step")
+    m = compiled.schedule.num_micro_batches
+    mine = rank_summary(compiled.last_step, m)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return combine([mine], m)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return combine(everyone, m)

@@ -1,0 +1,107 @@
+"""``xirang.reprice`` with synthetic measurements (xirang_compile/reprice.py, codegen/runtime/step_costs.py).
+
+The plan: the tiny GPT at seq 4096 on one node of four A100s whose links are PCIe-class (50 GB/s), one
+sample per step, so the planner takes tp = 4 and the tp collectives are a fifth of the step. The
+measurements are made from the plan's own predictions per stage, then changed one figure at a time.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xirang
+from examples.gpt import build_gpt
+from xirang.codegen.runtime.step_costs import MeasuredCosts, combine, rank_summary
+from xirang.codegen.runtime.pipeline_executor import StepRecord
+from xirang.ir.errors import XirangError
+from xirang.ir.placement import Shard
+from xirang.ir.schedules import Backward, Forward
+from xirang.passes.planning.cost_collectives import collective_cost
+from xirang.passes.planning.plan_splits import SplitPricer
+from xirang.reprice import scaled_world, stage_predictions
+
+SEQ = 4096
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model = build_gpt("tiny", device="meta")
+    batch = {name: torch.zeros(2, 16, dtype=torch.long, device="meta") for name in ("input_ids", "labels")}
+    analysed = xirang.analyze(model, (), batch)
+    world = xirang.World.uniform(1, 4, "a100-80g", intra_node=xirang.LinkSpec(bandwidth=50e9, latency=1e-5))
+    plan = xirang.plan(model, world=world, example_kwargs=batch, global_batch=1, seq=SEQ, precision="fp32",
+                       analysed=analysed)
+    assert plan.mesh.tp == 4  # the premise: tp wins here
+    assert any(isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items() if n.startswith("p_"))
+    split = SplitPricer(analysed.graph_module, world, precision="fp32").price(4, (0, 1, 2, 3), plan.micro_batch, SEQ)
+    _, forward, backward, tp = stage_predictions(plan, split)
+    return plan, analysed, forward, backward, tp
+
+
+def as_predicted(plan, forward, backward, **changes) -> MeasuredCosts:
+    breakdown = plan.predicted.breakdown
+    figures = dict(forward=dict(enumerate(forward)), backward=dict(enumerate(backward)),
+                   sync_seconds=breakdown["dp_exposed"] + breakdown.get("tied_sum", 0.0),
+                   step_seconds=plan.predicted.step_seconds, num_micro_batches=plan.num_micro_batches)
+    return MeasuredCosts(**{**figures, **changes})
+
+
+def test_measured_as_predicted_leaves_the_plan_the_best(planned):
+    plan, analysed, forward, backward, _ = planned
+    report = xirang.reprice(plan, as_predicted(plan, forward, backward), analysed=analysed, seq=SEQ)
+    assert report.compute_scale == pytest.approx(1.0) and report.tp_scale == pytest.approx(1.0)
+    assert report.repriced_current == pytest.approx(plan.predicted.step_seconds, rel=1e-9)
+    assert not report.another_wins and report.verdict.startswith("the current plan is still the best")
+
+
+def test_tp_collectives_five_times_slower_make_a_less_tp_mesh_win(planned):
+    plan, analysed, forward, backward, tp = planned
+    m = plan.num_micro_batches
+    slower = as_predicted(plan, [f + 4 * t / 2 for f, t in zip(forward, tp)],  # tp's extra, half in each pass
+                          [b + 4 * t / 2 for b, t in zip(backward, tp)], tp_seconds=5 * m * sum(tp))
+    report = xirang.reprice(plan, slower, analysed=analysed, seq=SEQ)
+    assert report.tp_scale == pytest.approx(5.0) and report.compute_scale == pytest.approx(1.0)
+    assert report.repriced_current > plan.predicted.step_seconds
+    assert report.another_wins and report.best_mesh[1] < plan.mesh.tp
+    dp, tp_degree, pp = report.best_mesh
+    assert report.verdict.startswith(f"another plan would now win: (dp,tp,pp)=({dp},{tp_degree},{pp}) schedule "
+                                     f"{report.best_schedule} predicted")
+    assert str(report).splitlines()[-1] == report.verdict and "tp collectives: measured" in str(report)
+
+
+def test_stages_twice_as_slow_double_a_step_that_is_all_stage_time(planned):
+    plan, analysed, forward, backward, _ = planned
+    assert plan.mesh.pp == 1 and plan.mesh.dp == 1  # the step is m x (forward + backward): no bubble, no sync
+    report = xirang.reprice(plan, as_predicted(plan, [2 * f for f in forward], [2 * b for b in backward]),
+                            analysed=analysed, seq=SEQ)
+    assert report.compute_scale == pytest.approx(2.0) and report.tp_scale == pytest.approx(2.0)
+    assert report.repriced_current == pytest.approx(2 * plan.predicted.step_seconds, rel=1e-6)
+
+
+def test_link_scale_multiplies_every_collective_price():
+    world = xirang.World.uniform(2, 4, "a100-80g")
+    slow = scaled_world(world, 3.0)
+    for group in ((0, 1, 2, 3), (0, 4), tuple(range(8))):
+        assert collective_cost("all_reduce", 1e8, group, slow).seconds == pytest.approx(
+            3 * collective_cost("all_reduce", 1e8, group, world).seconds)
+
+
+def test_rank_records_combine_to_the_slowest_rank_per_stage():
+    def record(stage, f, b, finished):
+        step = StepRecord(timestamps=[(0, Forward(stage, 0), 0.0, f), (0, Forward(stage, 1), f, 2 * f),
+                                      (0, Backward(stage, 0), 2 * f, 2 * f + b), (0, Backward(stage, 1), 2 * f + b,
+                                                                                 2 * f + 2 * b)])
+        step.finished = finished
+        return rank_summary(step, 2)
+    one = combine([record(0, 1.0, 2.0, 7.0), record(0, 1.5, 2.0, 6.0), record(1, 0.5, 1.0, 3.5)], 2)
+    assert dict(one.forward) == {0: 1.5, 1: 0.5} and dict(one.backward) == {0: 2.0, 1: 1.0}
+    assert one.sync_seconds == pytest.approx(1.0) and one.step_seconds == 7.0  # rank 0: 7 - 6
+    both = MeasuredCosts.median([one, combine([record(0, 3.0, 2.0, 10.0), record(1, 0.5, 1.0, 3.0)], 2), one])
+    assert both.forward[0] == 1.5 and both.steps == 3
+
+
+def test_measurements_of_another_plan_are_refused(planned):
+    plan, analysed, forward, backward, _ = planned
+    other = as_predicted(plan, forward + [1.0], backward + [1.0])
+    with pytest.raises(XirangError, match="not the plan's"):
+        xirang.reprice(plan, other, analysed=analysed, seq=SEQ)
