@@ -121,8 +121,8 @@ class NodeSpec:
             raise InvalidValue(f"bad node spec {data!r}: expected an object with exactly the keys "
                              f"devices (int), device (preset name or device spec object)")
         device = data["device"]
-        return cls(data["devices"], DeviceSpec.from_json(device) if isinstance(device, dict)
-                   else device_spec(device))
+        device = at_field("device", DeviceSpec.from_json if isinstance(device, dict) else device_spec, device)
+        return at_field("devices", cls, data["devices"], device)
 
 
 @dataclass(frozen=True)
@@ -253,9 +253,10 @@ class World:
                              f"nodes (list of node specs), intra_node, inter_node (link specs) and "
                              f"optionally calibration")
         calibration = data.get("calibration")
-        return cls(tuple(NodeSpec.from_json(node) for node in data["nodes"]),
-                   LinkSpec.from_json(data["intra_node"]), LinkSpec.from_json(data["inter_node"]),
-                   None if calibration is None else Calibration.from_json(calibration))
+        return cls(tuple(at_field(f"nodes[{i}]", NodeSpec.from_json, node) for i, node in enumerate(data["nodes"])),
+                   at_field("intra_node", LinkSpec.from_json, data["intra_node"]),
+                   at_field("inter_node", LinkSpec.from_json, data["inter_node"]),
+                   None if calibration is None else at_field("calibration", Calibration.from_json, calibration))
 
     def save(self, path) -> None:
         """Write ``to_json`` to ``path`` (what ``xirang calibrate`` writes)."""
@@ -272,7 +273,24 @@ class World:
         except json.JSONDecodeError as error:
             raise InvalidValue(f"world file {str(path)!r} is not JSON ({error}); write it with "
                                f"`xirang calibrate` or World.save") from error
-        return cls.from_json(data)
+        try:
+            return cls.from_json(data)
+        except InvalidValue as error:
+            raise InvalidValue(error.what, where=f"world file {str(path)!r}" + (f", field {error.where}" if error.where
+                                                                                else ""),
+                               hint=error.hint or "fix that field, or write the file again with `xirang calibrate` "
+                                                  "or World.save") from None
+
+
+def at_field(path: str, parse, *args):
+    """``parse(*args)``, its InvalidValue located at ``path`` within the JSON being read (nested calls
+    build paths such as nodes[1].device)."""
+    try:
+        return parse(*args)
+    except InvalidValue as error:
+        inner = error.where
+        where = path if not inner else f"{path}{inner}" if inner.startswith("[") else f"{path}.{inner}"
+        raise InvalidValue(error.what, where=where, hint=error.hint) from None
 
 
 _NODES_X_DEVICES = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")

@@ -321,3 +321,22 @@ def test_old_device_json_without_efficiency_still_loads():
     from xirang.ir.device import Efficiency
     assert DeviceSpec.from_json({"name": "x", "peak_flops": {"fp32": 1e9}, "memory_bytes": 1024,
                                  "memory_bandwidth": 1e9}).efficiency == Efficiency()
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (lambda d: d["nodes"][1].__setitem__("device", "a1000"), "nodes[1].device", "unknown device 'a1000'"),
+    (lambda d: d["nodes"][1]["device"].__setitem__("memory_bandwidth", -1), "nodes[1].device",
+     "memory_bandwidth must be a positive number"),
+    (lambda d: d["nodes"][0].__setitem__("devices", 0), "nodes[0].devices", "devices must be a positive int"),
+    (lambda d: d["inter_node"].__setitem__("bandwidth", -5), "inter_node", "bandwidth must be a positive number"),
+])
+def test_a_bad_world_file_is_refused_naming_the_file_and_the_field(tmp_path, edit, field, words):
+    data = World.uniform(2, 8, "a100-80g").to_json()
+    data["nodes"][1]["device"] = DeviceSpec.to_json(device_spec("h100-80g"))  # a mixed world, written out
+    edit(data)
+    path = tmp_path / "world.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as caught:
+        World.load(path)
+    assert words in caught.value.what and caught.value.where == f"world file {str(path)!r}, field {field}", \
+        str(caught.value)
