@@ -10,6 +10,8 @@ Any choice can be pinned, e.g. to price a published configuration:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -50,7 +52,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
          tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
          micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
          recompute: Optional[str] = None, offload: Optional[str] = None, efficiency: Optional[Efficiency] = None,
-         progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None) -> Plan:
+         progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None,
+         sequence_parallel: bool = False) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
     ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
@@ -61,8 +64,13 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     ``recompute`` ("none", "selective", "full") and ``offload`` ("none", "blocks": each block's
     activations to host memory, prefetched back for its backward) pin a choice. ``progress`` receives a
     ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
-    has it already (``xirang.compile`` traces once for planning and lowering).
+    has it already (``xirang.compile`` traces once for planning and lowering). ``sequence_parallel``:
+    offer the split the residual stream sharded along the sequence on tp (Korthikanti et al. 2022);
+    the split ILP takes it op by op where it costs less than the all-reduce layout.
     """
+    if not isinstance(sequence_parallel, bool):
+        raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True or False",
+                          where="xirang.plan(sequence_parallel=...)", hint="pass True or False")
     world = as_world(world, device)
     precision = _precision(precision, world)
     check_global_batch(global_batch)  # before the trace, which is the slow part
@@ -84,7 +92,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
 
     def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch), 2 at once
         began = time.perf_counter()
-        split = pricer.price(tp, tp_group, micro_batch, seq, *rest)
+        split = pricer.price(tp, tp_group, micro_batch, seq, *rest, sequence_parallel=sequence_parallel)
         solved.append((tp, micro_batch))
         report_progress(PlanProgress("splits", time.perf_counter() - began,
                                      f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}",
@@ -112,6 +120,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     start, cpu_start = time.perf_counter(), cpu_seconds()
     made = assemble_plan(gm, world, result, global_batch=global_batch, precision=precision,
                          memory_fraction=MEMORY_FRACTION)
+    if sequence_parallel:
+        made = dataclasses.replace(made, sequence_parallel=True)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s",
                                  cpu_seconds=cpu_seconds() - cpu_start))

@@ -34,7 +34,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo
-from xirang.ir.meta_keys import INSERTED, LAYOUT, REQUIRES_GRAD, ROLE, RUN_DTYPE, TENSOR, UNIT
+from xirang.ir.meta_keys import INSERTED, LAYOUT, REQUIRES_GRAD, ROLE, RUN_DTYPE, SYMBOLS, TENSOR, UNIT
 from xirang.ir.pass_spec import compiler_pass
 from xirang.ir.placement import Partial, Replicate, Shard, local_shape
 from xirang.passes.lowering.inserted import place_inserted
@@ -249,9 +249,25 @@ def _full_shape(value: Node) -> tuple:
                  for s in shape)
 
 
+def check_sequence_shards(gm, tp: int) -> None:
+    """A sequence-sharded layout (sharding_rules_sequence) needs tp to divide the sequence the program is
+    built for: a padded shard would put padding rows into norms and reductions."""
+    seq = SYMBOLS.get(gm, {}).get("seq")
+    if tp == 1 or seq is None or seq % tp == 0:
+        return
+    for node in gm.graph.nodes:
+        strategy = LAYOUT.get(node, None)
+        if strategy is not None and strategy.strategy.startswith("seq "):
+            raise XirangError(f"{node.name} is sharded along the sequence on tp={tp}, but the program is built "
+                              f"for seq {seq}, which {tp} does not divide", where=f"plan.placements[{node.name!r}]",
+                              hint=f"use a sequence length that is a multiple of {tp}, or re-plan with "
+                                   f"sequence_parallel=False")
+
+
 @compiler_pass(requires=(LAYOUT, TENSOR, UNIT, REQUIRES_GRAD), provides=(INSERTED,))
 def insert_collectives(gm, ctx):
     """Rewrite the graph into this tp rank's program: local shapes, a collective wherever layouts differ."""
+    check_sequence_shards(gm, ctx.plan.mesh.tp)
     rewriter = TpRewriter(gm, tp_rank=ctx.coords["tp"], tp_size=ctx.plan.mesh.tp, device=torch.device(ctx.device))
     graph = rewriter.run()
     graph.eliminate_dead_code()

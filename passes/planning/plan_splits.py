@@ -105,25 +105,29 @@ class SplitPricer:
                     f"({names}) are left in the layout the split chose, not gathered",)
         return ()
 
-    def problem(self, tp: int) -> TpProblem:
+    def problem(self, tp: int, sequence_parallel: bool = False) -> TpProblem:
         """Candidate strategies and links of one tp, built once (strategies_for can be slow)."""
         with self._lock:
-            return self._problem(tp)
+            return self._problem(tp, sequence_parallel)
 
-    def _problem(self, tp: int) -> TpProblem:
-        if tp not in self._problems:
-            problem = TpProblem(self.graph, self.table, tp, self.float_bytes)
+    def _problem(self, tp: int, sequence_parallel: bool = False) -> TpProblem:
+        key = (tp, sequence_parallel)
+        if key not in self._problems:
+            problem = TpProblem(self.graph, self.table, tp, self.float_bytes, sequence_parallel=sequence_parallel)
             seq_known = "seq" in self.graph.symbol_names
             for decision in problem.decisions:
                 if decision.node is not None and decision.node not in self._facts:
                     self._facts[decision.node] = node_facts(decision.node, self.table, self.float_bytes, seq_known)
-            self._problems[tp] = problem
-        return self._problems[tp]
+            self._problems[key] = problem
+        return self._problems[key]
 
     def price(self, tp: int, tp_group: tuple[int, ...], micro_batch: int, seq: int,
-              memory_limit_bytes: float | None = None) -> TensorSplit:
+              memory_limit_bytes: float | None = None, *, sequence_parallel: bool = False) -> TensorSplit:
         """Costs of every unit for one micro-batch of ``micro_batch`` sequences of ``seq`` tokens on a tp
         group of ``tp`` ranks (``tp_group``: their global ranks in the World).
+
+        ``sequence_parallel``: the residual stream may also be split along the sequence
+        (sharding_rules_sequence); the ILP then picks, op by op, whichever layout costs less.
 
         ``memory_limit_bytes`` bounds the parameter bytes (in ``precision``) one tp rank holds for the
         whole model; a ValueError gives the minimum when no choice of strategies fits it.
@@ -139,14 +143,16 @@ class SplitPricer:
                 memory_limit_bytes, (int, float)) or not memory_limit_bytes >= 0):
             raise InvalidValue(f"price: memory_limit_bytes must be a number of bytes >= 0 or None, "
                              f"got {memory_limit_bytes!r}")
-        key = (tp, tp_group, micro_batch, seq, memory_limit_bytes)
+        if not isinstance(sequence_parallel, bool):
+            raise InvalidValue(f"price: sequence_parallel must be True or False, got {sequence_parallel!r}")
+        key = (tp, tp_group, micro_batch, seq, memory_limit_bytes, sequence_parallel)
         if key not in self._solutions:
-            self._solutions[key] = self._price(tp, tp_group, micro_batch, seq, memory_limit_bytes)
+            self._solutions[key] = self._price(tp, tp_group, micro_batch, seq, memory_limit_bytes, sequence_parallel)
         return self._solutions[key]
 
-    def _price(self, tp, tp_group, micro_batch, seq, memory_limit) -> TensorSplit:
+    def _price(self, tp, tp_group, micro_batch, seq, memory_limit, sequence_parallel=False) -> TensorSplit:
         with self._lock:
-            problem = self.problem(tp)
+            problem = self.problem(tp, sequence_parallel)
             point = tuple({"batch": micro_batch, "seq": seq}[name] for name in self.graph.symbol_names)
             device = self.device or self.world.device_of(tp_group[0])
             pricing = Pricing(self.table.values(point), tp, tp_group, self.world, device, self.precision,

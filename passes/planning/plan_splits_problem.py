@@ -103,8 +103,10 @@ class Link:
 class TpProblem:
     """Decisions and links of every group at one tp degree (built once per tp, priced per call)."""
 
-    def __init__(self, graph: SplitGraph, table: ExprTable, tp: int, float_bytes: int):
+    def __init__(self, graph: SplitGraph, table: ExprTable, tp: int, float_bytes: int, *,
+                 sequence_parallel: bool = False):
         self.graph, self.table, self.tp, self.float_bytes = graph, table, tp, float_bytes
+        self.sequence_parallel = sequence_parallel
         self.decisions: list[Decision] = []
         self.links: dict[tuple[str, str], Link] = {}
         self.of_node: dict[Node, Decision] = {}
@@ -149,7 +151,7 @@ class TpProblem:
         """Decisions of one group's nodes, links for every tensor they read, boundaries, gradients."""
         place = group.unit.removeprefix("block:") if group.kind is not None else "segments"
         for node in group.nodes:
-            options = tuple(strategies_for(node, self.tp))
+            options = tuple(strategies_for(node, self.tp, self.sequence_parallel))
             for collective in (c for option in options for c in option.collectives):
                 self.table.index(collective.nbytes)  # registered before any pricing reads the table
             unit = group.unit or self.graph.unit_for(node)

@@ -53,6 +53,7 @@ from xirang.passes.analysis.memory_traffic import STAT_BYTES, arg
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 from xirang.passes.planning.sharding_rules_fused import (chunked_follows, fused_chunks, padded_follows,
                                                          reaches_vocab_loss, split_follows)
+from xirang.passes.planning.sharding_rules_sequence import sequence_follows
 from xirang.passes.planning.sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides,
                                                          floating, info, is_tensor, padded, same, shape,
                                                          shard_fraction, shardable)
@@ -285,11 +286,12 @@ RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
     **COMPUTE_RULES, **{op: _from_follow(rule) for op, rule in FOLLOW_RULES.items()}}
 
 
-def strategies_for(node: Node, tp: int) -> list[Strategy]:
+def strategies_for(node: Node, tp: int, sequence_parallel: bool = False) -> list[Strategy]:
     """Candidate strategies of one node on a tp axis of ``tp`` ranks; the first is all-Replicate.
 
     Placeholders (parameters, inputs) may be held whole or split on any dim tp divides; the output
-    node reads whole tensors; an op without a rule is only replicated.
+    node reads whole tensors; an op without a rule is only replicated. ``sequence_parallel`` adds the
+    rows that split the residual stream along the sequence (sharding_rules_sequence).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise InvalidValue(f"tp must be a positive int, got {tp!r}")
@@ -303,7 +305,11 @@ def strategies_for(node: Node, tp: int) -> list[Strategy]:
     if tp == 1:  # one rank: every placement is the whole tensor
         return found
     rule = RULES.get(op_packet(node)) if node.op == "call_function" and is_tensor(node) else None
-    for strategy in rule(node, tp) if rule else ():
+    candidates = list(rule(node, tp)) if rule else []
+    if sequence_parallel and rule:
+        candidates += [make(node, "seq " + ", ".join(str(p) for _, p in f.inputs) + " -> " + str(f.output),
+                            f.inputs, f.output, 1 / tp) for f in sequence_follows(node, tp)]
+    for strategy in candidates:
         if strategy is not None and all((s.inputs, s.output) != (strategy.inputs, strategy.output) for s in found):
             found.append(strategy)
     return found
