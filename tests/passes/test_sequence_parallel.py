@@ -59,6 +59,10 @@ def test_ilp_takes_sequence_shards_where_cheaper(gpt_graph):
     assert any("layer_norm" in name for name in chosen) and any(name.startswith("add") for name in chosen), chosen
     assert sum(u.forward_seconds + u.backward_seconds for u in on.units) < \
         sum(u.forward_seconds + u.backward_seconds for u in off.units)
+    # the activations the split ops keep are priced at their sequence shard (1/tp): less per block
+    blocks_off = {u.name: u.saved_bytes for u in off.units if u.name.startswith("block:")}
+    blocks_on = {u.name: u.saved_bytes for u in on.units if u.name.startswith("block:")}
+    assert blocks_on and all(blocks_on[name] < blocks_off[name] for name in blocks_on), (blocks_on, blocks_off)
     kinds = {c.kind for c in on.collectives}
     assert "reduce_scatter" in kinds or "all_gather" in kinds, kinds
     # where it is not cheaper the ILP keeps today's layout exactly
