@@ -15,7 +15,8 @@ CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"
           ("dp_exposed", "DP exposed"), ("offload", "offload"))
 # the configuration fields that drive each cause; a sentence names those that differ
 _DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m"), "tp_comm": ("tp", "pp", "b", "m"),
-            "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"), "dp_exposed": ("dp", "pp", "tp", "zero"),
+            "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"),
+            "dp_exposed": ("dp", "pp", "tp", "zero"),
             "offload": ("offload", "recompute", "tp", "b")}
 PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
                ("activations", "activations"), ("working_set", "work set"), ("buffers", "buffers"))
@@ -81,8 +82,10 @@ def zero_trade(plan) -> str:
     """'zero-1 saves 34.0 GiB/device, costs 0.4 s of exposed all-gather (vs zero-0 at the same mesh...)':
     the plan's ZeRO stage against the alternative that differs from it in the ZeRO stage only, or ''."""
     winner = as_row(plan)
-    same = [a for a in plan.alternatives if a.zero_stage != winner.zero_stage
-            and label(a).replace(f" zero={a.zero_stage}", "") == label(winner).replace(f" zero={winner.zero_stage}", "")]
+    def without_zero(row: Alternative) -> str:
+        return label(row).replace(f" zero={row.zero_stage}", "")
+    same = [a for a in plan.alternatives
+            if a.zero_stage != winner.zero_stage and without_zero(a) == without_zero(winner)]
     if not same:
         return ""
     other = same[0]

@@ -268,7 +268,8 @@ class Alternative:
     @classmethod
     def from_json(cls, data) -> "Alternative":
         names = tuple(f.name for f in fields(cls))
-        check_keys(data, names, "alternative", required=tuple(n for n in names if n not in ("offload", "zero_stage")))  # came later
+        came_later = ("offload", "zero_stage")
+        check_keys(data, names, "alternative", required=tuple(n for n in names if n not in came_later))
         with errors_at("mesh"):
             mesh = Mesh.from_json(data["mesh"])
         return cls(**{**data, "mesh": mesh})

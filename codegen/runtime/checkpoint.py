@@ -77,6 +77,21 @@ def _held(target) -> list:
     return held_by_module(target) if _is_module(target) else held_by_compiled(target)
 
 
+def _refuse_sharded_optimizer(target, optimizer, where: str) -> None:
+    """ZeRO-1 keeps the optimizer's state per bucket shard, not per parameter: saving it under the model's
+    names is not implemented, so a checkpoint with an optimizer is refused rather than written wrong.
+    The model alone is saved and loaded (its parameters gathered from the shards first)."""
+    zero = getattr(target, "zero", None)
+    if zero is None:
+        return
+    if optimizer is not None:
+        raise XirangError("checkpoints of a ZeRO-1 optimizer (plan.zero_stage 1: state sharded over dp per "
+                          "gradient bucket) are not supported yet", where=f"{where}(optimizer=...)",
+                          hint="save with optimizer=None (the model's parameters only), or train with "
+                               "zero_stage 0 when you need resumable optimizer state")
+    zero.gather_parameters()  # the last optimizer step's slices, into the parameters saved
+
+
 def _check_plain(value, where: str) -> None:
     """``extra`` must load with torch.load(weights_only=True): containers of numbers, strings, tensors."""
     if isinstance(value, dict):
@@ -134,6 +149,7 @@ def _layout(target, held: list) -> dict:
 def save_checkpoint(target, optimizer, directory, *, step: int, extra=None, async_save: bool = False):
     """Write ``directory/step-<8 digits>/`` (see the module docstring): collective, every rank calls it.
     Returns the step folder, or with ``async_save=True`` a ``PendingCheckpoint`` to ``wait()`` on."""
+    _refuse_sharded_optimizer(target, optimizer, "save_checkpoint")
     folder = step_folder(directory, step)
     extra = {} if extra is None else extra
     _check_plain(extra, "extra")
@@ -288,6 +304,7 @@ def load_checkpoint(target, optimizer, path) -> dict:
     latest complete step, newer incomplete ones skipped with a logged message) under this plan;
     returns ``{"step": int, "extra": dict}``. Collective (every rank calls it) unless ``target`` is an
     ``nn.Module``. A checkpoint of another model is refused, naming the keys, before anything changes."""
+    _refuse_sharded_optimizer(target, optimizer, "load_checkpoint")
     distributed = not _is_module(target)
     folder = resolve_checkpoint(path, quiet=_rank(target) != 0)
     reader = FileSystemReader(folder)
@@ -327,6 +344,8 @@ def load_checkpoint(target, optimizer, path) -> dict:
     if optimizer is not None:
         _install_optimizer_state(optimizer, state, installs, loaded.get(PARAM_GROUPS), folder)
     _restore_rng(target, loaded)
+    if getattr(target, "zero", None) is not None:
+        target.zero.refresh_from_parameters()  # ZeRO-1: the shards take the loaded parameters' slices
     return {"step": loaded[STEP], "extra": loaded[EXTRA]}
 
 

@@ -5,9 +5,13 @@ and one per weight tied across pipeline ranks (node "tied:<name>", over the rank
 bytes (one rank's full buffer, padding included) and algorithm. The runtime records each call on the
 ``CommCounter`` with the same label, the bytes it handed to the collective and the algorithm it ran
 (``ENACTED_ALGORITHM``: "ring"/"tree" run as the backend's flat all-reduce, "hierarchical" as
-Xirang's two levels). Comparing the two is a join on the label. Over the ranks of one (dp, tp)
-index across the pipeline, each bucket runs on exactly one rank (the one holding its stage) and each
-tied sum on every holder.
+Xirang's two levels). Comparing the two is a join on the label and the kind. Over the ranks of one
+(dp, tp) index across the pipeline, each bucket runs on exactly one rank (the one holding its stage)
+and each tied sum on every holder.
+
+Under ZeRO-1 (``plan.zero_stage`` 1) a bucket is two calls with one label: the reduce-scatter of its
+gradients and the all-gather of its updated parameters, which runs at the start of the next step
+(codegen/runtime/dist_optimizer.py), so a step's records hold the previous step's all-gathers.
 """
 from __future__ import annotations
 
@@ -38,19 +42,21 @@ def planned_calls(plan, records_by_rank: Mapping[int, Sequence]) -> list:
     """One ``PlannedCall`` per bucket and tied sum the ranks ran, from one step's ``CommRecord``s of
     the ranks of one (dp, tp) index across the pipeline (``{global rank: records}``), plus one per
     planned call that ran nowhere."""
-    planned = {choice.node: (choice.kind, choice.nbytes, ENACTED_ALGORITHM[choice.algorithm])
+    planned = {(choice.node, choice.kind): (choice.kind, choice.nbytes, ENACTED_ALGORITHM[choice.algorithm])
                for choice in plan.collectives if choice.node.startswith(CHECKED)}
     rows, seen = [], set()
     for rank, records in sorted(records_by_rank.items()):
         for record in records:
             if not record.label.startswith(CHECKED):
                 continue
-            twice = record.label.startswith("bucket:") and record.label in seen
-            seen.add(record.label)
-            rows.append(PlannedCall(record.label, () if twice else planned.get(record.label, ()),
+            key = (record.label, record.kind)
+            twice = record.label.startswith("bucket:") and key in seen
+            seen.add(key)
+            rows.append(PlannedCall(record.label, () if twice else planned.get(key, ()),
                                     (record.kind, record.nbytes, record.algorithm), rank))
-    rows += [PlannedCall(label, expected, None, None) for label, expected in planned.items() if label not in seen]
-    return sorted(rows, key=lambda row: (row.label.split(":")[0], _order(row.label), row.rank or 0))
+    rows += [PlannedCall(key[0], expected, None, None) for key, expected in planned.items() if key not in seen]
+    return sorted(rows, key=lambda row: (row.label.split(":")[0], _order(row.label), (row.planned or row.ran)[0],
+                                         row.rank or 0))
 
 
 def _order(label: str):

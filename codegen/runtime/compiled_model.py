@@ -26,6 +26,7 @@ sum runs after the dp average; both are linear, so the order does not matter.
 Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by
 shard, which is exact for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a
 whole tensor (LAMB's trust ratio); clipping by total norm is ``clip_grad_norm_`` (grad_norm.py).
+ZeRO-1 (plan.zero_stage 1, dp > 1): ``parameters()`` are the shard parameters of dist_optimizer.py.
 """
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ import torch.distributed as dist
 from xirang.passes.lowering.precision import COMPUTE_DTYPES
 from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
-
 from xirang.codegen.ops.comm_counter import record_call
 from xirang.codegen.runtime.batch_checks import BatchChecks
+from xirang.codegen.runtime.dist_optimizer import zero_one_shards
 from xirang.codegen.runtime.grad_norm import clip_grad_norm
 from xirang.codegen.runtime.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms,
                                               planned_buckets)
@@ -52,8 +53,6 @@ from xirang.codegen.runtime.rng_streams import make_rng
 from xirang.codegen.runtime.schedule_check import check_schedule
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
-
-
 
 
 class LoadResult(NamedTuple):
@@ -71,13 +70,12 @@ def reduce_dtype(name: str):
 class CompiledModel:
     """One rank's compiled training program (see the module docstring).
 
-    ``model``: the module, or a mapping FQN -> tensor like its ``state_dict(keep_vars=True)`` (a rank
-    then needs neither the model class nor a trace). ``program``: this rank's ``Program``.
-    ``groups``: the mesh's process groups (``build_mesh_groups(plan.mesh)`` by default).
-    ``counter``: a ``CommCounter`` every collective records on; ``event_log``: receives the dp
-    buckets' launch/wait events. ``source_of``: rank -> that rank's program source, for ``code(rank)``
-    of other ranks (given by ``xirang.compile``, which can lower the model for any rank). ``seed``
-    and ``rng`` ("streams" or "exact"): the random ops' streams (codegen/runtime/rng_streams.py).
+    ``model``: the module, or a mapping FQN -> tensor like its ``state_dict(keep_vars=True)`` (a rank then needs
+    neither the model class nor a trace). ``program``: this rank's ``Program``. ``groups``: the mesh's process
+    groups (``build_mesh_groups(plan.mesh)`` by default). ``counter``: a ``CommCounter`` every collective records
+    on; ``event_log``: receives the dp buckets' launch/wait events. ``source_of``: rank -> that rank's program
+    source, for ``code(rank)`` of other ranks (given by ``xirang.compile``, which can lower the model for any
+    rank). ``seed`` and ``rng`` ("streams" or "exact"): the random ops' streams (codegen/runtime/rng_streams.py).
     """
 
     def __init__(self, model, plan, program: Program, *, groups=None, bucket_bytes: Optional[int] = None,
@@ -112,6 +110,8 @@ class CompiledModel:
         self._counter, self._event_log = counter, event_log
         buckets = self._grad_buckets(stages, bucket_bytes) if self.dp > 1 else None
         self.grad_buckets = buckets or {}  # local stage -> its dp GradientBuckets
+        self.zero = zero_one_shards(plan, self.grad_buckets, self._state, tied=self._tied, shards=program.shards,
+                                    groups=self.groups, counter=counter)  # ZeRO-1: the optimizer's shards, or None
         self.executor = self._build_executor()
         self.last_step: Optional[StepRecord] = None
         self.rebalancer = None  # a codegen/runtime/dp_balance.DpRebalancer moves dp shares between steps
@@ -202,7 +202,8 @@ class CompiledModel:
                 if fqn in self._trainable and tensor.requires_grad]
 
     def parameters(self) -> list:
-        return [tensor for _, tensor in self.named_parameters()]
+        """What the optimizer steps: the model's parameters, or under ZeRO-1 this rank's shard parameters."""
+        return self.zero.parameters() if self.zero else [tensor for _, tensor in self.named_parameters()]
 
     def local_param_bytes(self) -> int:
         """Bytes of the trainable tensors this rank holds (its stages' tp shards)."""
@@ -211,17 +212,22 @@ class CompiledModel:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients (every element once);
         returns the total norm. Collective; a non-finite norm clips nothing (codegen/runtime/grad_norm.py)."""
+        if self.zero:
+            return self.zero.clip_grad_norm_(max_norm, norm_type)
         return clip_grad_norm(self.named_parameters(), max_norm, norm_type, shards=self.program.shards,
                               tied=self._tied, groups=self.groups, device=self.device)
 
     def full_state_dict(self) -> dict:
         """FQN -> parameter of the whole model, tied weights under every alias. Collective over the
         tp and pp groups: call it on every rank."""
+        if self.zero:
+            self.zero.gather_parameters()  # the optimizer's updates, if not gathered yet
         return self._gather({fqn: t.detach() for fqn, t in self.named_parameters()})
 
     def full_gradients(self) -> dict:
-        """FQN -> gradient after ``train_step``, gathered like ``full_state_dict``."""
-        return self._gather({fqn: t.grad for fqn, t in self.named_parameters() if t.grad is not None})
+        """FQN -> gradient after ``train_step``, gathered like ``full_state_dict`` (ZeRO-1: from the shards)."""
+        grads = self.zero.full_gradients() if self.zero else {id(t): t.grad for _, t in self.named_parameters()}
+        return self._gather({fqn: grads[id(t)] for fqn, t in self.named_parameters() if grads.get(id(t)) is not None})
 
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
         """Copy this rank's piece of the full tensors in place (optimizers keep their references):
@@ -251,6 +257,8 @@ class CompiledModel:
         load_full_state(state, state_dict, aliases=self._aliases, trainable=self._trainable,
                         shards=self.program.shards, tp_rank=self.tp_rank, tp=self.tp,
                         where=f"pp rank {self.pp_rank} (stages {list(self.schedule.stages_of(self.pp_rank))})")
+        if self.zero:
+            self.zero.refresh_from_parameters()
         return LoadResult(missing, unexpected)
 
     def _state_dict_keys(self, state_dict) -> tuple[list, list]:
@@ -326,6 +334,8 @@ class CompiledModel:
             problem = error
         self._batch_checks.agree(batch, pre_sharded, problem)
         micro_batches = self._micro_batches(batch, pre_sharded)
+        if self.zero:
+            self.zero.gather_parameters()  # ZeRO-1: the last optimizer step's slices, into every replica
         # the executor and the dp buckets compute this step's gradients afresh; what was in .grad
         # (an earlier step not yet zeroed) is added back after, as autograd would accumulate it
         earlier = {}
@@ -348,6 +358,8 @@ class CompiledModel:
             record_call(self._counter, "all_reduce", param.grad.nbytes, dist.get_world_size(group), f"tied:{fqn}")
             dist.all_reduce(param.grad, group=group)
         record.finished = time.perf_counter() - origin  # gradients final: the exposed sync ends here
+        if self.zero:
+            self.zero.collect_whole_buckets()
         for param, grad in earlier.items():
             if param.grad is None:
                 param.grad = grad

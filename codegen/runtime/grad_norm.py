@@ -14,7 +14,10 @@ same gradients as every other dp replica. So each rank sums ``|g|^p`` over the e
 * a parameter replicated over tp: only tp rank 0 owns it (the others hold the same gradient);
 * a weight tied across pipeline ranks (its copies' gradients summed, so equal): only the lowest
   global rank of its tied group owns it;
-* dp replicas hold identical gradients, so the sum is not taken over dp at all.
+* dp replicas hold identical gradients, so the sum is not taken over dp at all -- except under
+  ZeRO-1, where each dp rank holds only its slice of the averaged gradients (codegen/runtime/
+  dist_optimizer.py): there every slice element counts once on its dp rank (``owned_mask`` says
+  which elements count at all) and the sums are added over dp too.
 
 The owned sums are added over the tp group, then the pp group (``max`` for the inf-norm), which
 gives every rank of the mesh the same total norm ``(sum |g|^p)^(1/p)``. Each local gradient is then
@@ -71,9 +74,26 @@ def owned_gradients(named_parameters, *, shards: dict, tied: list, groups) -> li
     return owned
 
 
-def global_grad_norm(owned: list, norm_type: float, groups, device) -> torch.Tensor:
+def owned_mask(fqn: str, local: torch.Tensor, *, shards: dict, tied: list, groups) -> torch.Tensor:
+    """A bool tensor of ``local``'s shape: True where the element counts in the global norm on this
+    rank (the rules of ``owned_gradients``, element by element: a tp shard's padding rows are False)."""
+    tp, tp_rank = groups.axis_size("tp"), groups.axis_index("tp")
+    shard = shards.get(fqn)
+    sharded = isinstance(getattr(shard, "placement", None), Shard) and tp > 1
+    tied_owner = {name: min(dist.get_process_group_ranks(group)) for name, group in tied}
+    mask = torch.zeros(local.shape, dtype=torch.bool, device=local.device)
+    if (not sharded and tp_rank != 0) or tied_owner.get(fqn, groups.rank) != groups.rank:
+        return mask
+    if not sharded:
+        return mask.fill_(True)
+    index = torch.arange(local.numel(), device=local.device).view(local.shape)
+    mask.view(-1)[real_elements(index, shard, tp_rank, tp).reshape(-1)] = True
+    return mask
+
+
+def global_grad_norm(owned: list, norm_type: float, groups, device, axes=("tp", "pp")) -> torch.Tensor:
     """``(sum |g|^p)^(1/p)`` over the owned gradients of every rank (max |g| for p = inf), in fp32,
-    the same on every rank (collective over the tp group, then the pp group)."""
+    the same on every rank (collective over each of ``axes``: tp then pp; ZeRO-1 adds dp)."""
     infinite = math.isinf(norm_type)
     if owned:
         norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in owned])
@@ -81,7 +101,7 @@ def global_grad_norm(owned: list, norm_type: float, groups, device) -> torch.Ten
     else:
         local = torch.zeros((), device=device)
     local = local.to(device=device, dtype=torch.float32)
-    for axis in ("tp", "pp"):
+    for axis in axes:
         group = groups.group(axis)
         if group is not None:
             dist.all_reduce(local, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)

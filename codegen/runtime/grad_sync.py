@@ -18,6 +18,11 @@ the 2D scheme of Jia et al. 2018 and Horovod, on ``TwoLevelGroups``). A hierarch
 reduce-scatter starts the moment the bucket is ready; its cross-node all-reduce starts when the
 next bucket launches (or at ``wait()``), so the three phases of successive buckets pipeline. Every
 sub-group still sees its collectives in bucket order on every rank.
+
+ZeRO-1 (``shard_gradients``, codegen/runtime/dist_optimizer.py): a bucket handed over is reduce-scattered
+instead, flat over the dp group (its buffer padded with zeros to a multiple of dp), and ``wait()``
+gives this rank's 1/dp slice of the averaged buffer to the optimizer shards, leaving the parameters'
+``.grad`` empty: the full averaged gradient exists nowhere, which is the point.
 """
 from __future__ import annotations
 
@@ -86,6 +91,7 @@ class _Bucket:
     shard: Optional[torch.Tensor] = None     # hierarchical: this rank's 1/k of the buffer
     phase: int = 0                           # hierarchical: 1 reduce-scatter, 2 cross-node, 3 gather
     handle: Optional[object] = None          # torch.distributed Work of the phase in flight
+    scatter: bool = False                    # ZeRO-1: reduce-scatter over dp, the slice to shard_sink
 
 
 class GradientBuckets:
@@ -128,6 +134,7 @@ class GradientBuckets:
         # before the average, so the sum over ranks is the global batch's mean gradient; 1 when even
         self.share_weight = 1.0
         self._next = 0  # the next bucket to launch; buckets go out in index order only
+        self.shard_sink = None  # ZeRO-1: (bucket index, this rank's averaged slice) -> None
         self._callback_queued = False
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(bucket))
                        for bucket in self.buckets for param in bucket.params]
@@ -201,10 +208,17 @@ class GradientBuckets:
             self._log("backward_done", None)
         torch.autograd.Variable._execution_engine.queue_callback(done)
 
+    def shard_gradients(self, indices, sink) -> None:
+        """ZeRO-1: reduce-scatter the buckets ``indices`` over dp (flat, whatever their planned algorithm)
+        and give ``sink(bucket index, slice)`` this rank's averaged 1/dp slice at ``wait()``."""
+        for index in indices:
+            self.buckets[index].scatter = True
+        self.shard_sink = sink
+
     def _launch(self, bucket: _Bucket) -> None:
         world = group_size(self.group)
-        hierarchical = bucket.algorithm == "hierarchical" and world > 1
-        k = self.hierarchy.ranks_per_node if hierarchical else 1
+        hierarchical = bucket.algorithm == "hierarchical" and world > 1 and not bucket.scatter
+        k = self.hierarchy.ranks_per_node if hierarchical else world if bucket.scatter else 1
         flat = torch.cat([param.grad.reshape(-1) for param in bucket.params])
         if self.reduce_dtype is not None:
             flat = flat.to(self.reduce_dtype)
@@ -214,7 +228,11 @@ class GradientBuckets:
             flat.mul_(self.share_weight)
         flat.div_(world)  # divide first: an average, and a half-precision sum that cannot overflow
         bucket.buffer = flat
-        if world > 1:
+        if bucket.scatter:  # ZeRO-1: the flat buffer padded to dp equal slices, each rank keeps its own
+            record_call(self.counter, "reduce_scatter", flat.nbytes, world, bucket.label)
+            bucket.shard = flat.new_empty(flat.numel() // world)
+            bucket.handle = reduce_scatter_flat(bucket.shard, flat, self.group, async_op=True)
+        elif world > 1:
             record_call(self.counter, "all_reduce", flat.nbytes, world, bucket.label,
                         algorithm=bucket.algorithm)
             if hierarchical:
@@ -266,8 +284,12 @@ class GradientBuckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
             self._log("wait", bucket.index)
+            if bucket.scatter:
+                self.shard_sink(bucket.index, bucket.shard.to(bucket.params[0].grad.dtype))
+                for param in bucket.params:
+                    param.grad = None  # the full gradient is not kept: the shard's slice is the result
             offset = 0
-            for param in bucket.params:
+            for param in () if bucket.scatter else bucket.params:
                 count = param.numel()
                 param.grad.copy_(bucket.buffer[offset:offset + count].view(param.grad.shape))
                 offset += count
@@ -300,9 +322,10 @@ class GradientBuckets:
 
 def plan_bucket_algorithms(plan) -> dict:
     """``{k: "flat" | "hierarchical"}``: what the runtime runs for the dp all-reduce of ``plan.buckets[k]``
-    (the plan's choice, collective "bucket:<k>", mapped by ``ENACTED_ALGORITHM``)."""
+    (the plan's choice, collective "bucket:<k>", mapped by ``ENACTED_ALGORITHM``; under ZeRO-1 the
+    bucket's reduce-scatter, its all-gather of the updated parameters being the same algorithm's)."""
     return {int(choice.node.removeprefix("bucket:")): ENACTED_ALGORITHM[choice.algorithm]
-            for choice in plan.collectives if choice.node.startswith("bucket:")}
+            for choice in plan.collectives if choice.node.startswith("bucket:") and choice.kind != "all_gather"}
 
 
 def planned_buckets(plan, stage_names: Sequence[str], names: Sequence[str], tensor_of, algorithms: dict) -> list:

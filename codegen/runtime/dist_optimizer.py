@@ -1,0 +1,198 @@
+"""ZeRO-1, the distributed optimizer: each dp rank steps only its 1/dp slice of every gradient bucket.
+
+    compiled = xirang.compile(model, ..., zero_stage=1)
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)  # the shard parameters, below
+    loss = compiled.train_step(**batch); optimizer.step(); optimizer.zero_grad()
+
+Megatron-LM's DistributedOptimizer and DeepSpeed's stage 1 (Rajbhandari et al. 2020, P_os): a
+bucket's flat gradient buffer, padded with zeros to a multiple of dp, is reduce-scattered over the
+dp group instead of all-reduced (codegen/runtime/grad_sync.py ``shard_gradients``), so dp rank r
+receives the average of the r-th contiguous 1/dp slice. Per bucket this rank holds one "shard
+parameter": a flat leaf tensor with the values of its slice of the bucket's parameters, whose
+``.grad`` the reduce-scatter fills. ``compiled.parameters()`` yields these, so any element-wise torch
+optimizer (SGD, Adam, AdamW) keeps state for 1/dp of the elements and steps exactly what one device
+steps on them. The model's parameters stay whole (ZeRO-1 does not shard them) and are refreshed by
+one all-gather per bucket of the updated slices (in the parameters' dtype: Xirang stores parameters
+in fp32 and casts in the graph, so the shard is the fp32 master).
+
+When the all-gather runs: lazily, at the start of the next ``train_step`` (and before anything reads
+the parameters: ``full_state_dict``, a checkpoint), once any shard changed since the last gather
+(its autograd version counter moved: the optimizer writes in place). Chosen over an optimizer step
+hook because the user builds the optimizer and the compiled model never sees it; and the start of
+the next step is where a later version can overlap the gather with the forward. Today the gathers
+run back to back before the forward (exposed, as the planner prices them).
+
+A bucket that holds a weight tied across pipeline ranks (a tied embedding and LM head) is still
+all-reduced: its copies' gradients are summed over the tied group after the dp average, and the
+slices of two pipeline ranks' buckets do not line up. After that sum ``collect_whole_buckets`` cuts
+this rank's slice out of the full gradients and drops them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from xirang.codegen.ops.collectives import all_gather_flat
+from xirang.codegen.ops.comm_counter import record_call
+from xirang.codegen.runtime.grad_norm import CLIP_EPS, LOG, global_grad_norm, owned_mask
+from xirang.ir.errors import XirangError
+
+
+@dataclass(eq=False)
+class BucketShard:
+    """This dp rank's slice of one gradient bucket: the bucket's parameters (launch order) as one flat
+    buffer of ``padded`` elements (a multiple of dp), of which ``param`` holds ``[start, start + size)``."""
+
+    buckets: object  # the GradientBuckets it belongs to
+    index: int       # the bucket's index in it
+    label: str
+    params: list
+    padded: int
+    start: int
+    size: int
+    param: torch.Tensor  # the shard parameter the optimizer steps
+    scatter: bool        # reduce-scattered (False: all-reduced, holds a tied weight)
+    owned: torch.Tensor  # bool over the slice: elements that count in the global gradient norm
+    version: int = 0     # param._version after the last gather or refresh
+
+    def flat(self, tensors) -> torch.Tensor:
+        """``tensors`` (one per parameter) as the bucket's padded flat buffer."""
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        return torch.cat([flat, flat.new_zeros(self.padded - flat.numel())])
+
+    def mine(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start:self.start + self.size]
+
+
+class ZeroOneShards:
+    """The shard parameters of every dp bucket of this rank's local stages (see the module docstring).
+
+    ``grad_buckets``: local stage -> its ``GradientBuckets``; ``fqn_of``: id(parameter) -> FQN;
+    ``tied``: (FQN, group) of the weights tied across pipeline ranks; ``shards`` the program's tp
+    shards and ``groups`` the mesh's groups (for the norm's ownership); ``counter`` the CommCounter."""
+
+    def __init__(self, grad_buckets: dict, fqn_of: dict, *, tied: list, shards: dict, groups, counter=None):
+        self.groups, self.counter = groups, counter
+        self.dp, dp_rank = groups.axis_size("dp"), groups.axis_index("dp")
+        tied_names = {fqn for fqn, _ in tied}
+        self.shards: list[BucketShard] = []
+        for stage in sorted(grad_buckets):
+            buckets = grad_buckets[stage]
+            scattered = []
+            for index, params in enumerate(buckets.bucket_params):
+                names = [fqn_of[id(p)] for p in params]
+                total = sum(p.numel() for p in params)
+                padded = -(-total // self.dp) * self.dp
+                size = padded // self.dp
+                scatter = not tied_names.intersection(names)
+                masks = [owned_mask(name, p, shards=shards, tied=tied, groups=groups) for name, p in zip(names, params)]
+                shard = BucketShard(buckets, index, buckets.buckets[index].label, list(params), padded,
+                                    dp_rank * size, size, None, scatter, None)
+                shard.param = torch.nn.Parameter(shard.mine(shard.flat(params)).clone())
+                shard.owned = shard.mine(shard.flat(masks))
+                shard.version = shard.param._version
+                self.shards.append(shard)
+                if scatter:
+                    scattered.append(index)
+            by_index = {s.index: s for s in self.shards if s.buckets is buckets}
+            buckets.shard_gradients(scattered,
+                                    lambda index, grad, by_index=by_index: _accumulate(by_index[index], grad))
+
+    def parameters(self) -> list:
+        """The shard parameters, one per bucket, for the optimizer."""
+        return [shard.param for shard in self.shards]
+
+    def collect_whole_buckets(self) -> None:
+        """After the tied sums: this rank's slice of each all-reduced bucket's gradients goes to its shard,
+        and the full gradients are dropped (every parameter's gradient then lives only in a shard)."""
+        for shard in self.shards:
+            if shard.scatter or any(p.grad is None for p in shard.params):
+                continue
+            _accumulate(shard, shard.mine(shard.flat([p.grad for p in shard.params])).clone())
+            for p in shard.params:
+                p.grad = None
+
+    def gather_parameters(self, force: bool = False) -> None:
+        """All-gather every bucket's updated slices into the model's parameters, if any shard changed
+        since the last gather (``force``: always). Collective over dp: every dp rank steps alike."""
+        if not force and all(shard.param._version == shard.version for shard in self.shards):
+            return
+        with torch.no_grad():
+            for shard in self.shards:
+                full = shard.param.new_empty(shard.padded)
+                record_call(self.counter, "all_gather", full.nbytes, self.dp, shard.label)
+                all_gather_flat(full, shard.param.detach(), self.groups.dp)
+                offset = 0
+                for p in shard.params:
+                    p.copy_(full[offset:offset + p.numel()].view(p.shape))
+                    offset += p.numel()
+                shard.version = shard.param._version
+
+    def refresh_from_parameters(self) -> None:
+        """The model's parameters were loaded: take each shard's slice of them (no communication)."""
+        with torch.no_grad():
+            for shard in self.shards:
+                shard.param.copy_(shard.mine(shard.flat(shard.params)))
+                shard.version = shard.param._version
+
+    def full_gradients(self) -> dict:
+        """id(parameter) -> its averaged gradient, all-gathered from the shards (collective over dp);
+        parameters whose shard has no gradient are left out."""
+        found = {}
+        for shard in self.shards:
+            has = torch.tensor([shard.param.grad is not None], dtype=torch.int32, device=shard.param.device)
+            dist.all_reduce(has, op=dist.ReduceOp.MIN, group=self.groups.dp)
+            if not has.item():
+                continue
+            full = shard.param.new_empty(shard.padded)
+            all_gather_flat(full, shard.param.grad.detach().contiguous(), self.groups.dp)
+            offset = 0
+            for p in shard.params:
+                found[id(p)] = full[offset:offset + p.numel()].view(p.shape).clone()
+                offset += p.numel()
+        return found
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the shards: each element of the whole model once (the
+        owned elements of this rank's slices, summed over dp, tp and pp), every shard gradient scaled."""
+        for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise XirangError(f"{name} must be a positive number, got {value!r}",
+                                  where="CompiledModel.clip_grad_norm_ (ZeRO-1)",
+                                  hint="pass e.g. clip_grad_norm_(1.0) or norm_type=float('inf')")
+        owned = [shard.param.grad.detach()[shard.owned] for shard in self.shards if shard.param.grad is not None]
+        device = self.shards[0].param.device if self.shards else "cpu"
+        total = global_grad_norm(owned, float(norm_type), self.groups, device, axes=("dp", "tp", "pp"))
+        if not torch.isfinite(total):
+            LOG.warning("rank %d: the gradient norm is %s; gradients left unclipped, skip this optimizer step",
+                        self.groups.rank, total.item())
+            return total
+        coefficient = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
+        for shard in self.shards:
+            if shard.param.grad is not None:
+                shard.param.grad.detach().mul_(coefficient.to(shard.param.grad.dtype))
+        return total
+
+    def optimizer_state_elements(self, optimizer) -> int:
+        """Elements of ``optimizer``'s tensor state held for this rank's shards (a direct count)."""
+        mine = {id(shard.param) for shard in self.shards}
+        return sum(value.numel() for param, state in optimizer.state.items() if id(param) in mine
+                   for value in state.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def zero_one_shards(plan, grad_buckets: dict, state: dict, **kwargs):
+    """``ZeroOneShards`` when ``plan.zero_stage`` is 1 and this rank has dp buckets (dp > 1), else None;
+    ``state``: FQN -> this rank's parameter, ``kwargs``: ``ZeroOneShards``'s keywords."""
+    if plan.zero_stage != 1 or not grad_buckets:
+        return None
+    return ZeroOneShards(grad_buckets, {id(t): fqn for fqn, t in state.items()}, **kwargs)
+
+
+def _accumulate(shard: BucketShard, grad: torch.Tensor) -> None:
+    """Add a step's averaged slice to the shard's gradient, as autograd accumulates into ``.grad``."""
+    if shard.param.grad is None:
+        shard.param.grad = grad
+    else:
+        shard.param.grad.add_(grad)
