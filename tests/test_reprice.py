@@ -93,9 +93,10 @@ def test_rank_records_combine_to_the_slowest_rank_per_stage():
                                                                                  2 * f + 2 * b)])
         step.finished = finished
         return rank_summary(step, 2)
-    one = combine([record(0, 1.0, 2.0, 7.0), record(0, 1.5, 2.0, 6.0), record(1, 0.5, 1.0, 3.5)], 2)
+    one = combine([record(0, 1.0, 2.0, 8.0), record(0, 1.5, 2.0, 7.5), record(1, 0.5, 1.0, 3.5)], 2)
     assert dict(one.forward) == {0: 1.5, 1: 0.5} and dict(one.backward) == {0: 2.0, 1: 1.0}
-    assert one.sync_seconds == pytest.approx(1.0) and one.step_seconds == 7.0  # rank 0: 7 - 6
+    # the sync runs from the slowest compute (rank 1's, ending at 7) to the last rank's end (8)
+    assert one.sync_seconds == pytest.approx(1.0) and one.step_seconds == 8.0
     both = MeasuredCosts.median([one, combine([record(0, 3.0, 2.0, 10.0), record(1, 0.5, 1.0, 3.0)], 2), one])
     assert both.forward[0] == 1.5 and both.steps == 3
 

@@ -20,6 +20,12 @@ Checkpoints (``xirang.save_checkpoint``, codegen/runtime/checkpoint.py: every ra
 complete once its marker is written) hold the model, the optimizer, the randomness and, in ``extra``,
 the data position, the learning-rate schedule's state and the losses so far, so ``--resume``
 continues exactly where the newest complete step left off; the run's last step is always saved.
+
+After step N of the run (``--reprice-after N``; by default 3 when ``--steps`` is over 5) every rank
+hands in what its steps since the first measured (``compiled.measured_costs()``) and rank 0 prints
+``xirang.reprice``'s report once: the plan's step predicted, measured and re-priced, and whether another
+plan would now win (xirang_compile/reprice.py). ``--world-file`` plans on a World that ``xirang calibrate``
+wrote instead of the default CPU ranks.
 """
 from __future__ import annotations
 
@@ -110,6 +116,10 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     predicted = plan.predicted.step_seconds
     bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
     step = start
+    from xirang.reprice import RepriceAfter
+    pins = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+    repricing = RepriceAfter(reprice_step(args), start, compiled, model=model, example_kwargs=example_kwargs,
+                             pins=pins, say=say)
     stopped = StopOnSigterm(rank, lambda: step)
     try:
         for step in range(start, args.steps):
@@ -126,6 +136,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
             if say:
                 bar.line(step, losses[-1], tokens / took, took, predicted, lr,
                          None if norm is None else norm.item(), stepped)
+            repricing.after_step(step + 1)
             done = step + 1
             every = args.checkpoint_every
             if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
@@ -145,6 +156,14 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     if bar is not None:
         bar.finish()
     return {"losses": losses, "start": start}
+
+
+def reprice_step(args) -> int:
+    """The step after which the plan is re-priced: ``--reprice-after``, else 3 when the run is longer than
+    5 steps; 0: never."""
+    if args.reprice_after is not None:
+        return args.reprice_after
+    return 3 if args.steps > 5 else 0
 
 
 class StopOnSigterm:
@@ -250,6 +269,9 @@ def check_train_args(args) -> None:
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise XirangError("--checkpoint-every and --resume need --checkpoint-dir", where="--checkpoint-dir",
                           hint="name the folder checkpoints go to (and are resumed from)")
+    if args.world_file and args.plan:
+        raise XirangError("--world-file and --plan both say what the plan runs on", where="--world-file",
+                          hint="drop --world-file: the plan carries its World")
     if args.warmup >= args.steps and args.warmup:
         raise XirangError(f"--warmup {args.warmup} is not shorter than --steps {args.steps}", where="--warmup",
                           hint="warm up over a small part of the run, e.g. a tenth")
@@ -258,6 +280,18 @@ def check_train_args(args) -> None:
         from xirang.codegen.viz.plotting import require_matplotlib
         check_output_file(args.loss_picture, "--loss-picture")
         require_matplotlib("--loss-picture")
+
+
+def world_spec(args):
+    """The World of ``--world-file`` (None without it), refused unless it has ``--world`` ranks."""
+    if not args.world_file:
+        return None
+    from xirang.ir.world import World
+    world = World.load(args.world_file)
+    if world.size != args.world:
+        raise XirangError(f"{args.world_file} describes {world.size} ranks, not --world {args.world}",
+                          where="--world-file", hint=f"pass --world {world.size}, or calibrate {args.world} ranks")
+    return world
 
 
 def torchrun_command(args) -> list:
@@ -290,12 +324,12 @@ def cmd_train(args) -> int:
         from xirang.codegen.runtime.launch import ensure_distributed
         rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model],
                                      timeout_s=args.collective_timeout)
-        plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins)
+        plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world_spec(args))
         losses = train_rank(rank, args.world, args, plan, global_batch)["losses"]
         if rank == 0 and args.loss_picture:
             print(f"loss curve: {write_loss_picture(args.loss_picture, losses, f'{args.model}: {plan.mesh}')}")
         return 0
-    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins)
+    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world_spec(args))
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
           f"global batch {global_batch}; predicted step {plan.predicted.step_seconds * 1e3:.3g} ms; "
           f"{args.steps} steps on {args.world} local CPU ranks", flush=True)
@@ -318,6 +352,11 @@ def add_train_parser(commands) -> None:
     for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
         train.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
     train.add_argument("--plan", help="plan.json to use (default: planned here)")
+    train.add_argument("--world-file", metavar="JSON", help="plan on this World (written by `xirang calibrate`) "
+                                                           "instead of --world CPU ranks")
+    train.add_argument("--reprice-after", type=nonnegative_int, metavar="N",
+                       help="after step N, re-price the plan from the measured steps and say whether another "
+                            "plan would now win (default: 3 when --steps > 5; 0: never)")
     train.add_argument("--global-batch", type=positive_int, help="samples per step (default: the example inputs')")
     train.add_argument("--data", help="token ids, one flat array: a .npy file or a tensor saved with torch.save")
     train.add_argument("--synthetic", action="store_true", help="made-up tokens instead of --data")

@@ -73,9 +73,10 @@ def _global_batch(example_kwargs: dict, given) -> int:
     return sizes[0]
 
 
-def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = None) -> tuple:
+def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = None, world_spec=None) -> tuple:
     """(plan, global batch) for ``world`` ranks: loaded from ``plan_path`` or planned here with ``pins``
-    (tp=, pp=, dp= the user fixed)."""
+    (tp=, pp=, dp= the user fixed), on ``world_spec`` (a World of ``world`` ranks, from ``--world-file``)
+    when given, else on ``world`` CPU ranks."""
     import xirang
     from xirang.cli_inspect import load_plan
     if world < 1:
@@ -106,8 +107,8 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
     model, example_kwargs = _build(spec, global_batch)
     global_batch = _global_batch(example_kwargs, global_batch)
     example = random_batch(example_kwargs, _int_bound(model), 0, global_batch)
-    plan = xirang.plan(model, world=world, device="cpu", example_kwargs=example, global_batch=global_batch,
-                       **pins)
+    plan = xirang.plan(model, world=world_spec or world, device=None if world_spec else "cpu", example_kwargs=example,
+                       global_batch=global_batch, **pins)
     return plan, global_batch
 
 

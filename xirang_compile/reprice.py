@@ -79,6 +79,7 @@ class Repricing:
     stages: tuple[StageRow, ...]
     collectives: tuple[tuple[str, float, float], ...]  # (what, measured, predicted before) per step
     current_mesh: tuple[int, int, int] = (1, 1, 1)
+    repriced_breakdown: tuple[tuple[str, float], ...] = ()  # the re-priced current step by cause
 
     @property
     def another_wins(self) -> bool:
@@ -100,6 +101,8 @@ class Repricing:
                  f"re-priced {self.repriced_current * 1e3:.4g} ms",
                  f"  scales (measured / predicted): compute x{self.compute_scale:.3g}, tp collectives "
                  f"x{self.tp_scale:.3g}, links x{self.link_scale:.3g}",
+                 "  re-priced by cause: " + ", ".join(f"{cause} {seconds * 1e3:.3g}"
+                                                      for cause, seconds in self.repriced_breakdown if seconds) + " ms",
                  "  stage  forward ms (predicted)   backward ms (predicted)   per micro-batch"]
         for row in self.stages:
             lines.append(f"  {row.stage:5d}  {row.forward * 1e3:9.3g} ({row.predicted_forward * 1e3:9.3g})  "
@@ -209,7 +212,8 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
     priced = CandidatePricer({(current.tp, current.micro_batch): corrected_current}, world,
                              global_batch=plan.global_batch, precision=plan.precision,
                              memory_fraction=MEMORY_FRACTION).price(current, bounds, exact=True)
-    repriced = priced.step_seconds + tied_sum_seconds(gm, priced, names, split.placements, world)
+    tied = tied_sum_seconds(gm, priced, names, split.placements, world)
+    repriced = priced.step_seconds + tied
     result = search_plan(corrected, world, global_batch=plan.global_batch, seq=seq, precision=plan.precision,
                          memory_fraction=MEMORY_FRACTION, **pins)
 
@@ -230,4 +234,29 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
                      measured_step=measured.step_seconds, repriced_current=repriced, best=c.label(),
                      best_mesh=(c.dp, c.tp, c.pp), best_schedule=c.schedule, best_step=best_step,
                      compute_scale=compute_scale, tp_scale=tp_scale, link_scale=link_scale, stages=rows,
-                     collectives=tuple(collectives), current_mesh=(current.dp, current.tp, current.pp))
+                     collectives=tuple(collectives), current_mesh=(current.dp, current.tp, current.pp),
+                     repriced_breakdown=(*priced.breakdown.items(), ("tied_sum", tied)))
+
+
+class RepriceAfter:
+    """Re-pricing inside a training loop (``xirang train --reprice-after N``): collects every rank's
+    measured costs of the steps after the run's first (its warm-up: allocation, autograd caches) up to
+    step ``at`` of the run, then prints ``reprice``'s report once on the rank that ``say``s. The
+    measurement is a collective: every rank calls ``after_step(steps done)`` after every step."""
+
+    def __init__(self, at: int, start: int, compiled, *, model, example_kwargs: dict, pins: dict, say: bool,
+                 show=lambda text: print(text, flush=True)):
+        self.at = at if at > start else 0  # a run resumed past step ``at`` has nothing to re-price
+        self.start, self.compiled, self.say, self.show = start, compiled, say, show
+        self.model, self.example_kwargs, self.pins, self.measured = model, example_kwargs, pins, []
+        self.report: Optional[Repricing] = None
+
+    def after_step(self, done: int) -> None:
+        if not self.at or done > self.at:
+            return
+        if done - self.start > 1 or self.at - self.start == 1:  # the first step only when it is all there is
+            self.measured.append(self.compiled.measured_costs())
+        if done == self.at and self.say:
+            self.report = reprice(self.compiled, MeasuredCosts.median(self.measured), model=self.model,
+                                  example_kwargs=self.example_kwargs, **self.pins)
+            self.show(f"after step {done} ({len(self.measured)} measured): {self.report}")

@@ -7,8 +7,10 @@ Read from the records the executor keeps anyway (``StepRecord.timestamps``, the 
 - ``forward[s]`` / ``backward[s]``: seconds of stage s per micro-batch -- on each rank the mean over the
   step's micro-batches (a zero-bubble backward is its B plus its W), then the largest over the ranks
   that run stage s (its dp and tp replicas: the slowest one sets the pipeline's pace);
-- ``sync_seconds``: from a rank's last compute to the step's gradients being final (the dp buckets'
-  waits, then the tied sums), the largest over ranks: the gradient sync the backward did not hide;
+- ``sync_seconds``: from the last compute of any rank to the step's gradients being final on every rank
+  (the dp buckets' waits, then the tied sums): the gradient sync the backward did not hide. Taken from
+  the slowest rank's compute, not per rank: a rank that finishes its compute early waits for its
+  peers inside the sync, and that wait is theirs (compute), not the links';
 - ``step_seconds``: the largest ``finished`` over ranks (from the barrier that starts the step).
 
 The tensor-parallel collectives run inside the stage modules, so they are inside the stage seconds;
@@ -50,6 +52,10 @@ class MeasuredCosts:
         object.__setattr__(self, "forward", MappingProxyType({int(s): float(v) for s, v in self.forward.items()}))
         object.__setattr__(self, "backward", MappingProxyType({int(s): float(v) for s, v in self.backward.items()}))
 
+    def __reduce__(self):  # read-only mappings do not pickle; launched ranks hand these back
+        return (MeasuredCosts, (dict(self.forward), dict(self.backward), self.sync_seconds, self.step_seconds,
+                                self.num_micro_batches, self.tp_seconds, self.steps, self.ranks))
+
     @staticmethod
     def median(steps: Sequence["MeasuredCosts"]) -> "MeasuredCosts":
         """Each figure's median over ``steps`` (measurements of one plan)."""
@@ -68,8 +74,8 @@ class MeasuredCosts:
 
 
 def rank_summary(record, num_micro_batches: int) -> dict:
-    """This rank's part of one step: per local stage its mean forward and backward seconds per micro-batch,
-    the end of its last compute and ``finished``."""
+    """This rank's part of one step: per local stage its forward and backward seconds per micro-batch (the
+    step's sum over micro-batches over their number), the end of its last compute and ``finished``."""
     forward, backward, last = {}, {}, 0.0
     for _, action, start, end in record.timestamps:
         if isinstance(action, Forward):
@@ -80,7 +86,7 @@ def rank_summary(record, num_micro_batches: int) -> dict:
     finished = record.finished if record.finished is not None else last
     return {"forward": {s: sum(v) / num_micro_batches for s, v in forward.items()},
             "backward": {s: sum(v) / num_micro_batches for s, v in backward.items()},
-            "sync": max(0.0, finished - last), "finished": finished}
+            "last_compute": last, "finished": finished}
 
 
 def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
@@ -91,8 +97,9 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
             forward[stage] = max(forward.get(stage, 0.0), seconds)
         for stage, seconds in summary["backward"].items():
             backward[stage] = max(backward.get(stage, 0.0), seconds)
-    return MeasuredCosts(forward, backward, max(s["sync"] for s in summaries),
-                         max(s["finished"] for s in summaries), num_micro_batches, ranks=len(summaries))
+    finished = max(s["finished"] for s in summaries)
+    sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
+    return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries))
 
 
 def measure_step(compiled) -> MeasuredCosts:
