@@ -7,6 +7,8 @@ row-parallel outputs are reduce-scattered, and the step is predicted faster; on 
 does not (with Replicate block boundaries a block pays one more all-gather than it saves), and the
 plan is the one sequence parallelism off gives.
 """
+import copy
+
 import pytest
 import sympy
 
@@ -74,3 +76,18 @@ def test_price_refuses_a_non_bool(gpt_graph):
     pricer = SplitPricer(gpt_graph, parse_world(TP, "cpu"), precision="fp32")
     with pytest.raises(XirangError, match="sequence_parallel must be True or False"):
         pricer.price(TP, tuple(range(TP)), 1, 4096, sequence_parallel="yes")
+
+
+def test_lowering_refuses_a_sequence_shard_tp_does_not_divide(gpt_graph):
+    from xirang.ir.meta_keys import LAYOUT, SYMBOLS
+    from xirang.ir.plan_parts import Layout, NodeStrategy
+    from xirang.passes.lowering.rewrite_tp import check_sequence_shards
+    gm = copy.deepcopy(gpt_graph)  # the analysed graph is never written to; lowering works on a copy
+    norm = next(n for n in gm.graph.nodes if n.op == "call_function" and "layer_norm" in str(n.target))
+    row = next(s for s in strategies_for(norm, 3, True) if s.name.startswith("seq "))
+    LAYOUT.set(norm, NodeStrategy(row.name, tuple(Layout(tp=p) for p in row.inputs), (Layout(tp=row.output),)))
+    assert SYMBOLS.get(gm)["seq"] == 16
+    check_sequence_shards(gm, 4)  # 4 divides 16
+    with pytest.raises(XirangError, match=f"{norm.name} is sharded along the sequence on tp=3, but the program is "
+                                          "built for seq 16"):
+        check_sequence_shards(gm, 3)
