@@ -106,3 +106,20 @@ def test_measurements_of_another_plan_are_refused(planned):
     other = as_predicted(plan, forward + [1.0], backward + [1.0])
     with pytest.raises(XirangError, match="not the plan's"):
         xirang.reprice(plan, other, analysed=analysed, seq=SEQ)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--world-file", "w.json", "--plan", "p.json"], "--world-file and --plan both"),
+    (["--world-file", "{world}"], "describes 2 ranks, not --world 3"),
+])
+def test_train_refuses_a_world_file_that_does_not_fit(extra, words, tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from xirang.cli import main
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    world = tmp_path / "world.json"
+    xirang.World.uniform(1, 2, "cpu").save(world)
+    argv = ["train", "examples/catalog.py:gpt_tiny", "--world", "3", "--synthetic",
+            *[item.format(world=world) for item in extra]]
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err

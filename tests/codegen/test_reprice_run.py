@@ -59,3 +59,19 @@ def test_repriced_step_of_the_running_plan_is_within_tolerance_of_the_measured_s
     print("\n" + str(report))
     assert measured.steps == STEPS - 1 and measured.ranks == 4
     assert abs(report.repriced_current / report.measured_step - 1) <= TOLERANCE, str(report)
+
+
+def test_xirang_train_plans_on_a_world_file_and_prints_the_verdict_once(tmp_path, capfd, monkeypatch):
+    from pathlib import Path
+
+    from xirang.cli import main
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    world = tmp_path / "world.json"
+    xirang.World.uniform(1, 2, "cpu").save(world)
+    assert main(["train", "examples/catalog.py:gpt_tiny", "--world", "2", "--world-file", str(world), "--synthetic",
+                 "--steps", "6", "--timeout", "600"]) == 0
+    out = capfd.readouterr().out  # rank 0 prints from its own process
+    assert out.count("after step 3 (2 measured): re-priced from") == 1, out  # the default: after step 3 of 6
+    verdict = [line for line in out.splitlines() if line.startswith(("the current plan is still the best",
+                                                                      "another plan would now win"))]
+    assert len(verdict) == 1, out
