@@ -6,6 +6,9 @@
    every collective; the optimizer step is not part of the planner's step time, so it is not timed).
 3. Print predicted vs measured per mesh, their ratio, and whether the planner's order of the meshes
    equals the measured one.
+4. Re-priced: each mesh's plan re-priced from its own timed steps (``xirang.reprice`` on the medians of
+   ``compiled.measured_costs()``, xirang_compile/reprice.py): its step under the corrected cost model,
+   against the measured step, and the mesh that corrected model would pick instead.
 
     python benchmarks/calibrated_prediction.py [--world-file world.json] [--steps 5]
 """
@@ -58,7 +61,7 @@ def _train(rank, world_size, plan, world, steps, warmup):
     torch.manual_seed(0)
     compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=_batch(2))
     batch = _batch()
-    times = []
+    times, costs = [], []
     for _ in range(warmup + steps):
         for param in compiled.parameters():  # what optimizer.zero_grad does between steps (untimed)
             param.grad = None
@@ -66,14 +69,16 @@ def _train(rank, world_size, plan, world, steps, warmup):
         start = time.perf_counter()
         compiled.train_step(**batch)
         times.append(time.perf_counter() - start)
-    return times[warmup:]
+        costs.append(compiled.measured_costs())  # untimed: a gather of what the step recorded
+    return times[warmup:], costs[warmup:]
 
 
-def measure(plan, world: World, steps: int, warmup: int) -> float:
-    """Median over steps of the slowest rank's train_step seconds."""
+def measure(plan, world: World, steps: int, warmup: int) -> tuple:
+    """(median over steps of the slowest rank's train_step seconds, the steps' median MeasuredCosts)."""
     # 8 ranks on a few busy cores: a rank can be starved for long stretches; it is not frozen
     per_rank = launch(_train, RANKS, (plan, world, steps, warmup), timeout_s=1800, heartbeat_s=300)
-    return statistics.median(max(step) for step in zip(*per_rank))
+    seconds = statistics.median(max(step) for step in zip(*(times for times, _ in per_rank)))
+    return seconds, xirang.MeasuredCosts.median(per_rank[0][1])
 
 
 def _order(times: dict) -> list:
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
     print(describe_calibration(world))
     print(f"\nGPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {SEQ}, vocab {CONFIG.vocab_size}, "
           f"global batch {GLOBAL_BATCH}, fp32, {RANKS} gloo ranks on {os.cpu_count()} cores")
-    predicted, measured, causes = {}, {}, {}
+    predicted, measured, causes, repriced, picks = {}, {}, {}, {}, {}
     for name, pins in MESHES.items():
         if args.only and name not in args.only:
             continue
@@ -111,15 +116,19 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
             print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
             continue
-        measured[name] = measure(plan, world, args.steps, args.warmup)
+        measured[name], costs = measure(plan, world, args.steps, args.warmup)
+        report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=_batch(2))
+        repriced[name], picks[name] = report.repriced_current, report.best if report.another_wins else "itself"
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
         print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  measured {measured[name] * 1e3:8.1f} ms  "
-              f"ratio {predicted[name] / measured[name]:5.2f}   ({parts} ms)", flush=True)
+              f"ratio {predicted[name] / measured[name]:5.2f}  re-priced {repriced[name] * 1e3:8.1f} ms "
+              f"(ratio {repriced[name] / measured[name]:5.2f}; picks {picks[name]})   ({parts} ms)", flush=True)
     if args.predict_only:
         print(f"predicted order: {_order(predicted)}")
         return 0
     worst = max(abs(predicted[n] / measured[n] - 1) for n in predicted)
     print(f"\nworst |predicted/measured - 1|: {worst:.1%}")
+    print(f"worst |re-priced/measured - 1|: {max(abs(repriced[n] / measured[n] - 1) for n in repriced):.1%}")
     print(f"predicted order: {_order(predicted)}")
     print(f"measured order:  {_order(measured)}")
     print(f"ranking matches: {_order(predicted) == _order(measured)}")
