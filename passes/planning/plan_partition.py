@@ -65,14 +65,17 @@ class UnitTable:
 def _longest_stage(table: UnitTable, start: int, limit: int, bound: float,
                    cap: float, in_flight: float) -> int:
     """The largest stop in (start, limit] with time <= bound and memory <= cap, or start if none."""
-    time = table._time
-    if limit == table.units and time[limit] - time[start] <= bound:
+    # the search calls this ~300k times: stage_time is written out here (the same arithmetic)
+    time, cuts, units = table._time, table.cut_seconds, len(table.seconds)
+    if limit == units and time[limit] - time[start] <= bound:
         stop = limit  # the last stage sends nothing
     else:
         # time[stop] + cut <= bound + time[start]; with the cheapest cut this bounds stop from above
         reach = bisect.bisect_right(time, bound + time[start] - table._min_cut, lo=start) - 1
-        stop = max(start, min(limit, reach))
-        while stop > start and table.stage_time(start, stop) > bound:
+        stop = limit if limit < reach else reach
+        if stop < start:
+            stop = start
+        while stop > start and time[stop] - time[start] + (cuts[stop - 1] if stop < units else 0.0) > bound:
             stop -= 1
     if math.isfinite(cap) and stop > start and table.stage_memory(start, stop, in_flight) > cap:
         lo, hi = start, stop  # memory grows with stop: the largest stop that fits, by bisection
