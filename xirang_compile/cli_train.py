@@ -356,7 +356,9 @@ def add_train_parser(commands) -> None:
                                                            "instead of --world CPU ranks")
     train.add_argument("--reprice-after", type=nonnegative_int, metavar="N",
                        help="after step N, re-price the plan from the measured steps and say whether another "
-                            "plan would now win (default: 3 when --steps > 5; 0: never)")
+                            "plan would now win (default: 3 when --steps > 5; 0: never). Rank 0 plans again "
+                            "meanwhile and the others wait in their next collective: for a model that takes "
+                            "long to plan, raise --collective-timeout")
     train.add_argument("--global-batch", type=positive_int, help="samples per step (default: the example inputs')")
     train.add_argument("--data", help="token ids, one flat array: a .npy file or a tensor saved with torch.save")
     train.add_argument("--synthetic", action="store_true", help="made-up tokens instead of --data")
