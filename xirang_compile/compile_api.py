@@ -79,7 +79,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     are weighted by share, so training stays equal to one device.
 
     ``zero_stage=1``: ZeRO-1, the optimizer state sharded over dp (codegen/runtime/dist_optimizer.py;
-    ``parameters()`` are then the shard parameters); on a given plan it is ``Plan.with_zero_stage``.
+    ``parameters()`` are then the shard parameters): a planning pin, and on a given plan ``Plan.with_zero_stage``.
 
     Adaptive micro-batch injection: ``inject_every=N`` (1F1B, pp >= 2) re-chooses every N steps how
     many extra forwards each pipeline rank runs in its warm-up, from the stages' measured times and
@@ -116,7 +116,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
             raise XirangError("compile needs global_batch= to plan (samples per optimizer step)",
                               where="xirang.compile", hint="pass global_batch=, or a plan made by xirang.plan")
         plan = make_plan(model, world=parsed, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                         global_batch=global_batch, analysed=report, **plan_pins)
+                         global_batch=global_batch, analysed=report, zero_stage=zero_stage, **plan_pins)
         check_emittable(plan)
         check_plan_for_graph(plan, gm, parsed)
     if zero_stage is not None and zero_stage != plan.zero_stage:

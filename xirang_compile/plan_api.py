@@ -53,7 +53,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
          micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
          recompute: Optional[str] = None, offload: Optional[str] = None, efficiency: Optional[Efficiency] = None,
          progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None,
-         sequence_parallel: bool = False) -> Plan:
+         sequence_parallel: bool = False, zero_stage: Optional[int] = None) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
     ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
@@ -66,7 +66,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
     has it already (``xirang.compile`` traces once for planning and lowering). ``sequence_parallel``:
     offer the split the residual stream sharded along the sequence on tp (Korthikanti et al. 2022);
-    the split ILP takes it op by op where it costs less than the all-reduce layout.
+    the split ILP takes it op by op where it costs less than the all-reduce layout. ``zero_stage`` (0 or 1)
+    pins ZeRO-1 on or off; unpinned, the search prices both wherever dp > 1.
     """
     if not isinstance(sequence_parallel, bool):
         raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True or False",
@@ -102,7 +103,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     try:
         result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
                              memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
-                             schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload)
+                             schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload,
+                             zero_stage=zero_stage)
     except XirangError as error:
         if not whole_batch:
             raise

@@ -72,11 +72,13 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
     predicted = Prediction(step_seconds=winner.step_seconds, tflops_per_device=winner.tflops_per_device,
                            memory_bytes_per_device=winner.memory_bytes_per_device, breakdown=winner.breakdown,
                            notes=tuple(notes), memory_parts=memory_parts(best))
-    return Plan(fingerprint=graph_fingerprint(gm), world=world, mesh=mesh, micro_batch=c.micro_batch,
+    made = Plan(fingerprint=graph_fingerprint(gm), world=world, mesh=mesh, micro_batch=c.micro_batch,
                 num_micro_batches=c.num_micro_batches, global_batch=global_batch, schedule=c.schedule,
                 virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload, precision=precision,
                 grad_reduce_dtype=precision, placements=split.placements, stages=stages, buckets=buckets,
                 fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives)
+    # ZeRO-1: each bucket's all-reduce listed as the reduce-scatter and all-gather the runtime runs
+    return replace(made.with_zero_stage(1), predicted=predicted) if c.zero_stage else made  # priced: no note
 
 
 def _row(p: Priced, tied_seconds: float = 0.0) -> Alternative:
@@ -92,7 +94,7 @@ def _row(p: Priced, tied_seconds: float = 0.0) -> Alternative:
                        schedule=c.schedule, virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload,
                        step_seconds=step, tflops_per_device=tflops,
                        memory_bytes_per_device=tuple(int(math.ceil(b)) for b in p.memory_per_rank),
-                       breakdown=breakdown, fits=p.fits)
+                       breakdown=breakdown, fits=p.fits, zero_stage=c.zero_stage)
 
 
 def memory_parts(p: Priced) -> tuple[dict[str, int], ...]:

@@ -39,6 +39,15 @@ Terms, each with its source:
   state (the 16 bytes per parameter split as the plan's precision holds them: 2 + 2 + 12 at bf16,
   4 + 4 + 8 at fp32), activations (kept by the micro-batches in flight), the working set of recompute
   (the largest block rebuilt in its backward) and offload (two blocks on the device), model buffers.
+- ZeRO-1 (``Candidate.zero_stage`` 1, codegen/runtime/dist_optimizer.py): ZeRO's P_os (Rajbhandari et
+  al. 2020, fig. 1; ``model_state_bytes(zero_stage=1)``): the optimizer part of the 16 bytes is
+  divided by dp, parameters and gradients stay whole: 2 + 2 + 12/dp bytes per parameter at bf16,
+  4 + 4 + 8/dp at fp32. (Megatron-LM's distributed optimizer with fp32 gradients, 6 + 12/dp, is the
+  same rule over its fp32 gradient buffer; Xirang's gradients are in the plan's precision.) Each
+  bucket's all-reduce becomes a reduce-scatter (half a ring all-reduce's time), and the updated
+  parameters are all-gathered, in fp32 (``PARAM_STORAGE_BYTES``: the runtime keeps parameters in
+  fp32 and casts in the graph), before the next forward: the runtime does not overlap that gather,
+  so all of it is exposed (the "dp_exposed" cause holds the exposed reduce-scatter plus the gather).
 - TFLOP/s per device counts hardware FLOPs as Megatron-LM does: model FLOPs plus the forward run
   again by full recompute (Narayanan et al. 2021, sec. 5.1).
 """
@@ -60,6 +69,7 @@ from xirang.ir.errors import InvalidValue
 
 STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+PARAM_STORAGE_BYTES = 4  # what ZeRO-1's all-gather moves per element: parameters are stored in fp32
 CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload")
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
 
@@ -178,12 +188,23 @@ class CandidatePricer:
 
     def table(self, c: Candidate) -> UnitTable:
         pair = self._slowest_pair(c)
-        key = (c.tp, c.micro_batch, c.recompute, c.offload, pair)
+        saved = self.zero_saved_per_param(c)
+        key = (c.tp, c.micro_batch, c.recompute, c.offload, pair, saved)
         if key not in self._tables:
             n = self.units(c)
             cuts = tuple(2 * self._cost("send", nbytes, pair) for nbytes in n.cut_bytes)
-            self._tables[key] = UnitTable(n.seconds, n.static, n.activation, cuts)
+            static = n.static if not saved else tuple(
+                s - saved * (n.grads[i + 1] - n.grads[i]) for i, s in enumerate(n.static))
+            self._tables[key] = UnitTable(n.seconds, static, n.activation, cuts)
         return self._tables[key]
+
+    def optimizer_bytes_per_param(self) -> float:
+        """Adam's share of the 16 bytes in the plan's precision: 12 at bf16 (fp32 master, m, v), 8 at fp32."""
+        return STATE_BYTES_PER_PARAM - 2 * self.grad_bytes
+
+    def zero_saved_per_param(self, c: Candidate) -> float:
+        """Bytes per local parameter ZeRO-1 does not hold: the optimizer state of the other dp ranks' slices."""
+        return self.optimizer_bytes_per_param() * (1 - 1 / c.dp) if c.zero_stage else 0.0
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
@@ -251,6 +272,7 @@ class CandidatePricer:
         n = self.units(c)
         _, _, static, activation = n.totals
         fewest = min(in_flight_by_rank(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages))
+        static -= self.zero_saved_per_param(c) * n.grads[-1]
         return (static + activation * fewest) / c.pp + n.transient
 
     def price(self, c: Candidate, bounds: Bounds, *, exact: bool = False, notes=()) -> Priced:
@@ -296,7 +318,7 @@ class CandidatePricer:
         activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
         held = self.grad_bytes  # parameters in the plan's precision, gradients too; the rest is Adam's
         return {"parameters": params * held, "gradients": params * self.grad_bytes,
-                "optimizer": params * (STATE_BYTES_PER_PARAM - held - self.grad_bytes),
+                "optimizer": params * (self.optimizer_bytes_per_param() - self.zero_saved_per_param(c)),
                 "activations": activations, "working_set": n.transient, "buffers": buffers}
 
     def _rank_grads(self, c: Candidate, stages: Sequence[tuple[int, int]]) -> tuple[float, float]:
@@ -314,18 +336,29 @@ class CandidatePricer:
             return 0.0
         cap, group = bucket_elements(c.dp) * self.grad_bytes, self.dp_group(c, rank)
         full, rest = divmod(grads, cap)
-        last = self._cost("all_reduce", rest or cap, group)
+        kind = "reduce_scatter" if c.zero_stage else "all_reduce"
+        last = self._cost(kind, rest or cap, group)
         count = full + (rest > 0)
-        total = (count - 1) * self._cost("all_reduce", cap, group) + last
+        total = (count - 1) * self._cost(kind, cap, group) + last
+        gather = self._zero_gather(c, grads, group)
         if not self.overlap:
-            return total
-        return max(last, backward * min(1.0, cap / grads) + total - backward)
+            return total + gather
+        return max(last, backward * min(1.0, cap / grads) + total - backward) + gather
+
+    def _zero_gather(self, c: Candidate, grads: float, group) -> float:
+        """ZeRO-1: the all-gather of every bucket's updated parameters before the next forward (exposed)."""
+        if not c.zero_stage or grads <= 0:
+            return 0.0
+        scale, cap = PARAM_STORAGE_BYTES / self.grad_bytes, bucket_elements(c.dp) * self.grad_bytes
+        full, rest = divmod(grads, cap)
+        return full * self._cost("all_gather", cap * scale, group) + (
+            self._cost("all_gather", rest * scale, group) if rest else 0.0)
 
     def _exposed_exact(self, c: Candidate, rank: int, stages) -> float:
         """Buckets filled in backward order (last unit first), a unit's gradients arriving evenly
         over its backward; all-reduces queued on one stream (``exposed_comm_time``)."""
         n, cap = self.units(c), bucket_elements(c.dp) * self.grad_bytes
-        group = self.dp_group(c, rank)
+        group, kind = self.dp_group(c, rank), "reduce_scatter" if c.zero_stage else "all_reduce"
         comm, backward, filled, elapsed = [], [], 0.0, 0.0
         for u in reversed([u for a, b in stages for u in range(a, b)]):
             left = (n.grads[u + 1] - n.grads[u]) * self.grad_bytes
@@ -336,13 +369,14 @@ class CandidatePricer:
                 if left < room:
                     filled, elapsed, left = filled + left, elapsed + left * rate, 0.0
                     break
-                comm.append(self._cost("all_reduce", cap, group))
+                comm.append(self._cost(kind, cap, group))
                 backward.append(elapsed + room * rate)
                 left, filled, elapsed = left - room, 0.0, 0.0
         if filled:
-            comm.append(self._cost("all_reduce", filled, group))
+            comm.append(self._cost(kind, filled, group))
             backward.append(elapsed)
         elif elapsed:  # backward of units with no parameters after the last bucket is ready
             comm.append(0.0)
             backward.append(elapsed)
-        return exposed_comm_time(comm, backward) if self.overlap else math.fsum(comm)
+        gather = self._zero_gather(c, self._rank_grads(c, stages)[0], group)
+        return (exposed_comm_time(comm, backward) if self.overlap else math.fsum(comm)) + gather

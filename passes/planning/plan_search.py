@@ -67,7 +67,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
                 **pins) -> SearchResult:
     """The fastest candidate that fits, with ``alternatives`` others to compare (see module doc).
 
-    ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, offload) fix a choice. Device
+    ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, offload, zero_stage) fix a choice. Device
     memory usable by the plan is ``memory_fraction`` of each device's: the rest is headroom for
     what the cost model leaves out (CUDA context and kernels' workspace, NCCL buffers, allocator
     fragmentation), about 8 GiB of an 80 GiB device at the default 0.9.
@@ -93,6 +93,9 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     best = top[0]
     shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
     shown = top[1:max(alternatives - len(shown_failing), 0) + 1] + shown_failing
+    counterpart = _zero_counterpart(pricer, best)
+    if counterpart is not None and all(p.candidate != counterpart.candidate for p in shown[:alternatives]):
+        shown = [counterpart] + shown  # explain() then says what ZeRO-1 saved and cost against it
     return SearchResult(best, clock.splits[(best.candidate.tp, best.candidate.micro_batch)],
                         tuple(shown[:alternatives]), len(todo), priced, len(clock.splits), clock.seconds,
                         time.perf_counter() - started - clock.seconds, clock.cpu)
@@ -147,8 +150,10 @@ def _key(p: Priced) -> tuple:
 
 def _rank(p: Priced) -> tuple:
     """Fastest first; at equal speed no offload (its copies are hidden, not free: they load the host
-    link and host memory), then the candidates' order."""
-    return (p.step_seconds, p.candidate.offload != "none", p.candidate)
+    link and host memory), then the candidates' order. ZeRO-1 must be faster by more than a part in
+    1e9 (where nothing overlaps, a ring's reduce-scatter + all-gather prices exactly its all-reduce, and
+    rounding must not pick a collective more per step, whose optimizer checkpoints are not supported)."""
+    return (p.step_seconds * (1 + 1e-9 * p.candidate.zero_stage), p.candidate.offload != "none", p.candidate)
 
 
 def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
@@ -223,6 +228,15 @@ def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
     if bounds is None:
         return p if interleaved else pricer.price(c, _time_cuts(pricer, c))
     return pricer.price(c, bounds)
+
+
+def _zero_counterpart(pricer: CandidatePricer, best: Priced):
+    """The winner at the other ZeRO stage (same cuts), or None at dp 1: the row explain() compares with."""
+    c = best.candidate
+    if c.dp == 1:
+        return None
+    other = replace(c, zero_stage=1 - c.zero_stage)
+    return pricer.price(other, best.bounds, exact=True, notes=("the winner's cuts at the other ZeRO stage",))
 
 
 SOLVERS = {"cbc": "an ILP (CBC)", "dp": "dynamic programming", "single-stage": "no cut: one stage"}

@@ -37,7 +37,8 @@ from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
 
 MAX_MICRO_BATCH = 16
-PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload")
+PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload", "zero_stage")
+ZERO_STAGES = (0, 1)  # offered when dp > 1: 0 replicates the optimizer state over dp, 1 shards it
 OFFLOAD_WITH = ("none", "selective")  # the recompute modes offload is offered with
 
 
@@ -54,6 +55,7 @@ class Candidate:
     virtual_stages: int
     recompute: str
     offload: str = "none"
+    zero_stage: int = 0  # 1: ZeRO-1, optimizer state sharded over dp (offered when dp > 1)
 
     @property
     def mesh(self) -> Mesh:
@@ -65,11 +67,12 @@ class Candidate:
         return self.pp * self.virtual_stages
 
     def label(self) -> str:
-        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full' (and ' offload=blocks')."""
+        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full' (and ' offload=blocks', ' zero=1')."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         offload = f" offload={self.offload}" if self.offload != "none" else ""
+        zero = f" zero={self.zero_stage}" if self.zero_stage else ""
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.micro_batch} m={self.num_micro_batches} "
-                f"{self.schedule}{v} recompute={self.recompute}{offload}")
+                f"{self.schedule}{v} recompute={self.recompute}{offload}{zero}")
 
 
 def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, ...]:
@@ -189,7 +192,9 @@ def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: 
             m = per_rank // b
             for schedule, v in _schedules(pp, m, units, pins):
                 for recompute, offload_mode in modes:
-                    yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode)
+                    for zero in ZERO_STAGES if dp > 1 else (0,):
+                        if pins.get("zero_stage", zero) == zero:
+                            yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode, zero)
 
 
 def _schedules(pp: int, m: int, units: int, pins: dict) -> Iterator[tuple[str, int]]:
@@ -224,6 +229,10 @@ def _check_pin_values(pins: dict) -> None:
             if value not in OFFLOAD_MODES:
                 raise XirangError(f"offload={value!r} is not an activation offload mode", where="offload=",
                                   hint=f"use one of: {', '.join(OFFLOAD_MODES)}")
+        elif name == "zero_stage":
+            if type(value) is not int or value not in ZERO_STAGES:
+                raise XirangError(f"zero_stage={value!r} is not a ZeRO stage Xirang runs", where="zero_stage=",
+                                  hint="use 0 (optimizer state replicated over dp) or 1 (sharded over dp)")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise XirangError(f"{name}={value!r} must be a positive int", where=f"{name}=",
                               hint=f"pass a positive int, or leave {name} unset to let the planner choose")
@@ -277,6 +286,8 @@ def _why(name: str, value, world: World, units: int, global_batch: int) -> str:
         return f" (does not divide global_batch {global_batch})"
     if name == "micro_batch":
         return f" (must divide global_batch / dp = {global_batch} / dp)"
+    if name == "zero_stage" and value:
+        return " (shards over dp: needs dp > 1)"
     if name == "virtual_stages":
         return f" (needs pp > 1, pp·v <= {units} units, and micro-batches a multiple of pp)"
     if name == "schedule" and value == "interleaved":
