@@ -171,7 +171,8 @@ class Plan:
         """This plan under ZeRO stage ``stage``: each bucket's all-reduce becomes a reduce-scatter of the
         gradients and an all-gather of the updated parameters (both "ring": flat, over dp; the buffer
         padded to a multiple of dp), except buckets holding a weight tied across pipeline ranks, which
-        stay all-reduced (their copies are summed after the dp average); and back for stage 0. The
+        stay all-reduced (their copies are summed after the dp average; their slices are still
+        stepped and all-gathered); and back for stage 0 (a padded size stays padded). The
         prediction is kept and a note says so (``xirang.plan(zero_stage=)`` prices it instead)."""
         tied = {choice.node.removeprefix("tied:") for choice in self.collectives if choice.node.startswith("tied:")}
         item = {"fp32": 4, "bf16": 2, "fp16": 2}[self.grad_reduce_dtype]
@@ -183,12 +184,14 @@ class Plan:
                 if not node.startswith("bucket:"):
                     collectives.append(choice)
                 continue
-            if stage == 0 or tied.intersection(self.buckets[int(node.removeprefix("bucket:"))]):
-                collectives.append(replace(choice, kind="all_reduce"))  # the all-gather above is dropped
-                continue
             elements = -(-(choice.nbytes // item) // dp) * dp
-            collectives += [CollectiveChoice(node, "dp", "reduce_scatter", "ring", elements * item),
-                            CollectiveChoice(node, "dp", "all_gather", "ring", elements * param_item)]
+            gather = CollectiveChoice(node, "dp", "all_gather", "ring", elements * param_item)
+            if stage == 0:
+                collectives.append(replace(choice, kind="all_reduce"))  # the all-gather is dropped
+            elif tied.intersection(self.buckets[int(node.removeprefix("bucket:"))]):
+                collectives += [replace(choice, kind="all_reduce"), gather]  # sharded after the tied sum
+            else:
+                collectives += [CollectiveChoice(node, "dp", "reduce_scatter", "ring", elements * item), gather]
         note = "zero_stage set after planning: the predicted memory and step are for the plan's own stage"
         notes = tuple(n for n in self.predicted.notes if n != note) + (() if stage == self.zero_stage else (note,))
         return replace(self, zero_stage=stage, collectives=tuple(collectives),
