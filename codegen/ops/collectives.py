@@ -8,6 +8,7 @@ forward, so a rewritten graph can call them like ordinary ops and ``loss.backwar
     copy_to_group            identity         | all-reduce (sum)     Megatron "f"
     reduce_from_group        all-reduce (sum) | identity             Megatron "g"
     gather_from_group        all-gather dim   | take the local slice
+    gather_summing_grad      all-gather dim   | reduce-scatter dim   (a sequence shard read whole)
     scatter_to_group         take the slice   | all-gather dim
     reduce_scatter_to_group  reduce-scatter   | all-gather dim
     all_to_all               Shard(gather_dim) -> Shard(scatter_dim) | the reverse
@@ -169,6 +170,25 @@ class GatherFromGroup(torch.autograd.Function):
         return _local_slice(grad, ctx.dim, ctx.group), None, None, None, None
 
 
+class GatherSummingGrad(torch.autograd.Function):
+    """Forward: all-gather along ``dim``, strip to ``full_size``. Backward: reduce-scatter the gradient,
+    which is partial (each rank's reader of the whole tensor gives one part of it): the all-gather of
+    a sequence shard before a column-parallel linear (Korthikanti et al. 2022), where an all-reduce
+    then a slice would move twice the bytes."""
+
+    @staticmethod
+    def forward(ctx, x, dim, full_size, group, counter):
+        ctx.dim, ctx.group, ctx.counter = dim, group, counter
+        out = _all_gather(x, dim, group, counter, "gather_summing_grad.forward")
+        return out.narrow(dim, 0, full_size) if full_size is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        padded = _pad_to_multiple(grad, ctx.dim, group_size(ctx.group))
+        return _reduce_scatter(padded, ctx.dim, ctx.group, ctx.counter,
+                               "gather_summing_grad.backward"), None, None, None, None
+
+
 class ScatterToGroup(torch.autograd.Function):
     """Forward: pad and take the local slice of ``dim``. Backward: all-gather, strip padding."""
 
@@ -261,6 +281,17 @@ def gather_from_group(x, group, dim: int, *, full_size: Optional[int] = None,
     if group_size(group) == 1:
         return x  # one rank holds the whole dim: ceil(n / 1) = n, no padding to strip
     return GatherFromGroup.apply(x, dim, full_size, group, counter)
+
+
+def gather_summing_grad(x, group, dim: int, *, full_size: Optional[int] = None,
+                        counter: Optional[CommCounter] = None):
+    """All-gather ``x`` as ``gather_from_group``; its gradient, a partial sum on each rank, is
+    reduce-scattered back to this rank's shard (``GatherSummingGrad``)."""
+    dim = _norm_dim(x, dim, "gather_summing_grad")
+    _check_full_size(x, dim, full_size, group_size(group), "gather_summing_grad")
+    if group_size(group) == 1:
+        return x
+    return GatherSummingGrad.apply(x, dim, full_size, group, counter)
 
 
 def scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None):

@@ -180,7 +180,17 @@ class TpRewriter:
         key = (value, wanted, via_f)
         if key in self.resharded:
             return self.resharded[key]
-        if via_f:
+        have = self.produced(value)
+        if via_f and wanted == R and isinstance(have, Shard) and have.chunks == 1 and \
+                LAYOUT.get(value).strategy.startswith("seq "):
+            # a sequence shard read whole by an op whose input gradient is partial: all-gather forward,
+            # reduce-scatter backward (what the split prices), not all-reduce then slice
+            full = _full_shape(value)
+            size = full[have.dim] if isinstance(full[have.dim], int) else None
+            found = self.call(collectives.gather_summing_grad, (self.env[value], self.attr("tp_group"), have.dim),
+                              {"full_size": size, **self.comm()})
+            self._describe_conversion(value, found, wanted)
+        elif via_f:
             found = self.call(collectives.copy_to_group, (self.reshard(value, wanted), self.attr("tp_group")),
                               self.comm())
             self._describe_conversion(value, found, wanted)

@@ -89,6 +89,7 @@ class SplitPricer:
         self._problems: dict[int, TpProblem] = {}
         self._facts: dict = {}
         self._solutions: dict[tuple, TensorSplit] = {}
+        self._choices: dict[tuple, dict] = {}  # the same key -> option index per decision
         self._lock = threading.RLock()  # the tables above and ExprTable grow as problems are built
 
     def _tensor(self, node) -> tuple[int, float]:
@@ -160,6 +161,7 @@ class SplitPricer:
             split_problem = self._split_problem(problem, pricing, memory_limit)
         solution = solve_splits(split_problem)  # unlocked: CBC runs in its own process
         with self._lock:
+            self._choices[(tp, tp_group, micro_batch, seq, memory_limit, sequence_parallel)] = solution.choice
             for (rows, cols), link in problem.links.items():
                 if link.terms[solution.choice[rows]][solution.choice[cols]] is None:
                     raise InvalidValue(f"tp={problem.tp}: the only strategies within memory_limit_bytes need a "
@@ -170,6 +172,32 @@ class SplitPricer:
             units = assembly.units(sums, self.crossing, self.entering, self.flops, self.buffer_sizes)
             return TensorSplit(tp, micro_batch, seq, units, assembly.placements(), tuple(collectives),
                                self.fallbacks, self.notes)
+
+    def tp_bytes_per_micro_batch(self, tp: int, tp_group: tuple[int, ...], micro_batch: int, seq: int, *,
+                                 run_micro_batch: int, run_seq: int, sequence_parallel: bool = False) -> dict:
+        """Kind -> bytes (one rank's full buffer, summed over every block) of the tp collectives one
+        micro-batch's forward and backward run, with the layouts ``price`` chose at (micro_batch, seq)
+        and the sizes of (run_micro_batch, run_seq): what a plan made at realistic sizes moves when
+        it runs small. Call ``price`` with the same arguments first."""
+        key = (tp, tuple(tp_group), micro_batch, seq, None, sequence_parallel)
+        with self._lock:
+            if key not in self._choices:
+                raise InvalidValue(f"tp_bytes_per_micro_batch: no split priced at {key}; call price first")
+            choice, problem = self._choices[key], self.problem(tp, sequence_parallel)
+            point = tuple({"batch": run_micro_batch, "seq": run_seq}[name] for name in self.graph.symbol_names)
+            device = self.device or self.world.device_of(tp_group[0])
+            pricing = Pricing(self.table.values(point), tp, tuple(tp_group), self.world, device, self.precision,
+                              self.efficiency or device.efficiency, self.table)
+            found: dict[str, float] = {}
+            for decision in problem.decisions:
+                for kind, cost in pricing.op_collectives(decision.options[choice[decision.name]]):
+                    found[kind] = found.get(kind, 0.0) + decision.group.weight * cost.nbytes
+            for (rows, cols), link in problem.links.items():
+                for term in link.terms[choice[rows]][choice[cols]]:
+                    cost = pricing.term(term)
+                    if cost.algorithm != "none":
+                        found[term.kind] = found.get(term.kind, 0.0) + link.rows.group.weight * cost.nbytes
+            return found
 
     def _split_problem(self, problem: TpProblem, pricing: Pricing, memory_limit) -> SplitProblem:
         """The ILP at these numbers (its solution: strategy index per decision)."""
