@@ -37,7 +37,7 @@ from xirang.ir.errors import XirangError
 from xirang.ir.world import World
 
 from xirang.passes.planning.plan_costs import CandidatePricer, Priced
-from xirang.passes.planning.plan_partition import fit_stages, least_memory_cuts
+from xirang.passes.planning.plan_partition import fastest_cuts, fit_stages, least_memory_cuts
 from xirang.passes.planning.plan_search_space import Candidate, candidates, check_global_batch, tp_degrees
 from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts
 from xirang.passes.planning.unit_costs import TensorSplit
@@ -45,6 +45,7 @@ from xirang.passes.planning.unit_costs import TensorSplit
 PriceFn = Callable[..., TensorSplit]
 GiB = 1024**3
 SPLIT_WORKERS = 2  # splits priced at once: one builds its ILP while another's CBC process solves
+ZERO1_MARGIN = 0.01  # ZeRO-1 wins a tie with zero 0 only when 1% faster (``_rank``)
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,12 @@ def _key(p: Priced) -> tuple:
 
 def _rank(p: Priced) -> tuple:
     """Fastest first; at equal speed no offload (its copies are hidden, not free: they load the host
-    link and host memory), then the candidates' order. ZeRO-1 must be faster by more than a part in
-    1e9 (where nothing overlaps, a ring's reduce-scatter + all-gather prices exactly its all-reduce, and
-    rounding must not pick a collective more per step, whose optimizer checkpoints are not supported)."""
-    return (p.step_seconds * (1 + 1e-9 * p.candidate.zero_stage), p.candidate.offload != "none", p.candidate)
+    link and host memory), then the candidates' order. ZeRO-1 must be faster by more than
+    ``ZERO1_MARGIN``: where nothing overlaps, a ring's reduce-scatter + all-gather prices exactly its
+    all-reduce, and neither rounding nor a measured line's noise should pick a collective more per
+    step whose optimizer state checkpoints do not save yet; where memory forces it, it wins alone."""
+    return (p.step_seconds * (1 + ZERO1_MARGIN * p.candidate.zero_stage), p.candidate.offload != "none",
+            p.candidate)
 
 
 def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
@@ -213,7 +216,7 @@ def _faster_but_too_big(pricer: CandidatePricer, failing: list[Priced], skipped,
 
 def _time_cuts(pricer: CandidatePricer, c: Candidate):
     """The fastest cuts with memory ignored."""
-    return fit_stages(pricer.table(c), c.stages, [math.inf] * c.stages, pricer.in_flight(c))
+    return fastest_cuts(pricer.table(c), c.stages)
 
 
 def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
