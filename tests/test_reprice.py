@@ -18,7 +18,8 @@ from xirang.ir.placement import Shard
 from xirang.ir.schedules import Backward, Forward
 from xirang.passes.planning.cost_collectives import collective_cost
 from xirang.passes.planning.plan_splits import SplitPricer
-from xirang.reprice import scaled_world, stage_predictions
+from xirang.ir.calibration import Calibration
+from xirang.reprice import scaled_world, shared_core_factor, stage_predictions
 
 SEQ = 4096
 
@@ -123,3 +124,15 @@ def test_train_refuses_a_world_file_that_does_not_fit(extra, words, tmp_path, ca
             *[item.format(world=world) for item in extra]]
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_stage_seconds_on_shared_cores_are_brought_to_the_all_busy_rate():
+    sharing = Calibration(8, "gloo", "cpu", parallel_ranks=2.0)  # 8 ranks on 2 cores
+    calibrated = xirang.World((xirang.NodeSpec(8, "cpu"),), calibration=sharing)
+
+    def costs(busy):
+        return MeasuredCosts({0: 1.0}, {0: 2.0}, 0.0, 3.0, 1, busy_ranks=busy)
+    assert shared_core_factor(calibrated, costs(8.0)) == 1.0  # every rank busy: the modelled rate already
+    assert shared_core_factor(calibrated, costs(4.0)) == 2.0  # half the ranks busy: each ran twice as fast
+    assert shared_core_factor(calibrated, costs(1.0)) == 4.0  # fewer busy than cores: a core each, no faster
+    assert shared_core_factor(xirang.World.uniform(1, 8, "cpu"), costs(1.0)) == 1.0  # own devices: no sharing

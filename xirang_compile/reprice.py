@@ -14,7 +14,11 @@ machine that every candidate pays alike, not a factor on one plan:
 
 - compute  k_c = (m·Σ_s (F_s + B_s) - T) / (m·Σ_s (F̂_s + B̂_s) - m·Σ_s T̂_s), T = 0 when not measured
   apart: the device's achieved FLOP/s and memory bandwidth are 1/k_c of the modelled ones, so every
-  unit's forward, backward and recompute seconds are multiplied by k_c;
+  unit's forward, backward and recompute seconds are multiplied by k_c. On ranks sharing cores (a
+  calibration with ``parallel_ranks`` k < N ranks) the modelled seconds are those of every rank busy,
+  while an action measured with B̄ ranks busy on average (``MeasuredCosts.busy_ranks``) ran N / max(B̄, k)
+  times faster (the pricer's Brent bound counts that speed-up itself), so F_s, B_s are multiplied by
+  that factor first, lest the bubble's speed-up be counted twice;
 - tp collectives  k_t = T / (m·Σ_s T̂_s) when T was measured; otherwise k_c (the tp collectives ran
   inside the stage seconds k_c was taken from, so they are corrected with them);
 - links  k_l = S / Ŝ (1 when the plan predicts no sync: nothing measured the links): every link's
@@ -80,6 +84,7 @@ class Repricing:
     collectives: tuple[tuple[str, float, float], ...]  # (what, measured, predicted before) per step
     current_mesh: tuple[int, int, int] = (1, 1, 1)
     repriced_breakdown: tuple[tuple[str, float], ...] = ()  # the re-priced current step by cause
+    shared_core_factor: float = 1.0  # measured stage seconds to the all-ranks-busy rate (shared cores)
 
     @property
     def another_wins(self) -> bool:
@@ -100,7 +105,9 @@ class Repricing:
                  f"  step: predicted {self.predicted_before * 1e3:.4g} ms, measured {self.measured_step * 1e3:.4g} ms, "
                  f"re-priced {self.repriced_current * 1e3:.4g} ms",
                  f"  scales (measured / predicted): compute x{self.compute_scale:.3g}, tp collectives "
-                 f"x{self.tp_scale:.3g}, links x{self.link_scale:.3g}",
+                 f"x{self.tp_scale:.3g}, links x{self.link_scale:.3g}"
+                 + (f" (stage seconds x{self.shared_core_factor:.3g} to the all-busy rate of shared cores)"
+                    if self.shared_core_factor != 1.0 else ""),
                  "  re-priced by cause: " + ", ".join(f"{cause} {seconds * 1e3:.3g}"
                                                       for cause, seconds in self.repriced_breakdown if seconds) + " ms",
                  "  stage  forward ms (predicted)   backward ms (predicted)   per micro-batch"]
@@ -132,6 +139,15 @@ def scaled_world(world: World, links: float) -> World:
         fits = tuple(replace(fit, alpha=fit.alpha * links, beta=fit.beta * links) for fit in calibration.collectives)
         calibration = replace(calibration, collectives=fits)
     return replace(world, intra_node=link(world.intra_node), inter_node=link(world.inter_node), calibration=calibration)
+
+
+def shared_core_factor(world: World, measured: MeasuredCosts) -> float:
+    """N / max(B̄, k) on N ranks sharing k cores (module docstring), else 1."""
+    calibration = world.calibration
+    if calibration is None or calibration.parallel_ranks is None or calibration.parallel_ranks >= world.size \
+            or not measured.busy_ranks:
+        return 1.0
+    return world.size / max(measured.busy_ranks, calibration.parallel_ranks)
 
 
 def plan_candidate(plan: Plan) -> Candidate:
@@ -192,13 +208,14 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
     split = split_of(current.tp, tuple(range(current.tp)), current.micro_batch, seq)
     bounds, forward, backward, tp = stage_predictions(plan, split)
     m, stages = plan.num_micro_batches, range(len(plan.stages))
+    shared = shared_core_factor(plan.world, measured)
     predicted_tp = m * math.fsum(tp)
     apart = measured.tp_seconds is not None  # else the tp collectives stay inside the stage seconds, both sides
-    compute_scale = ((m * math.fsum(measured.forward[s] + measured.backward[s] for s in stages)
-                      - (measured.tp_seconds if apart else 0.0))
+    compute_scale = (shared * (m * math.fsum(measured.forward[s] + measured.backward[s] for s in stages)
+                               - (measured.tp_seconds if apart else 0.0))
                      / max(m * math.fsum(f + b for f, b in zip(forward, backward)) - (predicted_tp if apart else 0.0),
                            1e-30))
-    tp_scale = measured.tp_seconds / predicted_tp if apart and predicted_tp > 0 else compute_scale
+    tp_scale = shared * measured.tp_seconds / predicted_tp if apart and predicted_tp > 0 else compute_scale
     breakdown = plan.predicted.breakdown
     predicted_sync = breakdown.get("dp_exposed", 0.0) + breakdown.get("tied_sum", 0.0)
     link_scale = measured.sync_seconds / predicted_sync if predicted_sync > 0 and measured.sync_seconds > 0 else 1.0
@@ -235,7 +252,7 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
                      best_mesh=(c.dp, c.tp, c.pp), best_schedule=c.schedule, best_step=best_step,
                      compute_scale=compute_scale, tp_scale=tp_scale, link_scale=link_scale, stages=rows,
                      collectives=tuple(collectives), current_mesh=(current.dp, current.tp, current.pp),
-                     repriced_breakdown=(*priced.breakdown.items(), ("tied_sum", tied)))
+                     repriced_breakdown=(*priced.breakdown.items(), ("tied_sum", tied)), shared_core_factor=shared)
 
 
 class RepriceAfter:

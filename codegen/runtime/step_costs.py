@@ -11,7 +11,9 @@ Read from the records the executor keeps anyway (``StepRecord.timestamps``, the 
   (the dp buckets' waits, then the tied sums): the gradient sync the backward did not hide. Taken from
   the slowest rank's compute, not per rank: a rank that finishes its compute early waits for its
   peers inside the sync, and that wait is theirs (compute), not the links';
-- ``step_seconds``: the largest ``finished`` over ranks (from the barrier that starts the step).
+- ``step_seconds``: the largest ``finished`` over ranks (from the barrier that starts the step);
+- ``busy_ranks``: how many ranks computed at once on average (all ranks' compute seconds over the
+  step): on ranks sharing cores an action runs faster while others idle, and this says how much.
 
 The tensor-parallel collectives run inside the stage modules, so they are inside the stage seconds;
 ``tp_seconds`` (tp collectives per step on the busiest rank) is None unless a caller timed them apart.
@@ -43,6 +45,7 @@ class MeasuredCosts:
     tp_seconds: Optional[float] = None
     steps: int = 1
     ranks: int = field(default=1, compare=False)
+    busy_ranks: Optional[float] = None
 
     def __post_init__(self):
         if set(self.forward) != set(self.backward) or not self.forward:
@@ -54,7 +57,7 @@ class MeasuredCosts:
 
     def __reduce__(self):  # read-only mappings do not pickle; launched ranks hand these back
         return (MeasuredCosts, (dict(self.forward), dict(self.backward), self.sync_seconds, self.step_seconds,
-                                self.num_micro_batches, self.tp_seconds, self.steps, self.ranks))
+                                self.num_micro_batches, self.tp_seconds, self.steps, self.ranks, self.busy_ranks))
 
     @staticmethod
     def median(steps: Sequence["MeasuredCosts"]) -> "MeasuredCosts":
@@ -64,20 +67,23 @@ class MeasuredCosts:
                               hint="measure at least one step (compiled.measured_costs() after train_step)")
         stages = sorted(steps[0].forward)
         tp = [s.tp_seconds for s in steps if s.tp_seconds is not None]
+        busy = [s.busy_ranks for s in steps if s.busy_ranks is not None]
         return MeasuredCosts(
             forward={s: statistics.median(m.forward[s] for m in steps) for s in stages},
             backward={s: statistics.median(m.backward[s] for m in steps) for s in stages},
             sync_seconds=statistics.median(m.sync_seconds for m in steps),
             step_seconds=statistics.median(m.step_seconds for m in steps),
             num_micro_batches=steps[0].num_micro_batches, tp_seconds=statistics.median(tp) if tp else None,
-            steps=sum(m.steps for m in steps), ranks=steps[0].ranks)
+            steps=sum(m.steps for m in steps), ranks=steps[0].ranks,
+            busy_ranks=statistics.median(busy) if busy else None)
 
 
 def rank_summary(record, num_micro_batches: int) -> dict:
     """This rank's part of one step: per local stage its forward and backward seconds per micro-batch (the
     step's sum over micro-batches over their number), the end of its last compute and ``finished``."""
-    forward, backward, last = {}, {}, 0.0
+    forward, backward, last, busy = {}, {}, 0.0, 0.0
     for _, action, start, end in record.timestamps:
+        busy += end - start
         if isinstance(action, Forward):
             forward.setdefault(action.stage, []).append(end - start)
         elif isinstance(action, (Backward, BackwardInput, BackwardWeight)):
@@ -86,7 +92,7 @@ def rank_summary(record, num_micro_batches: int) -> dict:
     finished = record.finished if record.finished is not None else last
     return {"forward": {s: sum(v) / num_micro_batches for s, v in forward.items()},
             "backward": {s: sum(v) / num_micro_batches for s, v in backward.items()},
-            "last_compute": last, "finished": finished}
+            "last_compute": last, "finished": finished, "busy": busy}
 
 
 def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
@@ -99,7 +105,8 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
             backward[stage] = max(backward.get(stage, 0.0), seconds)
     finished = max(s["finished"] for s in summaries)
     sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
-    return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries))
+    busy = sum(s["busy"] for s in summaries) / finished if finished > 0 else None
+    return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries), busy_ranks=busy)
 
 
 def measure_step(compiled) -> MeasuredCosts:
