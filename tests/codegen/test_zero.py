@@ -1,15 +1,15 @@
 """ZeRO-1 (codegen/runtime/dist_optimizer.py) trains as one device, holds 1/dp of the optimizer state,
 and communicates what its plan lists, collective by collective.
 
-Matrix tier (15-20 s on two loaded cores, over the default tier's budget): the in-repo GPT at (dp, tp, pp) = (2, 1, 1) on two CPU ranks through
-``xirang.compile(zero_stage=1)``: loss every step, gathered gradients and parameters after 3 AdamW
-steps within 1e-5 of one device; AdamW's state tensors on each rank count 1/dp of the model's
-elements (plus the bucket padding, fewer than dp elements per bucket); every reduce-scatter and
-all-gather equals ``Plan.with_zero_stage``'s list; the global gradient norm equals torch's on one
-device; a checkpoint with the sharded optimizer is refused by name.
-
-Also in the matrix tier: GPT and HF Llama at (4, 1, 1) and (2, 2, 2), 1F1B and interleaved, plans made at seq 4096
-on A100s so tp shards (asserted), run at seq 16 on 4 and 8 CPU ranks (one launch each), with the same checks.
+Matrix tier (15-20 s on two loaded cores, over the default tier's budget): the in-repo GPT at
+(dp, tp, pp) = (2, 1, 1) on two CPU ranks through ``xirang.compile(zero_stage=1)``: loss every step,
+gathered gradients and parameters after 3 AdamW steps within 1e-5 of one device; AdamW's state
+tensors on each rank count 1/dp of the model's elements (plus the bucket padding, fewer than dp
+elements per bucket); every reduce-scatter and all-gather equals ``Plan.with_zero_stage``'s list;
+the global gradient norm equals torch's on one device; a checkpoint with the sharded optimizer is
+refused by name. Also in the matrix tier: GPT and HF Llama at (4, 1, 1) and (2, 2, 2), 1F1B and
+interleaved, plans made at seq 4096 on A100s so tp shards (asserted), run at seq 16 on 4 and 8 CPU
+ranks (one launch each), with the same checks. Default tier: the plan field's round trip and refusals.
 """
 from __future__ import annotations
 
