@@ -22,8 +22,8 @@ from xirang.ir.pass_spec import compiler_pass
 def find_blocks(gm, ctx):
     """Tag each node with its repeated block and the block's structural kind."""
     members: dict[str, list[torch.fx.Node]] = {}
-    for node in gm.graph.nodes:
-        path = _block_path(node)
+    path_of = {node: _block_path(node) for node in gm.graph.nodes}
+    for node, path in path_of.items():
         if path is not None:
             members.setdefault(path, []).append(node)
     shapes: dict = {}
@@ -32,8 +32,7 @@ def find_blocks(gm, ctx):
     kinds: dict[str, list[str]] = {}
     for path, kind in kind_of.items():
         kinds.setdefault(kind, []).append(path)
-    for node in gm.graph.nodes:
-        path = _block_path(node)
+    for node, path in path_of.items():
         BLOCK.set(node, BlockInfo(path=path, index=order[path], kind=kind_of[path]) if path is not None
                   else None)
     BLOCK_KINDS.set(gm, kinds)

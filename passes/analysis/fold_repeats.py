@@ -52,7 +52,8 @@ def find_layer_runs(model: torch.nn.Module) -> list[LayerRun]:
 def _all_alike(layers: list[torch.nn.Module]) -> bool:
     """Same class, tensors, repr and plain attributes; an attribute equal to the layer's position in
     every layer (layer_idx) is a label, and the trace comparison checks it changes nothing."""
-    attributes = [_plain_attributes(layer) for layer in layers]
+    texts: dict[int, str] = {}  # id(value) -> repr: the layers share objects (an HF config prints ~700 chars)
+    attributes = [_plain_attributes(layer, texts) for layer in layers]
     positional = {key for key in attributes[0]
                   if all(attrs.get(key) == repr(i) for i, attrs in enumerate(attributes))}
     signatures = {(type(layer), _tensors(layer), repr(layer),
@@ -66,13 +67,16 @@ def _tensors(layer: torch.nn.Module):
                  for name, t in list(layer.named_parameters()) + list(layer.named_buffers()))
 
 
-def _plain_attributes(layer: torch.nn.Module) -> dict:
+def _plain_attributes(layer: torch.nn.Module, texts: dict[int, str]) -> dict:
     attributes = {}
     for name, module in layer.named_modules():
         for attr, value in vars(module).items():
             if attr.startswith("_") or attr == "training" or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue
-            attributes[(name, attr)] = repr(value)
+            text = texts.get(id(value))  # the module holds value for the whole check, so its id is its own
+            if text is None:
+                text = texts[id(value)] = repr(value)
+            attributes[(name, attr)] = text
     return attributes
 
 
@@ -152,6 +156,12 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
     previous_ops = ops[2]
     anchor_op, anchor_param = ops[2][-1], params[2][-1] if params[2] else None
     for index in range(TRACED_LAYERS, run.length):
+        renamed: dict[str, str] = {}  # a layer's nodes share most module-stack entries: rename each once
+
+        def rename(text, _renamed=renamed, _index=index):
+            if text not in _renamed:
+                _renamed[text] = _rename(text, run.prefix, _index)
+            return _renamed[text]
         new_params = []
         for template in params[2]:
             fqn = _rename(PARAM_NAME.get(template), run.prefix, index)
@@ -177,7 +187,7 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
             with graph.inserting_after(anchor_op):
                 node = graph.node_copy(template, remap)
             node.meta = dict(template.meta)
-            NN_MODULE_STACK.set(node, {_rename(k, run.prefix, index): (_rename(fqn, run.prefix, index), cls)
+            NN_MODULE_STACK.set(node, {rename(k): (rename(fqn), cls)
                                        for k, (fqn, cls) in NN_MODULE_STACK.get(template).items()})
             anchor_op = node
             new_ops.append(node)

@@ -14,6 +14,7 @@ No torch here.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -123,6 +124,19 @@ def fit_stages(table: UnitTable, stages: int, caps: Sequence[float],
         else:
             best, hi = found, max(table.stage_time(a, b) for a, b in found)
     return best
+
+
+def fastest_cuts(table: UnitTable, stages: int) -> Optional[Bounds]:
+    """``fit_stages`` with memory ignored: it reads only the units' seconds and the cut sends, which
+    candidates differing in dp, ZeRO or memory share, so each (seconds, sends, stages) is cut once."""
+    return _fastest_cuts(tuple(table.seconds), tuple(table.cut_seconds), stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fastest_cuts(seconds: tuple[float, ...], cut_seconds: tuple[float, ...], stages: int) -> Optional[Bounds]:
+    nothing = (0.0,) * len(seconds)  # bytes are not read when every cap is infinite
+    return fit_stages(UnitTable(seconds, nothing, nothing, cut_seconds), stages, [math.inf] * stages,
+                      [1.0] * stages)
 
 
 def least_memory_cuts(table: UnitTable, stages: int, in_flight: Sequence[float]) -> Bounds:

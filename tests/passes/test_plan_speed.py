@@ -1,9 +1,13 @@
 """What planning does to be fast changes no result: splits priced two at a time give the search what
 one at a time gives, each (tp, micro-batch) priced once, the first failure in order raised; the
-analysis lints its graph once unless asked after every pass. (Timings: benchmarks/plan_speed.py.)"""
+analysis lints its graph once unless asked after every pass; the search's cuts for time alone are shared
+by candidates with equal unit times, and the stage-cut DP keeps its cuts on ties. (Timings:
+benchmarks/plan_speed.py.)"""
 from __future__ import annotations
 
 import importlib
+import math
+import random
 from collections import Counter
 
 import pytest
@@ -13,7 +17,9 @@ from examples.catalog import gpt_tiny
 from xirang.ir.device import GiB
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
-from xirang.passes.planning import plan_search
+from xirang.passes.planning import plan_partition, plan_search
+from xirang.passes.planning.plan_partition import UnitTable
+from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts_dp
 from xirang.pipeline import ANALYSIS_PASSES
 
 analyze_module = importlib.import_module("xirang.analyze")  # the module: ``xirang.analyze`` is also the function
@@ -62,3 +68,65 @@ def test_analysis_lints_once_unless_asked_after_each_pass(monkeypatch):
     linted.clear()
     analyze_module.analyze(model, example_kwargs=batch, lint_each_pass=True)
     assert linted == [p.name for p in ANALYSIS_PASSES]
+
+
+def test_fastest_cuts_are_fit_stages_with_memory_ignored_and_shared_by_equal_times():
+    rng = random.Random(7)
+    for units in (5, 17, 40):
+        seconds = tuple(rng.choice((1.0, 1.5, 2.0)) for _ in range(units))  # ties on purpose
+        sends = tuple(rng.choice((0.0, 0.1, 0.3)) for _ in range(units - 1))
+        for stages in sorted({1, 2, 3, units // 2, units}):
+            cached_before = plan_partition._fastest_cuts.cache_info().hits
+            for static in (0.0, 5e9):  # bytes and in-flight counts differ; the cut for time alone does not
+                table = UnitTable(seconds, (static,) * units, (1e9,) * units, sends)
+                in_flight = [float(stages - s) for s in range(stages)]
+                assert plan_partition.fastest_cuts(table, stages) == \
+                    plan_partition.fit_stages(table, stages, [math.inf] * stages, in_flight)
+            assert plan_partition._fastest_cuts.cache_info().hits == cached_before + 1  # the second table: reused
+
+
+def _first_best_cuts(problem):
+    """The DP as first written (one call per (stage, start, stop)), to hold the row-at-a-time DP to
+    the same cut on ties, not only the same bottleneck."""
+    units, p = problem.units, problem.stages
+    best = [[math.inf] * (units + 1) for _ in range(p)]
+    start = [[-1] * (units + 1) for _ in range(p)]
+
+    def cost(s, a, b):
+        return problem.stage_time(s, a, b) if problem.fits(s, a, b) else math.inf
+    for j in range(1, units - p + 2):
+        best[0][j], start[0][j] = cost(0, 0, j), 0
+    for s in range(1, p):
+        for j in range(s + 1, units - (p - 1 - s) + 1):
+            for i in range(s, j):
+                if best[s - 1][i] < best[s][j]:
+                    value = max(best[s - 1][i], cost(s, i, j))
+                    if value < best[s][j]:
+                        best[s][j], start[s][j] = value, i
+    if math.isinf(best[p - 1][units]):
+        return None  # nothing fits
+    bounds, stop = [], units
+    for s in reversed(range(p)):
+        bounds.append((start[s][stop], stop))
+        stop = start[s][stop]
+    return tuple(bounds[::-1])
+
+
+def test_stage_cut_dp_breaks_ties_as_the_pairwise_dp():
+    rng = random.Random(11)
+    for _ in range(40):
+        units = rng.randint(2, 30)
+        stages = rng.randint(1, units)
+        problem = StageCutProblem(
+            compute=[rng.choice((1.0, 2.0, 3.0)) for _ in range(units)],
+            memory=[rng.choice((1.0, 2.0)) for _ in range(units)],
+            boundary_comm=[rng.choice((0.0, 0.5)) for _ in range(units - 1)], stages=stages,
+            speeds=[rng.choice((1.0, 2.0)) for _ in range(stages)],
+            capacities=[rng.choice((6.0, 40.0)) for _ in range(stages)],
+            activation_memory=[0.5] * units, in_flight=[float(stages - s) for s in range(stages)])
+        expected = _first_best_cuts(problem)
+        if expected is None:
+            with pytest.raises(XirangError, match="fits device memory"):
+                solve_stage_cuts_dp(problem)
+        else:
+            assert solve_stage_cuts_dp(problem).bounds == expected
