@@ -98,6 +98,8 @@ def test_rank_records_combine_to_the_slowest_rank_per_stage():
     assert dict(one.forward) == {0: 1.5, 1: 0.5} and dict(one.backward) == {0: 2.0, 1: 1.0}
     # the sync runs from the slowest compute (rank 1's, ending at 7) to the last rank's end (8)
     assert one.sync_seconds == pytest.approx(1.0) and one.step_seconds == 8.0
+    # ranks loading the cores: compute and own sync, 8 + 7.5 + 3.5 rank-seconds over the 8 s step
+    assert one.busy_ranks == pytest.approx(19 / 8) and one.waiting_ranks == pytest.approx(3 - 19 / 8)
     both = MeasuredCosts.median([one, combine([record(0, 3.0, 2.0, 10.0), record(1, 0.5, 1.0, 3.0)], 2), one])
     assert both.forward[0] == 1.5 and both.steps == 3
 
@@ -136,3 +138,7 @@ def test_stage_seconds_on_shared_cores_are_brought_to_the_all_busy_rate():
     assert shared_core_factor(calibrated, costs(4.0)) == 2.0  # half the ranks busy: each ran twice as fast
     assert shared_core_factor(calibrated, costs(1.0)) == 4.0  # fewer busy than cores: a core each, no faster
     assert shared_core_factor(xirang.World.uniform(1, 8, "cpu"), costs(1.0)) == 1.0  # own devices: no sharing
+    spinning = xirang.World((xirang.NodeSpec(8, "cpu"),), calibration=Calibration(8, "gloo", "cpu", parallel_ranks=2.0,
+                                                                                  waiting_share=0.5))
+    waited = MeasuredCosts({0: 1.0}, {0: 2.0}, 0.0, 3.0, 1, busy_ranks=2.0, waiting_ranks=6.0)
+    assert shared_core_factor(spinning, waited) == pytest.approx(8 / (2 + 0.5 * 6))  # a waiter costs half a busy rank

@@ -16,9 +16,10 @@ machine that every candidate pays alike, not a factor on one plan:
   apart: the device's achieved FLOP/s and memory bandwidth are 1/k_c of the modelled ones, so every
   unit's forward, backward and recompute seconds are multiplied by k_c. On ranks sharing cores (a
   calibration with ``parallel_ranks`` k < N ranks) the modelled seconds are those of every rank busy,
-  while an action measured with B̄ ranks busy on average (``MeasuredCosts.busy_ranks``) ran N / max(B̄, k)
-  times faster (the pricer's Brent bound counts that speed-up itself), so F_s, B_s are multiplied by
-  that factor first, lest the bubble's speed-up be counted twice;
+  while an action measured with B̄ ranks loading the cores on average ran N / max(B̄, k) times faster
+  (the pricer's Brent bound counts that speed-up itself), so F_s, B_s are multiplied by that factor
+  first, lest the bubble's speed-up be counted twice. B̄ = ranks computing or syncing
+  (``MeasuredCosts.busy_ranks``) + w · ranks waiting, w the calibration's ``waiting_share``;
 - tp collectives  k_t = T / (m·Σ_s T̂_s) when T was measured; otherwise k_c (the tp collectives ran
   inside the stage seconds k_c was taken from, so they are corrected with them);
 - links  k_l = S / Ŝ (1 when the plan predicts no sync: nothing measured the links): every link's
@@ -147,7 +148,8 @@ def shared_core_factor(world: World, measured: MeasuredCosts) -> float:
     if calibration is None or calibration.parallel_ranks is None or calibration.parallel_ranks >= world.size \
             or not measured.busy_ranks:
         return 1.0
-    return world.size / max(measured.busy_ranks, calibration.parallel_ranks)
+    loading = measured.busy_ranks + calibration.waiting_share * (measured.waiting_ranks or 0.0)
+    return world.size / max(loading, calibration.parallel_ranks)
 
 
 def plan_candidate(plan: Plan) -> Candidate:

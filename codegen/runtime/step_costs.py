@@ -12,8 +12,10 @@ Read from the records the executor keeps anyway (``StepRecord.timestamps``, the 
   the slowest rank's compute, not per rank: a rank that finishes its compute early waits for its
   peers inside the sync, and that wait is theirs (compute), not the links';
 - ``step_seconds``: the largest ``finished`` over ranks (from the barrier that starts the step);
-- ``busy_ranks``: how many ranks computed at once on average (all ranks' compute seconds over the
-  step): on ranks sharing cores an action runs faster while others idle, and this says how much.
+- ``busy_ranks``: how many ranks used their core at once on average: all ranks' compute and gradient
+  sync seconds (a gloo collective reduces on the cores) over the step; ``waiting_ranks`` the same of
+  the time ranks waited for a peer (a pipeline bubble). On ranks sharing cores an action runs faster
+  while others wait, and these say how much (``xirang.reprice``).
 
 The tensor-parallel collectives run inside the stage modules, so they are inside the stage seconds;
 ``tp_seconds`` (tp collectives per step on the busiest rank) is None unless a caller timed them apart.
@@ -46,6 +48,7 @@ class MeasuredCosts:
     steps: int = 1
     ranks: int = field(default=1, compare=False)
     busy_ranks: Optional[float] = None
+    waiting_ranks: Optional[float] = None
 
     def __post_init__(self):
         if set(self.forward) != set(self.backward) or not self.forward:
@@ -57,7 +60,8 @@ class MeasuredCosts:
 
     def __reduce__(self):  # read-only mappings do not pickle; launched ranks hand these back
         return (MeasuredCosts, (dict(self.forward), dict(self.backward), self.sync_seconds, self.step_seconds,
-                                self.num_micro_batches, self.tp_seconds, self.steps, self.ranks, self.busy_ranks))
+                                self.num_micro_batches, self.tp_seconds, self.steps, self.ranks, self.busy_ranks,
+                                self.waiting_ranks))
 
     @staticmethod
     def median(steps: Sequence["MeasuredCosts"]) -> "MeasuredCosts":
@@ -68,6 +72,7 @@ class MeasuredCosts:
         stages = sorted(steps[0].forward)
         tp = [s.tp_seconds for s in steps if s.tp_seconds is not None]
         busy = [s.busy_ranks for s in steps if s.busy_ranks is not None]
+        waiting = [s.waiting_ranks for s in steps if s.waiting_ranks is not None]
         return MeasuredCosts(
             forward={s: statistics.median(m.forward[s] for m in steps) for s in stages},
             backward={s: statistics.median(m.backward[s] for m in steps) for s in stages},
@@ -75,7 +80,8 @@ class MeasuredCosts:
             step_seconds=statistics.median(m.step_seconds for m in steps),
             num_micro_batches=steps[0].num_micro_batches, tp_seconds=statistics.median(tp) if tp else None,
             steps=sum(m.steps for m in steps), ranks=steps[0].ranks,
-            busy_ranks=statistics.median(busy) if busy else None)
+            busy_ranks=statistics.median(busy) if busy else None,
+            waiting_ranks=statistics.median(waiting) if waiting else None)
 
 
 def rank_summary(record, num_micro_batches: int) -> dict:
@@ -105,8 +111,12 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
             backward[stage] = max(backward.get(stage, 0.0), seconds)
     finished = max(s["finished"] for s in summaries)
     sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
-    busy = sum(s["busy"] for s in summaries) / finished if finished > 0 else None
-    return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries), busy_ranks=busy)
+    if finished <= 0:
+        return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries))
+    # a rank's own sync runs from its last compute to its end; before its end and outside compute it waited
+    busy = sum(s["busy"] + s["finished"] - s["last_compute"] for s in summaries) / finished
+    return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries), busy_ranks=busy,
+                         waiting_ranks=len(summaries) - busy)
 
 
 def measure_step(compiled) -> MeasuredCosts:
