@@ -51,6 +51,10 @@ def batch(step: int, size: int = 8) -> dict:
 def zero_run(compiled, counter, batch_of, steps: int, checkpoint_dir) -> dict:
     """``compiled_run``'s loop (AdamW, eps 1e-3) with what ZeRO-1 must show: each step's collectives,
     the optimizer's state elements against the model's, the step-0 gradient norm, the checkpoint refusal."""
+    state = compiled.full_state_dict()
+    compiled.load_full_state_dict({fqn: value + 1 for fqn, value in state.items()})  # the shards must follow
+    refreshed = all(torch.equal(s.param, s.mine(s.flat(s.params))) for s in compiled.zero.shards)
+    compiled.load_full_state_dict(state)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
     found, records, norm = [], [], None
     for step in range(steps):
@@ -71,6 +75,7 @@ def zero_run(compiled, counter, batch_of, steps: int, checkpoint_dir) -> dict:
     except XirangError as error:
         refused = str(error)
     return {"steps": found, "params": params, "records": records, "norm": norm, "refused": refused,
+            "refreshed": refreshed,
             "state_elements": compiled.zero.optimizer_state_elements(optimizer),
             "model_elements": sum(p.numel() for _, p in compiled.named_parameters()),
             "buckets": len(compiled.zero.shards), "rank": compiled.rank}
@@ -88,6 +93,7 @@ def check_zero(label: str, plan, results: list, want: dict) -> None:
         share = got["state_elements"] / 2
         assert got["model_elements"] / dp <= share < got["model_elements"] / dp + got["buckets"], (label, got)
         assert got["refused"] and "ZeRO-1" in got["refused"], (label, got["refused"])
+        assert got["refreshed"], label  # load_full_state_dict gave every shard its slice of the new values
     for step in range(STEPS + 1):
         for dp_index in range(dp):
             for tp_index in range(plan.mesh.tp):
