@@ -108,9 +108,29 @@ def greedy_cuts(table: UnitTable, stages: int, bound: float, caps: Sequence[floa
 def fit_stages(table: UnitTable, stages: int, caps: Sequence[float],
                in_flight: Sequence[float]) -> Optional[Bounds]:
     """Contiguous cuts into ``stages`` minimising the slowest stage within each stage's memory cap
-    (``caps[s]`` bytes, activations held ``in_flight[s]`` times); None when no greedy cut fits."""
+    (``caps[s]`` bytes, activations held ``in_flight[s]`` times); None when no greedy cut fits.
+    Candidates that differ only in what the table does not hold (dp, say) ask the same question:
+    each distinct one is answered once (``_cut_once``)."""
     if not 1 <= stages <= table.units:
         raise InvalidValue(f"stages must be in 1..{table.units}, got {stages}")
+    return _cut_once(tuple(table.seconds), tuple(table.static_bytes), tuple(table.activation_bytes),
+                     tuple(table.cut_seconds), stages, tuple(caps), tuple(in_flight))
+
+
+def fastest_cuts(table: UnitTable, stages: int) -> Optional[Bounds]:
+    """``fit_stages`` with memory ignored: that reads only the units' seconds and the cut sends, which
+    candidates differing in dp, ZeRO or memory share, so each (seconds, sends, stages) is cut once."""
+    if not 1 <= stages <= table.units:
+        raise InvalidValue(f"stages must be in 1..{table.units}, got {stages}")
+    nothing = (0.0,) * table.units  # bytes are not read when every cap is infinite
+    return _cut_once(tuple(table.seconds), nothing, nothing, tuple(table.cut_seconds), stages,
+                     (math.inf,) * stages, (1.0,) * stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut_once(seconds, static_bytes, activation_bytes, cut_seconds, stages: int, caps, in_flight) -> Optional[Bounds]:
+    """Bisection on the bottleneck, the greedy check at each trial (module doc)."""
+    table = UnitTable(seconds, static_bytes, activation_bytes, cut_seconds)
     best = greedy_cuts(table, stages, math.inf, caps, in_flight)
     if best is None:
         return None
@@ -124,19 +144,6 @@ def fit_stages(table: UnitTable, stages: int, caps: Sequence[float],
         else:
             best, hi = found, max(table.stage_time(a, b) for a, b in found)
     return best
-
-
-def fastest_cuts(table: UnitTable, stages: int) -> Optional[Bounds]:
-    """``fit_stages`` with memory ignored: it reads only the units' seconds and the cut sends, which
-    candidates differing in dp, ZeRO or memory share, so each (seconds, sends, stages) is cut once."""
-    return _fastest_cuts(tuple(table.seconds), tuple(table.cut_seconds), stages)
-
-
-@functools.lru_cache(maxsize=4096)
-def _fastest_cuts(seconds: tuple[float, ...], cut_seconds: tuple[float, ...], stages: int) -> Optional[Bounds]:
-    nothing = (0.0,) * len(seconds)  # bytes are not read when every cap is infinite
-    return fit_stages(UnitTable(seconds, nothing, nothing, cut_seconds), stages, [math.inf] * stages,
-                      [1.0] * stages)
 
 
 def least_memory_cuts(table: UnitTable, stages: int, in_flight: Sequence[float]) -> Bounds:
