@@ -20,6 +20,9 @@ Optimizer state: a state tensor of the parameter's shape is taken as element-wis
 and pieced like the parameter; any other tensor (Adam's scalar ``step``) is saved whole, once; the
 groups' hyperparameters by group index. So it is exact for the element-wise optimizers the runtime
 supports (SGD, Adam, AdamW: compiled_model.py). Buffers are not saved: the runtime does not train them.
+Under ZeRO-1 the optimizer holds state per bucket shard: saving goes through a per-parameter view
+gathered over dp (codegen/runtime/dist_optimizer.py), loading through an empty one whose state each
+shard then slices, so the files are the same as without ZeRO and load under any plan or zero stage.
 
 ``async_save=True``: the rank's tensors are copied to host memory before the call returns (that copy
 blocks: the next optimizer step may change the parameters right after); DCP's planning collectives
@@ -35,6 +38,7 @@ import copy
 import threading
 import warnings
 import weakref
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +54,7 @@ from xirang.codegen.runtime.checkpoint_layout import (EXTRA, LAYOUT, MODEL, OPTI
                                                       all_model_names, held_by_compiled, held_by_module, pieces_of,
                                                       tensor_entries)
 from xirang.codegen.runtime.checkpoint_store import remove_marker, resolve_checkpoint, step_folder, write_marker
+from xirang.codegen.runtime.dist_optimizer import PerParameterState
 from xirang.ir.placement import Replicate
 
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -77,19 +82,19 @@ def _held(target) -> list:
     return held_by_module(target) if _is_module(target) else held_by_compiled(target)
 
 
-def _refuse_sharded_optimizer(target, optimizer, where: str) -> None:
-    """ZeRO-1 keeps the optimizer's state per bucket shard, not per parameter: saving it under the model's
-    names is not implemented, so a checkpoint with an optimizer is refused rather than written wrong.
-    The model alone is saved and loaded (its parameters gathered from the shards first)."""
+def _per_parameter(target, optimizer, *, saving: bool):
+    """The optimizer as checkpoints see it: itself, or under ZeRO-1 (its state per bucket shard) a
+    per-parameter view (codegen/runtime/dist_optimizer.py): gathered over dp to save, empty to load into.
+    Saving gathers the last optimizer step's slices into the parameters first."""
     zero = getattr(target, "zero", None)
-    if zero is None:
-        return
-    if optimizer is not None:
-        raise XirangError("checkpoints of a ZeRO-1 optimizer (plan.zero_stage 1: state sharded over dp per "
-                          "gradient bucket) are not supported yet", where=f"{where}(optimizer=...)",
-                          hint="save with optimizer=None (the model's parameters only), or train with "
-                               "zero_stage 0 when you need resumable optimizer state")
-    zero.gather_parameters()  # the last optimizer step's slices, into the parameters saved
+    if zero is None or optimizer is None:
+        if zero is not None and saving:
+            zero.gather_parameters()
+        return optimizer
+    if saving:
+        zero.gather_parameters()
+        return zero.per_parameter_view(optimizer)
+    return PerParameterState(defaultdict(dict), optimizer.param_groups)
 
 
 def _check_plain(value, where: str) -> None:
@@ -149,7 +154,7 @@ def _layout(target, held: list) -> dict:
 def save_checkpoint(target, optimizer, directory, *, step: int, extra=None, async_save: bool = False):
     """Write ``directory/step-<8 digits>/`` (see the module docstring): collective, every rank calls it.
     Returns the step folder, or with ``async_save=True`` a ``PendingCheckpoint`` to ``wait()`` on."""
-    _refuse_sharded_optimizer(target, optimizer, "save_checkpoint")
+    optimizer = _per_parameter(target, optimizer, saving=True)
     folder = step_folder(directory, step)
     extra = {} if extra is None else extra
     _check_plain(extra, "extra")
@@ -304,7 +309,7 @@ def load_checkpoint(target, optimizer, path) -> dict:
     latest complete step, newer incomplete ones skipped with a logged message) under this plan;
     returns ``{"step": int, "extra": dict}``. Collective (every rank calls it) unless ``target`` is an
     ``nn.Module``. A checkpoint of another model is refused, naming the keys, before anything changes."""
-    _refuse_sharded_optimizer(target, optimizer, "load_checkpoint")
+    sharded, optimizer = optimizer, _per_parameter(target, optimizer, saving=False)
     distributed = not _is_module(target)
     folder = resolve_checkpoint(path, quiet=_rank(target) != 0)
     reader = FileSystemReader(folder)
@@ -344,8 +349,10 @@ def load_checkpoint(target, optimizer, path) -> dict:
     if optimizer is not None:
         _install_optimizer_state(optimizer, state, installs, loaded.get(PARAM_GROUPS), folder)
     _restore_rng(target, loaded)
-    if getattr(target, "zero", None) is not None:
-        target.zero.refresh_from_parameters()  # ZeRO-1: the shards take the loaded parameters' slices
+    if getattr(target, "zero", None) is not None:  # ZeRO-1: the shards take their slices of what loaded
+        target.zero.refresh_from_parameters()
+        if sharded is not None:
+            target.zero.load_per_parameter(sharded, optimizer)
     return {"step": loaded[STEP], "extra": loaded[EXTRA]}
 
 

@@ -22,6 +22,10 @@ hook because the user builds the optimizer and the compiled model never sees it;
 the next step is where a later version can overlap the gather with the forward. Today the gathers
 run back to back before the forward (exposed, as the planner prices them).
 
+Checkpoints save the state under the single-device names, as without ZeRO: ``per_parameter_view``
+all-gathers each shard's state over dp and cuts it per parameter (transiently the whole local state,
+as zero 0 holds it), and ``load_per_parameter`` takes each shard's slice of the loaded state.
+
 A bucket that holds a weight tied across pipeline ranks (a tied embedding and LM head) is still
 all-reduced: its copies' gradients are summed over the tied group after the dp average, and the
 slices of two pipeline ranks' buckets do not line up. After that sum ``collect_whole_buckets`` cuts
@@ -29,6 +33,7 @@ this rank's slice out of the full gradients and drops them.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -175,11 +180,53 @@ class ZeroOneShards:
                 shard.param.grad.detach().mul_(coefficient.to(shard.param.grad.dtype))
         return total
 
+    def per_parameter_view(self, optimizer) -> "PerParameterState":
+        """``optimizer``'s state as one device's optimizer holds it: per model parameter, each element-wise
+        tensor all-gathered over dp and cut to the parameter's shape (collective over dp)."""
+        state = defaultdict(dict)
+        for shard in self.shards:
+            saved = optimizer.state.get(shard.param, {})
+            for key in sorted(saved):  # the same keys on every dp rank: one optimizer, stepped alike
+                value = saved[key]
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.param.shape):
+                    for p in shard.params:
+                        state[p][key] = value
+                    continue
+                full = value.new_empty(shard.padded)
+                all_gather_flat(full, value.detach().contiguous(), self.groups.dp)
+                offset = 0
+                for p in shard.params:
+                    state[p][key] = full[offset:offset + p.numel()].view(p.shape).clone()
+                    offset += p.numel()
+        return PerParameterState(state, optimizer.param_groups)
+
+    def load_per_parameter(self, optimizer, view: "PerParameterState") -> None:
+        """Give ``optimizer`` each shard's slice of the per-parameter state in ``view`` (no communication)."""
+        optimizer.state.clear()
+        for shard in self.shards:
+            per = [view.state.get(p, {}) for p in shard.params]
+            if not per[0]:
+                continue
+            entry = {}
+            for key, first in per[0].items():
+                whole = isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape == shard.params[0].shape
+                entry[key] = shard.mine(shard.flat([s[key] for s in per])).clone() if whole else first
+            optimizer.state[shard.param] = entry
+
     def optimizer_state_elements(self, optimizer) -> int:
         """Elements of ``optimizer``'s tensor state held for this rank's shards (a direct count)."""
         mine = {id(shard.param) for shard in self.shards}
         return sum(value.numel() for param, state in optimizer.state.items() if id(param) in mine
                    for value in state.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+@dataclass
+class PerParameterState:
+    """What checkpoint.py reads of an optimizer: ``state`` per model parameter and the ``param_groups``
+    (the real optimizer's, so loading updates its hyperparameters)."""
+
+    state: dict
+    param_groups: list
 
 
 def zero_one_shards(plan, grad_buckets: dict, state: dict, **kwargs):

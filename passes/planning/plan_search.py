@@ -154,7 +154,7 @@ def _rank(p: Priced) -> tuple:
     link and host memory), then the candidates' order. ZeRO-1 must be faster by more than
     ``ZERO1_MARGIN``: where nothing overlaps, a ring's reduce-scatter + all-gather prices exactly its
     all-reduce, and neither rounding nor a measured line's noise should pick a collective more per
-    step whose optimizer state checkpoints do not save yet; where memory forces it, it wins alone."""
+    step (and a lazily gathered parameter copy); where memory forces it, it wins alone."""
     return (p.step_seconds * (1 + ZERO1_MARGIN * p.candidate.zero_stage), p.candidate.offload != "none",
             p.candidate)
 
