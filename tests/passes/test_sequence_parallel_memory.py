@@ -45,3 +45,35 @@ def test_bad_arguments_say_which():
         layer_activation_bytes("sp", **GPT3)
     with pytest.raises(XirangError, match="t must be a positive int"):
         layer_activation_bytes("tp", **dict(GPT3, t=0))
+
+
+def test_planner_estimate_for_a_gpt3_175b_layer_against_table_2():
+    """The split's kept bytes of one block of the in-repo GPT-175B (bf16, tp=8, s=2048, b=1), in s·b·h.
+
+    That model has no dropout (no masks: Table 2 counts two, 1 byte each) and fused attention (no
+    a·s² tensor, so selective recompute changes nothing). Without sp the estimate is Table 2's
+    tp + selective row less the masks: 10 + 24/t - 2 = 11. With sp the ILP puts the norms and adds
+    on the sequence shard (34/t - 2/t = 4 in Table 2), but each column-parallel linear keeps the
+    whole gathered input it multiplied (2·s·b·h, twice per layer) where Megatron keeps its shard and
+    gathers it again in the backward: 4 + 2·2·(1 - 1/t) = 7.5.
+    """
+    import torch
+    import xirang
+    from examples.gpt import build_gpt
+    from xirang.ir.world import parse_world
+    from xirang.passes.planning.plan_splits import SplitPricer
+
+    tokens = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    gm = xirang.analyze(build_gpt("gpt-175b", device="meta"), example_kwargs={"input_ids": tokens,
+                                                                            "labels": tokens.clone()}).graph_module
+    pricer = SplitPricer(gm, parse_world(8, "a100-80g"), precision="bf16")
+    per_sbh = {}
+    for sp in (False, True):
+        block = next(u for u in pricer.price(8, tuple(range(8)), 1, 2048, sequence_parallel=sp).units
+                     if u.name.startswith("block:"))
+        assert block.selective_saved_bytes == block.saved_bytes  # fused attention: no core to drop
+        per_sbh[sp] = block.saved_bytes / SBH
+    t = 8
+    assert per_sbh[False] == pytest.approx(10 + 24 / t - 2, rel=1e-3)  # measured 11.005: norm statistics
+    assert per_sbh[True] == pytest.approx(34 / t - 2 / t + 2 * 2 * (1 - 1 / t), rel=1e-3)  # measured 7.504
+    assert layer_activation_bytes("tp+selective", **GPT3) / SBH - 2 == pytest.approx(per_sbh[False], rel=1e-3)
