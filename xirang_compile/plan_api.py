@@ -22,7 +22,7 @@ from xirang.passes.planning.cost_model import Efficiency
 from xirang.passes.planning.plan_search import cpu_seconds, search_plan
 from xirang.passes.planning.plan_search_space import check_global_batch
 
-from xirang.analyze import analyze
+from xirang.analyze import analyze, gc_paused
 from xirang.model_checks import batch_statistics_nodes, check_plan_batch_split, check_trainable
 from xirang.ir.errors import XirangError
 from xirang.plan_assemble import assemble_plan
@@ -47,6 +47,7 @@ class PlanProgress(NamedTuple):
         return self.message
 
 
+@gc_paused()
 def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None, global_batch: int,
          seq: Optional[int] = None, device: Union[str, DeviceSpec, None] = None, precision: Optional[str] = None,
          tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,

@@ -1,10 +1,11 @@
 """What planning does to be fast changes no result: splits priced two at a time give the search what
 one at a time gives, each (tp, micro-batch) priced once, the first failure in order raised; the
 analysis lints its graph once unless asked after every pass; the search's cuts for time alone are shared
-by candidates with equal unit times, and the stage-cut DP keeps its cuts on ties. (Timings:
-benchmarks/plan_speed.py.)"""
+by candidates with equal unit times, the stage-cut DP keeps its cuts on ties, and the cyclic garbage
+collector pauses while analysing (restored after). (Timings: benchmarks/plan_speed.py.)"""
 from __future__ import annotations
 
+import gc
 import importlib
 import math
 import random
@@ -130,3 +131,17 @@ def test_stage_cut_dp_breaks_ties_as_the_pairwise_dp():
                 solve_stage_cuts_dp(problem)
         else:
             assert solve_stage_cuts_dp(problem).bounds == expected
+
+
+def test_the_cyclic_collector_is_off_while_analysing_and_restored_after(monkeypatch):
+    seen = []
+    monkeypatch.setattr(analyze_module, "lint_graph", lambda gm, done_pass, done: seen.append(gc.isenabled()))
+    model, batch = gpt_tiny()
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            analyze_module.analyze(model, example_kwargs=batch)
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
+    assert seen == [False, False]
