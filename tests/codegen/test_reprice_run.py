@@ -61,16 +61,18 @@ def test_repriced_step_of_the_running_plan_is_within_tolerance_of_the_measured_s
     assert abs(report.repriced_current / report.measured_step - 1) <= TOLERANCE, str(report)
 
 
-def test_xirang_train_plans_on_a_world_file_and_prints_the_verdict_once(tmp_path, capfd, monkeypatch):
+def test_xirang_train_plans_on_a_world_file_and_prints_the_verdict_once(tmp_path):
+    import subprocess
+    import sys
     from pathlib import Path
-
-    from xirang.cli import main
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     world = tmp_path / "world.json"
     xirang.World.uniform(1, 2, "cpu").save(world)
-    assert main(["train", "examples/catalog.py:gpt_tiny", "--world", "2", "--world-file", str(world), "--synthetic",
-                 "--steps", "6", "--timeout", "600"]) == 0
-    out = capfd.readouterr().out  # rank 0 prints from its own process
+    # its own process: the launcher's forkserver, started by an earlier test, would keep that test's stdout
+    run = subprocess.run([sys.executable, "-m", "xirang", "train", "examples/catalog.py:gpt_tiny", "--world", "2",
+                          "--world-file", str(world), "--synthetic", "--steps", "6", "--timeout", "600"],
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
+    out = run.stdout
+    assert run.returncode == 0, run.stderr[-3000:]
     assert out.count("after step 3 (2 measured): re-priced from") == 1, out  # the default: after step 3 of 6
     verdict = [line for line in out.splitlines() if line.startswith(("the current plan is still the best",
                                                                       "another plan would now win"))]
