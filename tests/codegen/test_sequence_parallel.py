@@ -113,7 +113,7 @@ def test_sequence_parallel_2x2x2_equals_single_device(name):
 
 @pytest.mark.matrix
 def test_sequence_parallel_plan_the_ilp_chose_equals_single_device_and_moves_its_bytes():
-    """On a CPU world the ILP itself takes sequence shards (tests/passes/test_sequence_parallel.py);
+    """On a CPU world the ILP itself takes sequence shards (tests/passes/test_sequence_parallel_rules.py);
     every tp collective's bytes per step, by kind, equal the split's analytic count at the run's sizes."""
     results, (_, _, plan) = _run([("gpt", 1, 4, 1, "1f1b", 1, 4096, "cpu", False)],
                                  ("gather", "scatter_to_group"))
