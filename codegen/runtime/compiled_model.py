@@ -366,10 +366,9 @@ class CompiledModel:
             else:
                 param.grad.add_(grad)
         loss = self._step_loss(record)
-        if self.rebalancer is not None:
-            self.rebalancer.after_step()
-        if self.injection is not None:
-            self.injection.after_step()
+        for controller in (self.rebalancer, self.injection):  # they change shares or warm-ups between steps
+            if controller is not None:
+                controller.after_step()
         return loss
 
     # --- the batch against the program and the other ranks ----------------------------------------
