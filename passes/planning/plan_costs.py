@@ -48,6 +48,16 @@ Terms, each with its source:
   parameters are all-gathered, in fp32 (``PARAM_STORAGE_BYTES``: the runtime keeps parameters in
   fp32 and casts in the graph), before the next forward: the runtime does not overlap that gather,
   so all of it is exposed (the "dp_exposed" cause holds the exposed reduce-scatter plus the gather).
+- ZeRO-3 (``Candidate.zero_stage`` 3, codegen/runtime/param_shards.py), the variant the runtime runs:
+  parameters are gathered per bucket at the step's first forward and kept until its last backward
+  (torchtitan's choice under pipelining: no re-gather per micro-batch), gradients reduce-scattered as
+  ZeRO-1's. So the peak holds zero-1's bytes (gathered parameters, whole gradients, 1/dp of Adam);
+  only between steps are parameters 1/dp. The gathers move zero-1's bytes but are prefetched one
+  bucket ahead in the forward: exposed is the first bucket's and what a gather outlasts its bucket's
+  forward (``cost_model.exposed_prefetched_gathers``), added to the exposed reduce-scatter.
+- A World mixing device kinds (``device_speeds``): compute / speed per rank, micro-batches dealt to dp
+  replicas by pace (``Priced.micro_batch_shares``), the step the slowest replica's pipeline with its
+  share, activations in flight those of the replica with the most micro-batches; dp sync as uniform.
 - TFLOP/s per device counts hardware FLOPs as Megatron-LM does: model FLOPs plus the forward run
   again by full recompute (Narayanan et al. 2021, sec. 5.1).
 """
@@ -61,7 +71,9 @@ from typing import Mapping, Sequence
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.cost_model import exposed_comm_time, model_state_bytes, pipeline_step_time
+from xirang.passes.planning.cost_model import (exposed_comm_time, exposed_prefetched_gathers, model_state_bytes,
+                                               pipeline_step_time)
+from xirang.passes.planning.device_speeds import WorldSpeeds, mixed_kinds
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
 from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
 from xirang.passes.planning.unit_costs import TensorSplit
@@ -94,6 +106,7 @@ class Priced:
     exact: bool = False  # cuts and gradient buckets priced exactly (else the search's fast estimate)
     notes: tuple[str, ...] = field(default=())
     memory_parts: tuple[Mapping[str, float], ...] = field(default=())  # per pp rank, by MEMORY_PARTS
+    micro_batch_shares: tuple[int, ...] = ()  # per dp replica in a mixed World when uneven (else even)
 
     @property
     def fits(self) -> bool:
@@ -177,6 +190,7 @@ class CandidatePricer:
         self.shared = parallel / world.size if parallel is not None and parallel < world.size else None
         self.waiting = world.calibration.waiting_share if world.calibration is not None else 0.0
         self.uniform = world.uniform_nodes  # once: it compares every node (2048 of them for a 16k-GPU world)
+        self.devices = WorldSpeeds(world, precision) if mixed_kinds(world) else None
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
 
     # --- cached pieces ---------------------------------------------------------------------------
@@ -246,7 +260,7 @@ class CandidatePricer:
 
     def in_flight(self, c: Candidate) -> list[float]:
         """Micro-batches in flight of each of the pp·v stages (stage i runs on pp rank i % pp)."""
-        by_rank = in_flight_by_rank(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages)
+        by_rank = in_flight_by_rank(c.schedule, c.pp, self._most_micro_batches(c), c.virtual_stages)
         return [by_rank[i % c.pp] for i in range(c.stages)]
 
     def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
@@ -256,13 +270,40 @@ class CandidatePricer:
         share = c.virtual_stages if per_chunk else 1
         return [(usable[i % c.pp] - transient) / share for i in range(c.stages)]
 
+    # --- a World of mixed device kinds (``device_speeds.WorldSpeeds``) ---------------------------
+    def speeds(self, c: Candidate):
+        """speeds[d][r] of pipeline rank r of dp replica d, or None in a World of one device kind."""
+        return self.devices.speeds(c, self.units(c)) if self.devices else None
+
+    def micro_batch_shares(self, c: Candidate) -> tuple[int, ...]:
+        """Micro-batches of each dp replica per step: by pace in a mixed World, else even."""
+        return self.devices.shares(c, self.units(c)) if self.devices else (c.num_micro_batches,) * c.dp
+
+    def cut_speeds(self, c: Candidate):
+        """Speed of each of the pp·v stages for the cut solvers, or None when all are 1."""
+        return self.devices.cut_speeds(c, self.units(c)) if self.devices else None
+
+    def _most_micro_batches(self, c: Candidate) -> int:
+        return max(self.micro_batch_shares(c)) if self.devices else c.num_micro_batches
+
+    def _slowest_replica(self, c: Candidate, table: UnitTable, ranks) -> tuple[tuple[float, ...], int, list]:
+        """(speed of each pipeline rank, micro-batches, each rank's time per micro-batch) of the dp
+        replica whose pipeline ends last (a uniform World's one answer)."""
+        if not self.devices:
+            return (1.0,) * c.pp, c.num_micro_batches, [math.fsum(table.stage_time(a, b) for a, b in stages)
+                                                         for stages in ranks]
+        return self.devices.slowest_replica(c, self.units(c), table, ranks)
+
     # --- estimates -----------------------------------------------------------------------------
     def lower_bound(self, c: Candidate) -> float:
         """A step time no cut can beat: perfectly balanced stages, no sends, no exposed dp sync."""
         total, longest, _, _ = self.units(c).totals
+        m = c.num_micro_batches
+        if self.devices:  # no rank beats the fastest device; the replica with the most micro-batches ends no sooner
+            fastest = max(map(max, self.speeds(c)))
+            total, longest, m = total / fastest, longest / fastest, max(self.micro_batch_shares(c))
         device = max(longest, total / c.pp)  # the busiest device holds at least the mean share
-        bound = pipeline_step_time(c.schedule, c.pp, c.num_micro_batches, device, c.virtual_stages,
-                                   self.units(c).backward_ratio)
+        bound = pipeline_step_time(c.schedule, c.pp, m, device, c.virtual_stages, self.units(c).backward_ratio)
         if self.shared is not None:  # the two bounds of ``price`` on shared cores, at their least
             return max(c.num_micro_batches * total / c.pp, bound * self.shared)
         return bound
@@ -279,13 +320,13 @@ class CandidatePricer:
         """Step time, breakdown, memory and TFLOP/s of ``c`` cut at ``bounds``. ``exact`` prices the
         dp sync bucket by bucket; otherwise by a closed form for gradients produced at an even rate."""
         n, table = self.units(c), self.table(c)
-        v, m = c.virtual_stages, c.num_micro_batches
+        v = c.virtual_stages
         ranks = [[bounds[i] for i in range(r, c.stages, c.pp)] for r in range(c.pp)]
         # A device runs all its chunks for every micro-batch, so the busiest device (the sum of its
         # v chunks, not v times the slowest chunk) sets the pace of the pipeline.
-        rank_times = [math.fsum(table.stage_time(a, b) for a, b in stages) for stages in ranks]
+        speed, m, rank_times = self._slowest_replica(c, table, ranks)
         worst = max(range(c.pp), key=rank_times.__getitem__)
-        compute = math.fsum(math.fsum(n.compute[a:b]) for a, b in ranks[worst])
+        compute = math.fsum(math.fsum(n.compute[a:b]) for a, b in ranks[worst]) / speed[worst]
         tp_comm = math.fsum(math.fsum(n.tp_comm[a:b]) for a, b in ranks[worst])
         offload = math.fsum(math.fsum(n.offload[a:b]) for a, b in ranks[worst])
         send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
@@ -302,13 +343,18 @@ class CandidatePricer:
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
                      "dp_exposed": dp_exposed, "offload": busy * m * offload}
         step = pipeline + dp_exposed
-        in_flight = in_flight_by_rank(c.schedule, c.pp, m, v)
+        in_flight = in_flight_by_rank(c.schedule, c.pp, self._most_micro_batches(c), v)
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
                        for r, stages in enumerate(ranks))
         flops = n.flops * self.global_batch / c.micro_batch
         return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
                       flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes),
-                      tuple(self._parts(c, stages, in_flight[r]) for r, stages in enumerate(ranks)))
+                      tuple(self._parts(c, stages, in_flight[r]) for r, stages in enumerate(ranks)),
+                      self._uneven_shares(c))
+
+    def _uneven_shares(self, c: Candidate) -> tuple[int, ...]:
+        shares = self.micro_batch_shares(c)
+        return shares if len(set(shares)) > 1 else ()
 
     def _parts(self, c: Candidate, stages, in_flight: float) -> dict[str, float]:
         """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``)."""
@@ -340,19 +386,28 @@ class CandidatePricer:
         last = self._cost(kind, rest or cap, group)
         count = full + (rest > 0)
         total = (count - 1) * self._cost(kind, cap, group) + last
-        gather = self._zero_gather(c, grads, group)
+        gather = self._zero_gather(c, grads, group, stages)
         if not self.overlap:
             return total + gather
         return max(last, backward * min(1.0, cap / grads) + total - backward) + gather
 
-    def _zero_gather(self, c: Candidate, grads: float, group) -> float:
-        """ZeRO-1: the all-gather of every bucket's updated parameters before the next forward (exposed)."""
+    def _zero_gather(self, c: Candidate, grads: float, group, stages=()) -> float:
+        """The all-gather of every bucket's parameters, fp32. ZeRO-1: before the next forward, all exposed.
+        ZeRO-3: at the first forward, bucket k+1's issued as bucket k's block starts
+        (``exposed_prefetched_gathers``; each bucket's share of the ``stages``' forward its gradients'
+        share): the first bucket's gather is exposed, the others where they outlast a bucket's forward."""
         if not c.zero_stage or grads <= 0:
             return 0.0
         scale, cap = PARAM_STORAGE_BYTES / self.grad_bytes, bucket_elements(c.dp) * self.grad_bytes
         full, rest = divmod(grads, cap)
-        return full * self._cost("all_gather", cap * scale, group) + (
-            self._cost("all_gather", rest * scale, group) if rest else 0.0)
+        if c.zero_stage == 1 or not self.overlap:
+            return full * self._cost("all_gather", cap * scale, group) + (
+                self._cost("all_gather", rest * scale, group) if rest else 0.0)
+        n, sizes = self.units(c), [cap] * int(full) + ([rest] if rest else [])
+        forward = math.fsum(math.fsum(n.seconds[a:b]) - (n.backward_prefix[b] - n.backward_prefix[a])
+                            for a, b in stages)
+        return exposed_prefetched_gathers([self._cost("all_gather", size * scale, group) for size in sizes],
+                                          [forward * size / grads for size in sizes])
 
     def _exposed_exact(self, c: Candidate, rank: int, stages) -> float:
         """Buckets filled in backward order (last unit first), a unit's gradients arriving evenly
@@ -378,5 +433,5 @@ class CandidatePricer:
         elif elapsed:  # backward of units with no parameters after the last bucket is ready
             comm.append(0.0)
             backward.append(elapsed)
-        gather = self._zero_gather(c, self._rank_grads(c, stages)[0], group)
+        gather = self._zero_gather(c, self._rank_grads(c, stages)[0], group, stages)
         return (exposed_comm_time(comm, backward) if self.overlap else math.fsum(comm)) + gather

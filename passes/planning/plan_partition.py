@@ -9,6 +9,11 @@ the greedy uses the fewest stages for T, so bisection on T finds the optimal bot
 bisection tolerance (Nicol 1994, "Rectilinear partitioning of irregular data parallel
 computations"). Uneven cut costs make it a heuristic; the search re-solves its top candidates with
 the exact ``solve_stage_cuts``. Prefix sums make a stage O(log units), a check O(stages log units).
+
+Devices of different speeds (``speeds[s]``, a mixed World: ``device_speeds``): stage s's time is its
+units' time over its speed, so the check gives stage s the units that take at most T · speeds[s] on the
+reference; the whole stage time is scaled (its cut send too), which the price of the cut does not do
+(``plan_costs`` scales compute only): the fast cut is then a heuristic, and the exact solver re-cuts.
 No torch here.
 """
 from __future__ import annotations
@@ -93,11 +98,13 @@ def _longest_stage(table: UnitTable, start: int, limit: int, bound: float,
 
 
 def greedy_cuts(table: UnitTable, stages: int, bound: float, caps: Sequence[float],
-                in_flight: Sequence[float]) -> Optional[Bounds]:
-    """Stages within ``bound`` seconds and their caps, greedily; None when the greedy finds none."""
+                in_flight: Sequence[float], speeds: Optional[Sequence[float]] = None) -> Optional[Bounds]:
+    """Stages within ``bound`` seconds and their caps, greedily; None when the greedy finds none.
+    ``speeds[s]``: stage s runs that many times faster than the table says (None: all 1)."""
     units, start, bounds = table.units, 0, []
     for s in range(stages):
-        stop = _longest_stage(table, start, units - (stages - 1 - s), bound, caps[s], in_flight[s])
+        reach = bound if speeds is None else bound * speeds[s]
+        stop = _longest_stage(table, start, units - (stages - 1 - s), reach, caps[s], in_flight[s])
         if stop == start:
             return None
         bounds.append((start, stop))
@@ -106,43 +113,51 @@ def greedy_cuts(table: UnitTable, stages: int, bound: float, caps: Sequence[floa
 
 
 def fit_stages(table: UnitTable, stages: int, caps: Sequence[float],
-               in_flight: Sequence[float]) -> Optional[Bounds]:
+               in_flight: Sequence[float], speeds: Optional[Sequence[float]] = None) -> Optional[Bounds]:
     """Contiguous cuts into ``stages`` minimising the slowest stage within each stage's memory cap
     (``caps[s]`` bytes, activations held ``in_flight[s]`` times); None when no greedy cut fits.
     Candidates that differ only in what the table does not hold (dp, say) ask the same question:
-    each distinct one is answered once (``_cut_once``)."""
+    each distinct one is answered once (``_cut_once``). ``speeds``: per stage, a mixed World's (module doc)."""
     if not 1 <= stages <= table.units:
         raise InvalidValue(f"stages must be in 1..{table.units}, got {stages}")
     return _cut_once(tuple(table.seconds), tuple(table.static_bytes), tuple(table.activation_bytes),
-                     tuple(table.cut_seconds), stages, tuple(caps), tuple(in_flight))
+                     tuple(table.cut_seconds), stages, tuple(caps), tuple(in_flight),
+                     None if speeds is None else tuple(speeds))
 
 
-def fastest_cuts(table: UnitTable, stages: int) -> Optional[Bounds]:
+def fastest_cuts(table: UnitTable, stages: int, speeds: Optional[Sequence[float]] = None) -> Optional[Bounds]:
     """``fit_stages`` with memory ignored: that reads only the units' seconds and the cut sends, which
     candidates differing in dp, ZeRO or memory share, so each (seconds, sends, stages) is cut once."""
     if not 1 <= stages <= table.units:
         raise InvalidValue(f"stages must be in 1..{table.units}, got {stages}")
     nothing = (0.0,) * table.units  # bytes are not read when every cap is infinite
     return _cut_once(tuple(table.seconds), nothing, nothing, tuple(table.cut_seconds), stages,
-                     (math.inf,) * stages, (1.0,) * stages)
+                     (math.inf,) * stages, (1.0,) * stages, None if speeds is None else tuple(speeds))
 
 
 @functools.lru_cache(maxsize=4096)
-def _cut_once(seconds, static_bytes, activation_bytes, cut_seconds, stages: int, caps, in_flight) -> Optional[Bounds]:
+def _cut_once(seconds, static_bytes, activation_bytes, cut_seconds, stages: int, caps, in_flight,
+              speeds=None) -> Optional[Bounds]:
     """Bisection on the bottleneck, the greedy check at each trial (module doc)."""
     table = UnitTable(seconds, static_bytes, activation_bytes, cut_seconds)
-    best = greedy_cuts(table, stages, math.inf, caps, in_flight)
+    pace = speeds or (1.0,) * stages
+
+    def slowest(bounds: Bounds) -> float:
+        return max(table.stage_time(a, b) / s for (a, b), s in zip(bounds, pace))
+
+    best = greedy_cuts(table, stages, math.inf, caps, in_flight, speeds)
     if best is None:
         return None
-    hi = max(table.stage_time(a, b) for a, b in best)
-    lo = max(max(table.seconds), table.total_seconds / stages)
+    hi = slowest(best)
+    # no stage beats the longest unit on the fastest device, nor the work spread over all of them
+    lo = max(max(table.seconds) / max(pace), table.total_seconds / math.fsum(pace))
     while hi - lo > TOLERANCE * hi:
         mid = (lo + hi) / 2
-        found = greedy_cuts(table, stages, mid, caps, in_flight)
+        found = greedy_cuts(table, stages, mid, caps, in_flight, speeds)
         if found is None:
             lo = mid
         else:
-            best, hi = found, max(table.stage_time(a, b) for a, b in found)
+            best, hi = found, slowest(found)
     return best
 
 

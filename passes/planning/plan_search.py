@@ -216,7 +216,7 @@ def _faster_but_too_big(pricer: CandidatePricer, failing: list[Priced], skipped,
 
 def _time_cuts(pricer: CandidatePricer, c: Candidate):
     """The fastest cuts with memory ignored."""
-    return fastest_cuts(pricer.table(c), c.stages)
+    return fastest_cuts(pricer.table(c), c.stages, pricer.cut_speeds(c))
 
 
 def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
@@ -227,7 +227,8 @@ def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
         p = pricer.price(c, _time_cuts(pricer, c))
         if p.fits:
             return p
-    bounds = fit_stages(pricer.table(c), c.stages, pricer.stage_caps(c, per_chunk=interleaved), pricer.in_flight(c))
+    bounds = fit_stages(pricer.table(c), c.stages, pricer.stage_caps(c, per_chunk=interleaved), pricer.in_flight(c),
+                        pricer.cut_speeds(c))
     if bounds is None:
         return p if interleaved else pricer.price(c, _time_cuts(pricer, c))
     return pricer.price(c, bounds)
@@ -254,7 +255,7 @@ def _exact(pricer: CandidatePricer, fast: Priced) -> Priced:
         compute=table.seconds, memory=table.static_bytes, boundary_comm=table.cut_seconds, stages=c.stages,
         capacities=[max(cap, 0.0) for cap in pricer.stage_caps(c, per_chunk=interleaved)],
         activation_memory=table.activation_bytes, in_flight=pricer.in_flight(c),
-        unit_names=pricer.units(c).names)
+        unit_names=pricer.units(c).names, speeds=pricer.cut_speeds(c))
     kept = pricer.price(c, fast.bounds, exact=True, notes=(
         "stage cuts by bisection with a greedy check (fast path; the exact solver gave none faster)",))
     try:
