@@ -233,6 +233,7 @@ class Alternative:
     why: str = ""
     offload: str = "none"
     zero_stage: int = 0  # 0, or 1: ZeRO-1's optimizer state sharded over dp (Plan.zero_stage)
+    sequence_parallel: bool = False  # the residual stream sharded along the sequence (Plan.sequence_parallel)
 
     def __post_init__(self):
         check_type(self.mesh, Mesh, "mesh")
@@ -250,11 +251,12 @@ class Alternative:
         object.__setattr__(self, "breakdown", MappingProxyType(
             {check_str(k, "breakdown key"): check_float(v, f"breakdown[{k!r}]") for k, v in self.breakdown.items()}))
         check_type(self.fits, bool, "fits")
+        check_type(self.sequence_parallel, bool, "sequence_parallel")
         check_type(self.why, str, "why")
 
     def __hash__(self) -> int:
         return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute, self.offload,
-                     self.zero_stage))
+                     self.zero_stage, self.sequence_parallel))
 
     def __reduce__(self):
         return (Alternative.from_json, (self.to_json(),))
@@ -268,7 +270,7 @@ class Alternative:
     @classmethod
     def from_json(cls, data) -> "Alternative":
         names = tuple(f.name for f in fields(cls))
-        came_later = ("offload", "zero_stage")
+        came_later = ("offload", "zero_stage", "sequence_parallel")
         check_keys(data, names, "alternative", required=tuple(n for n in names if n not in came_later))
         with errors_at("mesh"):
             mesh = Mesh.from_json(data["mesh"])

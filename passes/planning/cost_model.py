@@ -99,6 +99,25 @@ def exposed_comm_time(comm_seconds: Sequence[float], backward_seconds: Sequence[
     return max(0.0, comm_free - ready)
 
 
+def exposed_prefetched_gathers(gather_seconds: Sequence[float], forward_seconds: Sequence[float]) -> float:
+    """ZeRO-3's parameter all-gathers left on the critical path of a forward (FSDP's forward prefetch,
+    Zhao et al. 2023, sec. 4.3): bucket 0's gather is issued when the forward starts and waited on at
+    once; bucket k+1's is issued when bucket k's compute starts, the gathers one after another on one
+    stream, and bucket k+1's compute waits for its gather. Exposed = the forward's end less its compute."""
+    if len(gather_seconds) != len(forward_seconds):
+        raise InvalidValue(f"one forward time per bucket: {len(gather_seconds)} gathers, "
+                           f"{len(forward_seconds)} forward times")
+    if not gather_seconds:
+        return 0.0
+    start = gather_free = gather_seconds[0]  # bucket 0's compute starts once its gather is done
+    for k, forward in enumerate(forward_seconds):
+        if k + 1 == len(forward_seconds):
+            return max(0.0, start + forward - sum(forward_seconds))
+        gather_free = max(gather_free, start) + gather_seconds[k + 1]  # prefetch as bucket k starts
+        start = max(start + forward, gather_free)
+    return 0.0
+
+
 def exposed_gradient_sync(bucket_bytes: Sequence[float], backward_seconds: Sequence[float],
                           group: tuple[int, ...], world: World) -> float:
     """``exposed_comm_time`` with each bucket all-reduced on the dp ``group`` at its cheapest."""

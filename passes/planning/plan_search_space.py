@@ -19,6 +19,10 @@ chunks per device when interleaved) and recompute mode. The rules, so a reader c
   offered with recompute "none" or "selective" (full recompute keeps only block inputs already), on
   blocks only, and only where every device has a host link whose memory is not its own
   (``DeviceSpec.offload_frees_memory``: not on CPUs); it can be pinned anywhere it is priced.
+- Sequence parallelism (``sequence_parallel``: the split ILP may shard the residual stream along the
+  sequence, Korthikanti et al. 2022) means something only where tp > 1. The space lists it only when
+  pinned on; unpinned, the search (``plan_search``) prices it for its few best tp > 1 candidates,
+  since each (tp, micro-batch) it needs is one more split ILP.
 
 Any of these choices can be pinned; a pin no candidate satisfies fails with what was wrong and
 the values that would work, given the other pins. No torch here.
@@ -37,7 +41,8 @@ from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
 
 MAX_MICRO_BATCH = 16
-PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload", "zero_stage")
+PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload", "zero_stage",
+             "sequence_parallel")
 ZERO_STAGES = (0, 1)  # offered when dp > 1: 0 replicates the optimizer state over dp, 1 shards it
 OFFLOAD_WITH = ("none", "selective")  # the recompute modes offload is offered with
 
@@ -56,6 +61,7 @@ class Candidate:
     recompute: str
     offload: str = "none"
     zero_stage: int = 0  # 1: ZeRO-1, optimizer state sharded over dp (offered when dp > 1)
+    sequence_parallel: bool = False  # the split with sequence-sharded rows (only where tp > 1)
 
     @property
     def mesh(self) -> Mesh:
@@ -67,12 +73,13 @@ class Candidate:
         return self.pp * self.virtual_stages
 
     def label(self) -> str:
-        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full' (and ' offload=blocks', ' zero=1')."""
+        """'dp=16 pp=4 tp=8 b=2 m=16 interleaved v=2 recompute=full' (and ' offload=blocks', ' zero=1', ' sp')."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         offload = f" offload={self.offload}" if self.offload != "none" else ""
         zero = f" zero={self.zero_stage}" if self.zero_stage else ""
+        sp = " sp" if self.sequence_parallel else ""
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.micro_batch} m={self.num_micro_batches} "
-                f"{self.schedule}{v} recompute={self.recompute}{offload}{zero}")
+                f"{self.schedule}{v} recompute={self.recompute}{offload}{zero}{sp}")
 
 
 def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, ...]:
@@ -182,6 +189,7 @@ def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: 
     pinned_b = pins.get("micro_batch")
     modes = _modes(has_blocks, pins, offload)
     for tp, pp, dp in _meshes(world, units, pins):
+        sp = bool(pins.get("sequence_parallel")) and tp > 1  # at tp 1 there is nothing to shard
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -194,7 +202,7 @@ def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: 
                 for recompute, offload_mode in modes:
                     for zero in ZERO_STAGES if dp > 1 else (0,):
                         if pins.get("zero_stage", zero) == zero:
-                            yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode, zero)
+                            yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode, zero, sp)
 
 
 def _schedules(pp: int, m: int, units: int, pins: dict) -> Iterator[tuple[str, int]]:
@@ -233,6 +241,10 @@ def _check_pin_values(pins: dict) -> None:
             if type(value) is not int or value not in ZERO_STAGES:
                 raise XirangError(f"zero_stage={value!r} is not a ZeRO stage Xirang runs", where="zero_stage=",
                                   hint="use 0 (optimizer state replicated over dp) or 1 (sharded over dp)")
+        elif name == "sequence_parallel":
+            if not isinstance(value, bool):
+                raise XirangError(f"sequence_parallel={value!r} must be True or False", where="sequence_parallel=",
+                                  hint="pass True or False, or leave it unset to let the planner choose")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise XirangError(f"{name}={value!r} must be a positive int", where=f"{name}=",
                               hint=f"pass a positive int, or leave {name} unset to let the planner choose")
@@ -258,6 +270,8 @@ def _no_candidate_error(world: World, units: int, global_batch: int, has_blocks:
             hint=f"use a global_batch that is a multiple of {dps[0]}, e.g. {dps[0] * max(1, global_batch // dps[0])}")
     reasons, hints = [], []
     for name, value in pins.items():
+        if name == "sequence_parallel":
+            continue  # it never excludes a candidate: at tp 1 it is simply off
         others = {k: v for k, v in pins.items() if k != name}
         valid = sorted({getattr(c, name) for c in _space(world, units, global_batch, has_blocks, others,
                                                          offload_offered(world), cap_micro_batch=False)},
