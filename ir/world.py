@@ -294,6 +294,7 @@ def at_field(path: str, parse, *args):
 
 
 _NODES_X_DEVICES = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_GROUP_OF_NODES = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*:\s*([^\s+:]+)\s*$")  # "2x8:h100-80g"
 _COUNT = re.compile(r"^\s*(\d+)\s*$")
 
 
@@ -305,7 +306,10 @@ def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, Non
       * an int N, or the string "N": N devices, packed ``DEVICES_PER_NODE`` (8) per node when N > 8
         and divisible by 8, else one node of N (so 4 is one node of 4, 16 is 2 x 8, 12 is one
         node of 12; write "3x4" for anything else);
-      * a string "NxM": N nodes of M devices each.
+      * a string "NxM": N nodes of M devices each;
+      * a mixed World: groups of nodes joined by "+", each "NxM:device" (a preset name), e.g.
+        "2x8:a100-80g+2x8:h100-80g" (ranks 0-15 on the A100 nodes); a group without ":device" gets
+        ``device``.
     ``device`` is a preset name or DeviceSpec for every node (default "a100-80g").
     """
     if isinstance(spec, World):
@@ -315,7 +319,10 @@ def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, Non
         return spec
     device = device_spec(DEFAULT_DEVICE if device is None else device)
     forms = ("accepted forms: an int N > 0, a string 'N' (N devices), "
-             "a string 'NxM' (N nodes of M devices, both > 0), or a World")
+             "a string 'NxM' (N nodes of M devices, both > 0), node groups 'NxM:device+NxM:device' "
+             "(device a preset name), or a World")
+    if isinstance(spec, str) and ("+" in spec or ":" in spec):
+        return _mixed_world(spec, device, forms)
     if isinstance(spec, int) and not isinstance(spec, bool):
         count = spec
     elif isinstance(spec, str) and _COUNT.match(spec):
@@ -332,3 +339,18 @@ def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, Non
     if count > DEVICES_PER_NODE and count % DEVICES_PER_NODE == 0:
         return World.uniform(count // DEVICES_PER_NODE, DEVICES_PER_NODE, device)
     return World.uniform(1, count, device)
+
+
+def _mixed_world(spec: str, device: DeviceSpec, forms: str) -> World:
+    """A World of node groups "NxM:device+NxM:device" (``parse_world``)."""
+    nodes = []
+    for part in spec.split("+"):
+        found = _GROUP_OF_NODES.match(part) or _NODES_X_DEVICES.match(part)
+        if not found:
+            raise InvalidValue(f"bad world {spec!r}: the group {part.strip()!r} is not 'NxM' or 'NxM:device'; {forms}")
+        count, per_node = int(found.group(1)), int(found.group(2))
+        if count < 1 or per_node < 1:
+            raise InvalidValue(f"bad world {spec!r}: node and device counts must be > 0 in {part.strip()!r}; {forms}")
+        kind = device_spec(found.group(3)) if found.lastindex == 3 else device
+        nodes += [NodeSpec(per_node, kind)] * count
+    return World(tuple(nodes))

@@ -72,12 +72,17 @@ def rank_speeds(world: World, mesh, speed_of_kind) -> tuple[tuple[float, ...], .
                            for t in range(mesh.tp)) for r in range(mesh.pp)) for d in range(mesh.dp))
 
 
-def shares_by_speed(paces: Sequence[float], micro_batches: int) -> tuple[int, ...]:
-    """``micro_batches`` dealt in proportion to ``paces`` (each at least one), by largest remainder;
-    ties go to the lower index so the answer is deterministic."""
+def shares_by_speed(paces: Sequence[float], micro_batches: int, quantum: int = 1) -> tuple[int, ...]:
+    """``micro_batches`` dealt in proportion to ``paces`` in whole ``quantum``s (each replica at least
+    one; the interleaved schedule runs micro-batches in groups of p), by largest remainder; ties go to
+    the lower index so the answer is deterministic."""
     count = len(paces)
     if count < 1 or any(not p > 0 for p in paces):
         raise InvalidValue(f"shares_by_speed: paces must be positive, got {list(paces)}")
+    if micro_batches % quantum:
+        raise InvalidValue(f"shares_by_speed: {micro_batches} micro-batches are not whole groups of {quantum}")
+    if quantum > 1:
+        return tuple(quantum * share for share in shares_by_speed(paces, micro_batches // quantum))
     if micro_batches < count:
         raise InvalidValue(f"shares_by_speed: {micro_batches} micro-batches cannot give each of {count} "
                            f"replicas one")
@@ -101,11 +106,11 @@ def replica_paces(speeds: Sequence[Sequence[float]]) -> tuple[float, ...]:
 def cut_speeds(speeds: Sequence[Sequence[float]], shares: Sequence[int]) -> Optional[tuple[float, ...]]:
     """The speed per pipeline rank the stage-cut solvers see: with replica d running shares[d] of the
     micro-batches, pipeline rank r's busiest replica takes shares[d] / speeds[d][r] of the mean
-    replica's time per unit of work; the cut balances that. None when every rank has speed 1 and
-    shares are even (the homogeneous problem)."""
+    replica's time per unit of work; the cut balances that. None when every rank gets the same speed:
+    a common factor does not move the cuts, so that is the homogeneous problem."""
     mean = math.fsum(shares) / len(shares)
     per_rank = tuple(min(row[r] * mean / m for row, m in zip(speeds, shares)) for r in range(len(speeds[0])))
-    return None if all(abs(s - 1.0) < 1e-12 for s in per_rank) else per_rank
+    return None if max(per_rank) - min(per_rank) <= 1e-12 * max(per_rank) else per_rank
 
 
 class WorldSpeeds:
@@ -135,7 +140,8 @@ class WorldSpeeds:
         if key not in self._shares:
             speeds = self.speeds(c, units)
             self._shares[key] = (c.num_micro_batches,) if c.dp == 1 else \
-                shares_by_speed(replica_paces(speeds), c.dp * c.num_micro_batches)
+                shares_by_speed(replica_paces(speeds), c.dp * c.num_micro_batches,
+                                c.pp if c.schedule == "interleaved" else 1)
         return self._shares[key]
 
     def cut_speeds(self, c, units) -> Optional[tuple[float, ...]]:
