@@ -65,6 +65,9 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                  f"CUDA context, NCCL buffers and fragmentation")
     notes.append(f"searched {result.candidates} configurations, priced {result.priced}, "
                  f"{result.splits_priced} tensor splits")
+    if best.micro_batch_shares:  # a World of mixed device kinds: each dp replica's share follows its pace
+        notes.append(f"dp shares follow device speed: micro-batches per dp rank "
+                     f"{', '.join(map(str, best.micro_batch_shares))} of {c.micro_batch} samples")
     # the tied sums run after the dp sync, exposed: each row pays its own (the winner's layout of the weight)
     rows = [_row(p, tied_sum_seconds(gm, p, names, split.placements, world)) for p in (best, *result.alternatives)]
     winner, usable = rows[0], min(best.usable_per_rank)
@@ -77,6 +80,9 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                 virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload, precision=precision,
                 grad_reduce_dtype=precision, placements=split.placements, stages=stages, buckets=buckets,
                 fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives)
+    if best.micro_batch_shares:  # priced with these shares: the note with_dp_shares adds does not apply
+        made = replace(made.with_dp_shares(tuple(m * c.micro_batch for m in best.micro_batch_shares)),
+                       predicted=predicted)
     # ZeRO-1: each bucket's all-reduce listed as the reduce-scatter and all-gather the runtime runs
     return replace(made.with_zero_stage(1), predicted=predicted) if c.zero_stage else made  # priced: no note
 
