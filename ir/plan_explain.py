@@ -14,10 +14,18 @@ GiB = 1024**3
 CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"), ("pp_p2p", "p2p"),
           ("dp_exposed", "DP exposed"), ("offload", "offload"))
 # the configuration fields that drive each cause; a sentence names those that differ
-_DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m"), "tp_comm": ("tp", "pp", "b", "m"),
+_DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m", "sp"), "tp_comm": ("tp", "pp", "b", "m", "sp"),
             "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"),
             "dp_exposed": ("dp", "pp", "tp", "zero"),
             "offload": ("offload", "recompute", "tp", "b")}
+# Options the search prices as on/off or as stages at an otherwise equal configuration. Each: the
+# field of ``_fields``, what a value is called, and the causes of the step it moves (with their
+# words): explain() prints one line per option from the winner and the row differing in it alone.
+OPTIONS = (
+    ("zero", "ZeRO", lambda stage: f"zero-{stage}", (("dp_exposed", "exposed all-gather"),)),
+    ("sp", "Sequence parallelism", lambda on: "sp" if on else "no sp",
+     (("tp_comm", "tensor-parallel collectives"), ("compute", "compute"))),
+)
 PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
                ("activations", "activations"), ("working_set", "work set"), ("buffers", "buffers"))
 
@@ -25,7 +33,8 @@ PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "
 def _fields(row: Alternative) -> dict:
     return {"recompute": row.recompute, "offload": row.offload, "tp": row.mesh.tp, "pp": row.mesh.pp,
             "dp": row.mesh.dp, "b": row.micro_batch, "m": row.num_micro_batches, "v": row.virtual_stages,
-            "stages": row.mesh.pp * row.virtual_stages, "schedule": row.schedule, "zero": row.zero_stage}
+            "stages": row.mesh.pp * row.virtual_stages, "schedule": row.schedule, "zero": row.zero_stage,
+            "sp": row.sequence_parallel}
 
 
 def _context(key: str, other: Alternative, winner: Alternative) -> str:
@@ -36,12 +45,13 @@ def _context(key: str, other: Alternative, winner: Alternative) -> str:
 
 
 def label(row: Alternative) -> str:
-    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full' (and ' offload=blocks', ' zero=1')."""
+    """'dp=16 pp=4 tp=8 b=1 m=64 interleaved v=2 recompute=full' (and ' offload=blocks', ' zero=1', ' sp')."""
     v = f" v={row.virtual_stages}" if row.schedule == "interleaved" else ""
     offload = f" offload={row.offload}" if row.offload != "none" else ""
     zero = f" zero={row.zero_stage}" if row.zero_stage else ""
+    sp = " sp" if row.sequence_parallel else ""
     return (f"dp={row.mesh.dp} pp={row.mesh.pp} tp={row.mesh.tp} b={row.micro_batch} "
-            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}{offload}{zero}")
+            f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}{offload}{zero}{sp}")
 
 
 def as_row(plan) -> Alternative:
@@ -50,6 +60,7 @@ def as_row(plan) -> Alternative:
     return Alternative(mesh=plan.mesh, micro_batch=plan.micro_batch, num_micro_batches=plan.num_micro_batches,
                        schedule=plan.schedule, virtual_stages=plan.virtual_stages, recompute=plan.recompute,
                        offload=plan.offload, zero_stage=plan.zero_stage,
+                       sequence_parallel=plan.sequence_parallel and plan.mesh.tp > 1,
                        step_seconds=p.step_seconds, tflops_per_device=p.tflops_per_device,
                        memory_bytes_per_device=p.memory_bytes_per_device, breakdown=p.breakdown)
 
@@ -78,23 +89,30 @@ def why_lost(winner: Alternative, other: Alternative, usable_bytes: float) -> st
     return f"{slower / winner.step_seconds:.1%} slower: " + "; ".join(parts or ["small differences in every cause"])
 
 
-def zero_trade(plan) -> str:
-    """'zero-1 saves 34.0 GiB/device, costs 0.4 s of exposed all-gather (vs zero-0 at the same mesh...)':
-    the plan's ZeRO stage against the alternative that differs from it in the ZeRO stage only, or ''."""
+def option_trades(plan) -> list[tuple[str, str]]:
+    """(title, line) per option of ``OPTIONS`` priced both ways: the winner against each alternative
+    that differs from it in that option alone, from the option's higher value's side, e.g. ('ZeRO',
+    'zero-1 saves 34.0 GiB/device, costs 0.4 s of exposed all-gather per step (zero-1 9.58 s vs
+    zero-0 9.48 s; zero-0 does not fit).')."""
     winner = as_row(plan)
-    def without_zero(row: Alternative) -> str:
-        return label(row).replace(f" zero={row.zero_stage}", "")
-    same = [a for a in plan.alternatives
-            if a.zero_stage != winner.zero_stage and without_zero(a) == without_zero(winner)]
-    if not same:
-        return ""
-    other = same[0]
-    zero1, zero0 = (winner, other) if winner.zero_stage else (other, winner)
-    saved = (max(zero0.memory_bytes_per_device) - max(zero1.memory_bytes_per_device)) / GiB
-    cost = zero1.breakdown.get("dp_exposed", 0.0) - zero0.breakdown.get("dp_exposed", 0.0)
-    fits = "" if zero0.fits else "; zero-0 does not fit"
-    return (f"zero-1 saves {saved:.1f} GiB/device, costs {cost:.3g} s of exposed all-gather per step "
-            f"(zero-1 {zero1.step_seconds:.4g} s vs zero-0 {zero0.step_seconds:.4g} s{fits}).")
+    mine = _fields(winner)
+    found = []
+    for key, title, name, causes in OPTIONS:
+        for other in plan.alternatives:
+            theirs = _fields(other)
+            if theirs[key] == mine[key] or any(theirs[k] != mine[k] for k in mine if k != key):
+                continue
+            high, low = (winner, other) if mine[key] > theirs[key] else (other, winner)
+            high_name, low_name = name(_fields(high)[key]), name(_fields(low)[key])
+            saved = (max(low.memory_bytes_per_device) - max(high.memory_bytes_per_device)) / GiB
+            memory = f"saves {saved:.1f} GiB/device" if saved >= 0 else f"needs {-saved:.1f} GiB/device more"
+            moved = [(high.breakdown.get(cause, 0.0) - low.breakdown.get(cause, 0.0), words) for cause, words in causes]
+            moves = [f"{'costs' if delta >= 0 else 'saves'} {abs(delta):.3g} s of {words}" for delta, words in moved
+                    if delta or words == moved[0][1]]
+            fits = "".join(f"; {name(_fields(row)[key])} does not fit" for row in (high, low) if not row.fits)
+            found.append((title, f"{high_name} {memory}, {', '.join(moves)} per step ({high_name} "
+                                 f"{high.step_seconds:.4g} s vs {low_name} {low.step_seconds:.4g} s{fits})."))
+    return found
 
 
 def why_won(plan) -> str:
@@ -120,7 +138,7 @@ def explain_data(plan) -> dict:
                 "dp": item.mesh.dp, "pp": item.mesh.pp, "tp": item.mesh.tp, "micro_batch": item.micro_batch,
                 "num_micro_batches": item.num_micro_batches, "schedule": item.schedule,
                 "virtual_stages": item.virtual_stages, "recompute": item.recompute, "offload": item.offload,
-                "zero_stage": item.zero_stage,
+                "zero_stage": item.zero_stage, "sequence_parallel": item.sequence_parallel,
                 "step_seconds": item.step_seconds, "tflops_per_device": item.tflops_per_device,
                 "seconds_by_cause": {key: item.breakdown.get(key, 0.0) for key, _ in CAUSES},
                 "memory_bytes_per_pipeline_rank": list(item.memory_bytes_per_device),
@@ -129,6 +147,7 @@ def explain_data(plan) -> dict:
             "usable_bytes_per_device": min(stage.memory_limit_bytes for stage in plan.stages),
             "memory_parts_per_pipeline_rank": [dict(part) for part in plan.predicted.memory_parts],
             "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, a.why) for a in plan.alternatives],
+            "options": [{"option": title, "trade": line} for title, line in option_trades(plan)],
             "notes": list(plan.predicted.notes)}
 
 
@@ -173,8 +192,7 @@ def explain_plan(plan) -> str:
     lines.extend(_memory_table(plan))
     lines.append("")
     lines.append(f"Why this plan: {why_won(plan)}")
-    if zero_trade(plan):
-        lines.append(f"ZeRO: {zero_trade(plan)}")
+    lines.extend(f"{title}: {line}" for title, line in option_trades(plan))
     for a in plan.alternatives:
         lines.append(f"  - {label(a)}: {a.why}")
     if plan.predicted.notes:

@@ -54,7 +54,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
          micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
          recompute: Optional[str] = None, offload: Optional[str] = None, efficiency: Optional[Efficiency] = None,
          progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None,
-         sequence_parallel: bool = False, zero_stage: Optional[int] = None) -> Plan:
+         sequence_parallel: Optional[bool] = None, zero_stage: Optional[int] = None) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
     ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
@@ -66,13 +66,16 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     activations to host memory, prefetched back for its backward) pin a choice. ``progress`` receives a
     ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
     has it already (``xirang.compile`` traces once for planning and lowering). ``sequence_parallel``:
-    offer the split the residual stream sharded along the sequence on tp (Korthikanti et al. 2022);
-    the split ILP takes it op by op where it costs less than the all-reduce layout. ``zero_stage`` (0 or 1)
-    pins ZeRO-1 on or off; unpinned, the search prices both wherever dp > 1.
+    True offers the split the residual stream sharded along the sequence on tp (Korthikanti et al.
+    2022), which the split ILP takes op by op where it costs less than the all-reduce layout; False
+    never; unpinned, the search prices both layouts for its best few tp > 1 configurations and keeps
+    the faster (plan_search, step 4). ``zero_stage`` (0 or 1) pins ZeRO-1 on or off; unpinned, the
+    search prices both wherever dp > 1.
     """
-    if not isinstance(sequence_parallel, bool):
-        raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True or False",
-                          where="xirang.plan(sequence_parallel=...)", hint="pass True or False")
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True, False or None",
+                          where="xirang.plan(sequence_parallel=...)",
+                          hint="pass True or False, or leave it unset to let the planner choose")
     world = as_world(world, device)
     precision = _precision(precision, world)
     check_global_batch(global_batch)  # before the trace, which is the slow part
@@ -92,12 +95,13 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     pricer = SplitPricer(gm, world, efficiency=efficiency, precision=precision)
     solved = []
 
-    def price(tp, tp_group, micro_batch, seq, *rest):  # the search asks once per (tp, micro-batch), 2 at once
+    def price(tp, tp_group, micro_batch, seq, *rest, sequence_parallel=False):  # once per split, 2 at once
         began = time.perf_counter()
         split = pricer.price(tp, tp_group, micro_batch, seq, *rest, sequence_parallel=sequence_parallel)
         solved.append((tp, micro_batch))
+        layout = ", sequence parallel" if sequence_parallel else ""
         report_progress(PlanProgress("splits", time.perf_counter() - began,
-                                     f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}",
+                                     f"tensor split {len(solved)} solved: tp={tp}, micro-batch {micro_batch}{layout}",
                                      step_done=False))
         return split
     search_cpu = cpu_seconds()
@@ -105,7 +109,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
         result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
                              memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
                              schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload,
-                             zero_stage=zero_stage)
+                             zero_stage=zero_stage, sequence_parallel=sequence_parallel)
     except XirangError as error:
         if not whole_batch:
             raise
@@ -123,7 +127,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     start, cpu_start = time.perf_counter(), cpu_seconds()
     made = assemble_plan(gm, world, result, global_batch=global_batch, precision=precision,
                          memory_fraction=MEMORY_FRACTION)
-    if sequence_parallel:
+    if sequence_parallel or result.best.candidate.sequence_parallel:  # pinned on keeps tp 1 plans as before
         made = dataclasses.replace(made, sequence_parallel=True)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s",

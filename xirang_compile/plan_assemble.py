@@ -100,7 +100,8 @@ def _row(p: Priced, tied_seconds: float = 0.0) -> Alternative:
                        schedule=c.schedule, virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload,
                        step_seconds=step, tflops_per_device=tflops,
                        memory_bytes_per_device=tuple(int(math.ceil(b)) for b in p.memory_per_rank),
-                       breakdown=breakdown, fits=p.fits, zero_stage=c.zero_stage)
+                       breakdown=breakdown, fits=p.fits, zero_stage=c.zero_stage,
+                       sequence_parallel=c.sequence_parallel)
 
 
 def memory_parts(p: Priced) -> tuple[dict[str, int], ...]:

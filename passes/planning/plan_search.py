@@ -21,6 +21,11 @@ the plan, do not depend on the order). Then, with no further solves:
    and their dp sync priced bucket by bucket; the winner is the fastest of them. A candidate the
    fast pass pruned is not revisited, though its exact price could differ from the estimate by
    the dp-sync approximation (small: the two agree when gradients arrive at an even rate).
+4. sequence parallelism, unpinned (``sequence_parallel=None``): each of the ``SP_SEEDS`` best tp > 1
+   candidates of step 3, and up to two faster ones that do not fit, is priced again on the split
+   with sequence-sharded rows (one more ILP per (tp, micro-batch)), in every recompute mode its mesh
+   was offered, and competes with the rest; only where nothing fits without it is the whole tp > 1
+   space priced with it. Both layouts are real ILP solutions, so the winner is whichever costs less.
 
 Costs of each term are in ``plan_costs``; the candidate rules in ``plan_search_space``.
 """
@@ -31,14 +36,15 @@ import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Optional
 
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
 
 from xirang.passes.planning.plan_costs import CandidatePricer, Priced
 from xirang.passes.planning.plan_partition import fastest_cuts, fit_stages, least_memory_cuts
-from xirang.passes.planning.plan_search_space import Candidate, candidates, check_global_batch, tp_degrees
+from xirang.passes.planning.plan_search_space import (ZERO_STAGES, Candidate, candidates, check_global_batch,
+                                                       tp_degrees)
 from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts
 from xirang.passes.planning.unit_costs import TensorSplit
 
@@ -46,6 +52,7 @@ PriceFn = Callable[..., TensorSplit]
 GiB = 1024**3
 SPLIT_WORKERS = 2  # splits priced at once: one builds its ILP while another's CBC process solves
 ZERO1_MARGIN = 0.01  # ZeRO-1 wins a tie with zero 0 only when 1% faster (``_rank``)
+SP_SEEDS = 3  # best fitting tp > 1 candidates priced again with sequence parallelism (step 4)
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class SearchResult:
     alternatives: tuple[Priced, ...]  # fastest others that fit, then faster ones that do not
     candidates: int  # configurations enumerated
     priced: int  # configurations cut and priced (the rest were pruned by their lower bound)
-    splits_priced: int  # (tp, micro-batch) pairs the price callable solved
+    splits_priced: int  # (tp, micro-batch, sequence parallel) the price callable solved
     price_seconds: float  # wall time spent in the price callable
     search_seconds: float  # the rest of the search
     price_cpu_seconds: float = 0.0  # CPU time of the price calls (this process and its CBC processes)
@@ -65,40 +72,53 @@ class SearchResult:
 
 def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, precision: str = "bf16",
                 memory_fraction: float = 0.9, alternatives: int = 5, exact_top: int = 6,
-                **pins) -> SearchResult:
+                sequence_parallel: Optional[bool] = False, **pins) -> SearchResult:
     """The fastest candidate that fits, with ``alternatives`` others to compare (see module doc).
 
     ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, offload, zero_stage) fix a choice. Device
     memory usable by the plan is ``memory_fraction`` of each device's: the rest is headroom for
     what the cost model leaves out (CUDA context and kernels' workspace, NCCL buffers, allocator
     fragmentation), about 8 GiB of an 80 GiB device at the default 0.9.
+
+    ``sequence_parallel``: False (default) prices splits without sequence-sharded rows, so a ``price``
+    of hand-made costs need not know them; True with them wherever tp > 1; None both (step 4),
+    calling ``price(..., sequence_parallel=True)`` for the splits with them.
     """
     check_global_batch(global_batch)
     if not 0 < memory_fraction <= 1:
         raise XirangError(f"memory_fraction={memory_fraction!r} must be in (0, 1]", where="memory_fraction=",
                           hint="0.9 leaves 10% of device memory as headroom")
     started, clock = time.perf_counter(), _Clock(price, seq)
-    first = clock.split(_first_tp(world, pins.get("tp")), pins.get("micro_batch") or 1)
+    tp = _first_tp(world, pins.get("tp"))
+    first = clock.split(tp, pins.get("micro_batch") or 1, bool(sequence_parallel) and tp > 1)
     has_blocks = any(u.name.startswith("block:") for u in first.units)
-    todo = candidates(world, len(first.units), global_batch, has_blocks=has_blocks, pins=pins)
-    clock.split_all([(c.tp, c.micro_batch) for c in todo])
-    pricer = CandidatePricer(clock.splits, world, global_batch=global_batch, precision=precision,
-                             memory_fraction=memory_fraction)
+    todo = candidates(world, len(first.units), global_batch, has_blocks=has_blocks,
+                      pins={**pins, "sequence_parallel": sequence_parallel})
+    clock.split_all([_split_key(c) for c in todo])
+    pricer = _ByLayout(*(CandidatePricer(clock.splits[sp], world, global_batch=global_batch, precision=precision,
+                                         memory_fraction=memory_fraction) for sp in (False, True)))
     fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
+    if not fitting and sequence_parallel is None:  # activations may fit only sharded along the sequence
+        twins = [replace(c, sequence_parallel=True) for c in todo if c.tp > 1]
+        clock.split_all([_split_key(c) for c in twins])
+        fitting, failing, skipped, everything, more = _fast_pass(pricer, twins, alternatives + 1)
+        todo, priced = todo + twins, priced + more
     if not fitting:
         raise _nothing_fits(pricer, todo, world, memory_fraction)
     # the table shows the best per mesh and schedule; with few of those (pins), other b, v, recompute
     keyed = {p.candidate for p in fitting}
     extra = [p for p in everything if p.candidate not in keyed][:max(alternatives + 1 - len(fitting), 0)]
     top = sorted((_exact(pricer, p) for p in fitting[:max(exact_top, alternatives + 1)] + extra), key=_rank)
+    if sequence_parallel is None:
+        top = sorted(top + _sequence_parallel_twins(clock, pricer, top, failing, skipped, todo), key=_rank)
     best = top[0]
     shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
     shown = top[1:max(alternatives - len(shown_failing), 0) + 1] + shown_failing
-    counterpart = _zero_counterpart(pricer, best)
-    if counterpart is not None and all(p.candidate != counterpart.candidate for p in shown[:alternatives]):
-        shown = [counterpart] + shown  # explain() then says what ZeRO-1 saved and cost against it
-    return SearchResult(best, clock.splits[(best.candidate.tp, best.candidate.micro_batch)],
-                        tuple(shown[:alternatives]), len(todo), priced, len(clock.splits), clock.seconds,
+    # explain() says what each option saved and cost against the winner without it
+    listed = {p.candidate for p in shown[:alternatives]}
+    shown = [p for p in _option_counterparts(pricer, best) if p.candidate not in listed] + shown
+    return SearchResult(best, clock.splits[best.candidate.sequence_parallel][_split_key(best.candidate)[:2]],
+                        tuple(shown[:alternatives]), len(todo), priced, clock.solved, clock.seconds,
                         time.perf_counter() - started - clock.seconds, clock.cpu)
 
 
@@ -108,34 +128,63 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
+def _split_key(c: Candidate) -> tuple[int, int, bool]:
+    return c.tp, c.micro_batch, c.sequence_parallel
+
+
 class _Clock:
-    """Calls ``price`` once per (tp, micro-batch), timing it (wall and CPU)."""
+    """Calls ``price`` once per (tp, micro-batch, sequence parallel), timing it (wall and CPU).
+    ``splits[sp]`` maps (tp, micro-batch) to the split of that layout."""
 
     def __init__(self, price: PriceFn, seq: int):
-        self.price, self.seq, self.splits, self.seconds, self.cpu = price, seq, {}, 0.0, 0.0
+        self.price, self.seq, self.seconds, self.cpu = price, seq, 0.0, 0.0
+        self.splits: dict[bool, dict[tuple[int, int], TensorSplit]] = {False: {}, True: {}}
 
-    def split(self, tp: int, micro_batch: int) -> TensorSplit:
-        self.split_all([(tp, micro_batch)])
-        return self.splits[(tp, micro_batch)]
+    @property
+    def solved(self) -> int:
+        return len(self.splits[False]) + len(self.splits[True])
+
+    def split(self, tp: int, micro_batch: int, sequence_parallel: bool = False) -> TensorSplit:
+        self.split_all([(tp, micro_batch, sequence_parallel)])
+        return self.splits[sequence_parallel][(tp, micro_batch)]
 
     def split_all(self, keys) -> None:
-        """Price every (tp, micro-batch) of ``keys`` not priced yet, ``SPLIT_WORKERS`` at once; the
-        first failure in ``keys`` order is raised, as one by one."""
-        fresh = [key for key in dict.fromkeys(keys) if key not in self.splits]
+        """Price every (tp, micro-batch, sequence parallel) of ``keys`` not priced yet, ``SPLIT_WORKERS``
+        at once; the first failure in ``keys`` order is raised, as one by one."""
+        fresh = [key for key in dict.fromkeys(keys) if key[:2] not in self.splits[key[2]]]
         if not fresh:
             return
         start, cpu_start = time.perf_counter(), cpu_seconds()
         with ThreadPoolExecutor(max_workers=min(SPLIT_WORKERS, len(fresh))) as pool:
-            solving = [pool.submit(self.price, tp, tuple(range(tp)), micro_batch, self.seq)
-                       for tp, micro_batch in fresh]
+            # only the splits with sequence-sharded rows pass the keyword: hand-made prices need not know it
+            solving = [pool.submit(self.price, tp, tuple(range(tp)), micro_batch, self.seq,
+                                   **({"sequence_parallel": True} if sp else {}))
+                       for tp, micro_batch, sp in fresh]
             try:
-                for key, future in zip(fresh, solving):
-                    self.splits[key] = future.result()
+                for (tp, micro_batch, sp), future in zip(fresh, solving):
+                    self.splits[sp][(tp, micro_batch)] = future.result()
             finally:  # nothing else runs meanwhile: the time is the price calls'
                 for future in solving:
                     future.cancel()
                 self.seconds += time.perf_counter() - start
                 self.cpu += cpu_seconds() - cpu_start
+
+
+class _ByLayout:
+    """The CandidatePricer of each candidate's split layout: ``off`` without sequence-sharded rows,
+    ``on`` with them. Every pricing method takes the candidate first and goes to its layout's."""
+
+    def __init__(self, off: CandidatePricer, on: CandidatePricer):
+        self.off, self.on = off, on
+
+    def of(self, c: Candidate) -> CandidatePricer:
+        return self.on if c.sequence_parallel else self.off
+
+    def has_split(self, c: Candidate) -> bool:
+        return (c.tp, c.micro_batch) in self.of(c).splits
+
+    def __getattr__(self, name: str):
+        return lambda c, *args, **kwargs: getattr(self.of(c), name)(c, *args, **kwargs)
 
 
 def _first_tp(world: World, pinned) -> int:
@@ -234,13 +283,35 @@ def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
     return pricer.price(c, bounds)
 
 
-def _zero_counterpart(pricer: CandidatePricer, best: Priced):
-    """The winner at the other ZeRO stage (same cuts), or None at dp 1: the row explain() compares with."""
+def _option_counterparts(pricer: _ByLayout, best: Priced) -> list[Priced]:
+    """The winner with one option changed, at the winner's cuts: every other ZeRO stage (dp > 1) and
+    the other split layout (tp > 1, where that split was solved). explain() compares each with it."""
     c = best.candidate
-    if c.dp == 1:
-        return None
-    other = replace(c, zero_stage=1 - c.zero_stage)
-    return pricer.price(other, best.bounds, exact=True, notes=("the winner's cuts at the other ZeRO stage",))
+    others = [replace(c, zero_stage=stage) for stage in ZERO_STAGES if stage != c.zero_stage and c.dp > 1]
+    flipped = replace(c, sequence_parallel=not c.sequence_parallel)
+    others += [flipped] if c.tp > 1 and pricer.has_split(flipped) else []
+    return [pricer.price(other, best.bounds, exact=True, notes=("the winner's cuts with one option changed",))
+            for other in others]
+
+
+def _sequence_parallel_twins(clock: _Clock, pricer: _ByLayout, top: list[Priced], failing: list[Priced],
+                             skipped: list, todo: list[Candidate]) -> list[Priced]:
+    """Step 4: the best fitting tp > 1 candidates and up to two faster ones that did not fit, in every
+    recompute mode their configuration was offered (1/tp of the norms' activations may let less
+    recompute fit), priced with sequence-sharded rows: fast cuts, then exact where they fit."""
+    step = top[0].step_seconds
+    seeds = [p.candidate for p in top if p.candidate.tp > 1][:SP_SEEDS]
+    seeds += [p.candidate for p in failing if p.candidate.tp > 1 and p.step_seconds < step][:2]
+    seeds += [c for bound, c in sorted(skipped, key=lambda s: pricer.memory_lower_bound(s[1]))
+              if c.tp > 1 and bound < step][:2]
+    def same_but_recompute(c: Candidate) -> tuple:
+        return replace(c, recompute="none", sequence_parallel=False)
+    wanted = {same_but_recompute(c) for c in seeds}
+    twins = [replace(c, sequence_parallel=True) for c in todo
+             if not c.sequence_parallel and same_but_recompute(c) in wanted]
+    clock.split_all([_split_key(c) for c in twins])
+    fast = [_fast_price(pricer.of(c), c) for c in twins]
+    return [_exact(pricer.of(p.candidate), p) for p in fast if p.fits]
 
 
 SOLVERS = {"cbc": "an ILP (CBC)", "dp": "dynamic programming", "single-stage": "no cut: one stage"}
