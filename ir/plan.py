@@ -34,9 +34,10 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # forward and are prefetched back one block ahead of its backward (passes/lowering, codegen/runtime)
 OFFLOAD_MODES = ("none", "blocks")
 PRECISIONS = ("fp32", "bf16", "fp16")
-# ZeRO stages the runtime enacts: 0 (optimizer state replicated over dp) or 1 (sharded over dp:
-# gradients reduce-scattered, updated parameters all-gathered; codegen/runtime/dist_optimizer.py)
-ZERO_STAGES = (0, 1)
+# ZeRO stages the runtime enacts: 0 (optimizer state replicated over dp), 1 (sharded over dp:
+# gradients reduce-scattered, updated parameters all-gathered; codegen/runtime/dist_optimizer.py) or
+# 3 (parameters too, gathered per bucket before use and kept until the backward; param_shards.py)
+ZERO_STAGES = (0, 1, 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,7 @@ class Plan:
     sequence_parallel: bool = False
     precision: str = "fp32"
     grad_reduce_dtype: str = "fp32"
-    zero_stage: int = 0  # ZERO_STAGES; 1 needs dp > 1 and lists each bucket's reduce-scatter and all-gather
+    zero_stage: int = 0  # ZERO_STAGES; 1 and 3 need dp > 1 and list each bucket's reduce-scatter and all-gather
     placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
     stages: tuple[StagePlan, ...]
     # parameter names per gradient bucket, in launch order, each bucket one stage's (collectives "bucket:<k>")
@@ -161,8 +162,8 @@ class Plan:
         if type(self.zero_stage) is not int or self.zero_stage not in ZERO_STAGES:
             raise PlanError(f"zero_stage is {self.zero_stage!r}; the runtime enacts ZeRO stages "
                             f"{', '.join(map(str, ZERO_STAGES))}", where="zero_stage",
-                            hint="use 0 (replicated optimizer state) or 1 (sharded over dp); stages 2 and 3 "
-                                 "are not implemented")
+                            hint="use 0 (replicated optimizer state), 1 (optimizer state sharded over dp) or 3 "
+                                 "(parameters sharded too); stage 2 is not implemented")
         if self.zero_stage and mesh.dp == 1:
             raise PlanError(f"zero_stage {self.zero_stage} shards over dp, but mesh {mesh} has dp 1",
                             where="zero_stage", hint="use zero_stage 0, or a mesh with dp > 1")
@@ -173,7 +174,8 @@ class Plan:
         padded to a multiple of dp), except buckets holding a weight tied across pipeline ranks, which
         stay all-reduced (their copies are summed after the dp average; their slices are still
         stepped and all-gathered); and back for stage 0 (a padded size stays padded). The
-        prediction is kept and a note says so (``xirang.plan(zero_stage=)`` prices it instead)."""
+        prediction is kept and a note says so (``xirang.plan(zero_stage=)`` prices it instead). Stages 1
+        and 3 list the same calls: ZeRO-3 gathers each bucket once per step too (kept until the backward)."""
         tied = {choice.node.removeprefix("tied:") for choice in self.collectives if choice.node.startswith("tied:")}
         item = {"fp32": 4, "bf16": 2, "fp16": 2}[self.grad_reduce_dtype]
         param_item, dp = 4, self.mesh.dp  # parameters are stored in fp32 (the graph casts them)

@@ -83,8 +83,23 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
     if best.micro_batch_shares:  # priced with these shares: the note with_dp_shares adds does not apply
         made = replace(made.with_dp_shares(tuple(m * c.micro_batch for m in best.micro_batch_shares)),
                        predicted=predicted)
-    # ZeRO-1: each bucket's all-reduce listed as the reduce-scatter and all-gather the runtime runs
-    return replace(made.with_zero_stage(1), predicted=predicted) if c.zero_stage else made  # priced: no note
+    if not c.zero_stage:
+        return made
+    if c.zero_stage == 3:
+        predicted = replace(predicted, notes=predicted.notes + (zero3_note(best, c.dp),))
+    # ZeRO-1 and 3: each bucket's all-reduce listed as the reduce-scatter and all-gather the runtime runs
+    return replace(made.with_zero_stage(c.zero_stage), predicted=predicted)  # priced: no note
+
+
+def zero3_note(best: Priced, dp: int) -> str:
+    """What ZeRO-3's variant holds when (codegen/runtime/param_shards.py), in the plan's words."""
+    fullest = max(range(len(best.memory_parts)), key=lambda r: best.memory_per_rank[r])
+    held = best.memory_parts[fullest]["parameters"]
+    return (f"zero-3, kept until the backward: each gradient bucket's parameters are all-gathered over dp "
+            f"just before their first use in a step (the next bucket's gather prefetched) and freed after the "
+            f"step's last backward (torchtitan's choice under pipelining), so the peak is zero-1's; between "
+            f"steps a rank holds 1/{dp} of its parameters ({held * (1 - 1 / dp) / 2**30:.2f} GiB less on pp rank "
+            f"{fullest})")
 
 
 def _row(p: Priced, tied_seconds: float = 0.0) -> Alternative:

@@ -23,6 +23,7 @@ supports (SGD, Adam, AdamW: compiled_model.py). Buffers are not saved: the runti
 Under ZeRO-1 the optimizer holds state per bucket shard: saving goes through a per-parameter view
 gathered over dp (codegen/runtime/dist_optimizer.py), loading through an empty one whose state each
 shard then slices, so the files are the same as without ZeRO and load under any plan or zero stage.
+Under ZeRO-3 (parameters freed between steps) both run with the parameters gathered, freed after.
 
 ``async_save=True``: the rank's tensors are copied to host memory before the call returns (that copy
 blocks: the next optimizer step may change the parameters right after); DCP's planning collectives
@@ -39,7 +40,7 @@ import threading
 import warnings
 import weakref
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -154,6 +155,17 @@ def _layout(target, held: list) -> dict:
 def save_checkpoint(target, optimizer, directory, *, step: int, extra=None, async_save: bool = False):
     """Write ``directory/step-<8 digits>/`` (see the module docstring): collective, every rank calls it.
     Returns the step folder, or with ``async_save=True`` a ``PendingCheckpoint`` to ``wait()`` on."""
+    with _parameters_resident(target):  # an async save has copied them to host memory when it returns
+        return _save_checkpoint(target, optimizer, directory, step=step, extra=extra, async_save=async_save)
+
+
+def _parameters_resident(target):
+    """ZeRO: the parameters gathered while a checkpoint reads or writes them (ZeRO-3 frees them at rest)."""
+    zero = getattr(target, "zero", None)
+    return zero.parameters_resident() if zero is not None else nullcontext()
+
+
+def _save_checkpoint(target, optimizer, directory, *, step: int, extra, async_save: bool):
     optimizer = _per_parameter(target, optimizer, saving=True)
     folder = step_folder(directory, step)
     extra = {} if extra is None else extra
@@ -309,6 +321,11 @@ def load_checkpoint(target, optimizer, path) -> dict:
     latest complete step, newer incomplete ones skipped with a logged message) under this plan;
     returns ``{"step": int, "extra": dict}``. Collective (every rank calls it) unless ``target`` is an
     ``nn.Module``. A checkpoint of another model is refused, naming the keys, before anything changes."""
+    with _parameters_resident(target):
+        return _load_checkpoint(target, optimizer, path)
+
+
+def _load_checkpoint(target, optimizer, path) -> dict:
     sharded, optimizer = optimizer, _per_parameter(target, optimizer, saving=False)
     distributed = not _is_module(target)
     folder = resolve_checkpoint(path, quiet=_rank(target) != 0)

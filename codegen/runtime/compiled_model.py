@@ -26,12 +26,14 @@ sum runs after the dp average; both are linear, so the order does not matter.
 Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by
 shard, which is exact for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a
 whole tensor (LAMB's trust ratio); clipping by total norm is ``clip_grad_norm_`` (grad_norm.py).
-ZeRO-1 (plan.zero_stage 1, dp > 1): ``parameters()`` are the shard parameters of dist_optimizer.py.
+ZeRO-1 and 3 (plan.zero_stage, dp > 1): ``parameters()`` are the shard parameters of dist_optimizer.py;
+under 3 the model's parameters are freed between steps (param_shards.py).
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple, Optional
+from contextlib import nullcontext
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,25 +43,19 @@ from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
 from xirang.codegen.ops.comm_counter import record_call
 from xirang.codegen.runtime.batch_checks import BatchChecks
-from xirang.codegen.runtime.dist_optimizer import zero_one_shards
 from xirang.codegen.runtime.grad_norm import clip_grad_norm
 from xirang.codegen.runtime.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms,
                                               planned_buckets)
 from xirang.codegen.runtime.offload import attach_offload
+from xirang.codegen.runtime.param_shards import zero_shards
 from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
 from xirang.codegen.runtime.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
 from xirang.codegen.runtime.process_groups import build_mesh_groups, build_two_level_groups
 from xirang.codegen.runtime.rng_streams import make_rng
 from xirang.codegen.runtime.schedule_check import check_schedule
+from xirang.codegen.runtime.state_dict_keys import refuse_mismatch, state_dict_keys
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
-
-
-class LoadResult(NamedTuple):
-    """What ``load_full_state_dict`` did not match, as torch's ``load_state_dict`` reports it."""
-
-    missing_keys: list
-    unexpected_keys: list
 
 
 def reduce_dtype(name: str):
@@ -110,8 +106,10 @@ class CompiledModel:
         self._counter, self._event_log = counter, event_log
         buckets = self._grad_buckets(stages, bucket_bytes) if self.dp > 1 else None
         self.grad_buckets = buckets or {}  # local stage -> its dp GradientBuckets
-        self.zero = zero_one_shards(plan, self.grad_buckets, self._state, tied=self._tied, shards=program.shards,
-                                    groups=self.groups, counter=counter)  # ZeRO-1: the optimizer's shards, or None
+        # ZeRO-1 and 3: the optimizer's shards (3: the parameters freed at rest, stages gated), or None
+        self.zero, self._stages = zero_shards(plan, self.grad_buckets, self._state, stages=stages,
+                                              actions=self.schedule.ranks[self.pp_rank], tied=self._tied,
+                                              shards=program.shards, groups=self.groups, counter=counter)
         self.executor = self._build_executor()
         self.last_step: Optional[StepRecord] = None
         self.rebalancer = None  # a codegen/runtime/dp_balance.DpRebalancer moves dp shares between steps
@@ -220,9 +218,10 @@ class CompiledModel:
     def full_state_dict(self) -> dict:
         """FQN -> parameter of the whole model, tied weights under every alias. Collective over the
         tp and pp groups: call it on every rank."""
-        if self.zero:
-            self.zero.gather_parameters()  # the optimizer's updates, if not gathered yet
-        return self._gather({fqn: t.detach() for fqn, t in self.named_parameters()})
+        if not self.zero:
+            return self._gather({fqn: t.detach() for fqn, t in self.named_parameters()})
+        with self.zero.parameters_resident():  # the optimizer's updates (ZeRO-3: freed again after, so copied)
+            return self._gather({fqn: t.detach().clone() for fqn, t in self.named_parameters()})
 
     def full_gradients(self) -> dict:
         """FQN -> gradient after ``train_step``, gathered like ``full_state_dict`` (ZeRO-1: from the shards)."""
@@ -239,48 +238,20 @@ class CompiledModel:
         (buffers are loaded when present, not required: ``full_state_dict()`` holds parameters
         only). ``strict=False`` loads what matches and returns ``(missing_keys, unexpected_keys)``
         as torch does."""
-        missing, unexpected = self._state_dict_keys(state_dict)
-        if strict and (missing or unexpected):
-            def shown(keys):
-                return ", ".join(repr(k) for k in keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "")
-            problems = ([f"missing keys: {shown(missing)}"] if missing else []) + \
-                       ([f"unexpected keys (no tensor of the model has these names): {shown(unexpected)}"]
-                        if unexpected else [])
-            raise XirangError("load_full_state_dict: the state dict does not match the model: " + "; ".join(problems),
-                              where=f"CompiledModel.load_full_state_dict, rank {self.rank}",
-                              hint="pass the full model's state_dict() (keys as model.state_dict() names them), "
-                                   "or strict=False to load only the keys that match")
+        result = state_dict_keys(state_dict, self._aliases, self._trainable)
+        if strict:
+            refuse_mismatch(result, self.rank)
         state = self._state
         if not strict:  # load only this rank's tensors the state dict has (under any alias)
             state = {fqn: t for fqn, t in state.items()
                      if any(name in state_dict for name in (fqn, *self._aliases.get(fqn, ())))}
-        load_full_state(state, state_dict, aliases=self._aliases, trainable=self._trainable,
-                        shards=self.program.shards, tp_rank=self.tp_rank, tp=self.tp,
-                        where=f"pp rank {self.pp_rank} (stages {list(self.schedule.stages_of(self.pp_rank))})")
-        if self.zero:
-            self.zero.refresh_from_parameters()
-        return LoadResult(missing, unexpected)
-
-    def _state_dict_keys(self, state_dict) -> tuple[list, list]:
-        """(missing, unexpected) keys of ``state_dict`` against the whole model (every stage, every alias)."""
-        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
-            raise XirangError(f"load_full_state_dict needs a mapping name -> tensor, got {type(state_dict).__name__}",
-                              where="CompiledModel.load_full_state_dict", hint="pass model.state_dict()")
-        not_tensors = [k for k in state_dict if not isinstance(state_dict[k], torch.Tensor)]
-        if not_tensors:
-            raise XirangError(f"load_full_state_dict: the entries {not_tensors[:8]} are not tensors "
-                              f"({type(state_dict[not_tensors[0]]).__name__})",
-                              where=f"load_full_state_dict[{not_tensors[0]!r}]",
-                              hint="pass a state dict of tensors, as model.state_dict() returns (an optimizer's or "
-                                   "a checkpoint's outer dict is not one: take its 'model' entry)")
-        known = {alias for fqn, names in self._aliases.items() for alias in (fqn, *names)}
-        unexpected = sorted(k for k in state_dict if k not in known)
-        # what must be there: every parameter (under any of its tied names). Buffers are loaded when
-        # present but not required: full_state_dict(), the usual source, holds parameters only
-        required = [fqn for fqn in self._aliases if fqn in self._trainable]
-        missing = sorted(fqn for fqn in required
-                         if not any(name in state_dict for name in (fqn, *self._aliases.get(fqn, ()))))
-        return missing, unexpected
+        with self.zero.parameters_resident() if self.zero else nullcontext():  # ZeRO-3: freed at rest
+            load_full_state(state, state_dict, aliases=self._aliases, trainable=self._trainable,
+                            shards=self.program.shards, tp_rank=self.tp_rank, tp=self.tp,
+                            where=f"pp rank {self.pp_rank} (stages {list(self.schedule.stages_of(self.pp_rank))})")
+            if self.zero:
+                self.zero.refresh_from_parameters()
+        return result
 
     def _gather(self, local: dict) -> dict:
         return gather_full(local, shards=self.program.shards, groups=self.groups, aliases=self._aliases)
@@ -335,7 +306,7 @@ class CompiledModel:
         self._batch_checks.agree(batch, pre_sharded, problem)
         micro_batches = self._micro_batches(batch, pre_sharded)
         if self.zero:
-            self.zero.gather_parameters()  # ZeRO-1: the last optimizer step's slices, into every replica
+            self.zero.before_step()  # ZeRO-1: the last optimizer step's slices into every replica (3: at first use)
         # the executor and the dp buckets compute this step's gradients afresh; what was in .grad
         # (an earlier step not yet zeroed) is added back after, as autograd would accumulate it
         earlier = {}
@@ -359,7 +330,7 @@ class CompiledModel:
             dist.all_reduce(param.grad, group=group)
         record.finished = time.perf_counter() - origin  # gradients final: the exposed sync ends here
         if self.zero:
-            self.zero.collect_whole_buckets()
+            self.zero.after_step()  # the whole buckets' slices to the shards; ZeRO-3 frees the parameters
         for param, grad in earlier.items():
             if param.grad is None:
                 param.grad = grad

@@ -30,10 +30,14 @@ A bucket that holds a weight tied across pipeline ranks (a tied embedding and LM
 all-reduced: its copies' gradients are summed over the tied group after the dp average, and the
 slices of two pipeline ranks' buckets do not line up. After that sum ``collect_whole_buckets`` cuts
 this rank's slice out of the full gradients and drops them.
+
+ZeRO-3 (codegen/runtime/param_shards.py ``ZeroThreeShards``) is this class with the parameters freed at
+rest; ``param_shards.zero_shards`` builds whichever the plan's stage asks for.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +139,20 @@ class ZeroOneShards:
                     offset += p.numel()
                 shard.version = shard.param._version
 
+    def before_step(self) -> None:
+        """The last optimizer step's slices, into every replica (lazily: only if a shard changed)."""
+        self.gather_parameters()
+
+    def after_step(self) -> None:
+        """The step's gradients are final (tied sums done): the whole buckets' slices go to the shards."""
+        self.collect_whole_buckets()
+
+    @contextmanager
+    def parameters_resident(self):
+        """The model's parameters current for what reads them between steps (a state dict, a checkpoint)."""
+        self.gather_parameters()
+        yield
+
     def refresh_from_parameters(self) -> None:
         """The model's parameters were loaded: take each shard's slice of them (no communication)."""
         with torch.no_grad():
@@ -227,14 +245,6 @@ class PerParameterState:
 
     state: dict
     param_groups: list
-
-
-def zero_one_shards(plan, grad_buckets: dict, state: dict, **kwargs):
-    """``ZeroOneShards`` when ``plan.zero_stage`` is 1 and this rank has dp buckets (dp > 1), else None;
-    ``state``: FQN -> this rank's parameter, ``kwargs``: ``ZeroOneShards``'s keywords."""
-    if plan.zero_stage != 1 or not grad_buckets:
-        return None
-    return ZeroOneShards(grad_buckets, {id(t): fqn for fqn, t in state.items()}, **kwargs)
 
 
 def _accumulate(shard: BucketShard, grad: torch.Tensor) -> None:

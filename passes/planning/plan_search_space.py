@@ -43,7 +43,8 @@ from xirang.ir.world import World
 MAX_MICRO_BATCH = 16
 PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload", "zero_stage",
              "sequence_parallel")
-ZERO_STAGES = (0, 1)  # offered when dp > 1: 0 replicates the optimizer state over dp, 1 shards it
+# offered when dp > 1: 0 replicates the optimizer state over dp, 1 shards it, 3 shards the parameters too
+ZERO_STAGES = (0, 1, 3)
 OFFLOAD_WITH = ("none", "selective")  # the recompute modes offload is offered with
 
 
@@ -60,7 +61,7 @@ class Candidate:
     virtual_stages: int
     recompute: str
     offload: str = "none"
-    zero_stage: int = 0  # 1: ZeRO-1, optimizer state sharded over dp (offered when dp > 1)
+    zero_stage: int = 0  # 1: ZeRO-1, optimizer state sharded over dp; 3: parameters too (offered when dp > 1)
     sequence_parallel: bool = False  # the split with sequence-sharded rows (only where tp > 1)
 
     @property
@@ -240,7 +241,8 @@ def _check_pin_values(pins: dict) -> None:
         elif name == "zero_stage":
             if type(value) is not int or value not in ZERO_STAGES:
                 raise XirangError(f"zero_stage={value!r} is not a ZeRO stage Xirang runs", where="zero_stage=",
-                                  hint="use 0 (optimizer state replicated over dp) or 1 (sharded over dp)")
+                                  hint="use 0 (optimizer state replicated over dp), 1 (sharded over dp) or 3 "
+                                       "(parameters sharded too)")
         elif name == "sequence_parallel":
             if not isinstance(value, bool):
                 raise XirangError(f"sequence_parallel={value!r} must be True or False", where="sequence_parallel=",
