@@ -12,7 +12,8 @@ candidate strategies per node from ``sharding_rules``; node cost = roofline of t
 (``plan_splits_costs``); edge cost = the forward reshard of the producer's output into the consumer's
 input plus the backward reshard of the gradient (``plan_splits_problem``), each collective priced on
 the tp group by ``cost_collectives``. Tensors entering or leaving a block are Replicate on tp
-(Megatron-LM without sequence parallelism, Shoeybi et al. 2019), so block solutions compose. The
+(Megatron-LM without sequence parallelism, Shoeybi et al. 2019), so block solutions compose; with
+sequence parallelism the residual stream crosses split along the sequence (``TpProblem.boundary``). The
 loss must be Replicate; other outputs (the logits Hugging Face models return) are exempt: the
 compiled step returns only the loss.
 
@@ -32,6 +33,7 @@ import threading
 
 from xirang.ir.device import canonical_dtype, device_spec
 from xirang.ir.meta_keys import PARAM_COUNT, ROLE
+from xirang.ir.placement import Replicate
 from xirang.ir.world import World
 from xirang.passes.planning.unit_costs import TensorSplit
 
@@ -169,9 +171,23 @@ class SplitPricer:
                                        f"another reduction); raise the limit or the tp degree")
             assembly = Assembly(self.graph, problem, solution.choice, pricing, self._facts)
             sums, collectives = assembly.sums()
-            units = assembly.units(sums, self.crossing, self.entering, self.flops, self.buffer_sizes)
+            crossing, entering = self._crossing_layouts(problem)
+            units = assembly.units(sums, crossing, entering, self.flops, self.buffer_sizes)
             return TensorSplit(tp, micro_batch, seq, units, assembly.placements(), tuple(collectives),
                                self.fallbacks, self.notes)
+
+    def _crossing_layouts(self, problem: TpProblem) -> tuple[list, dict]:
+        """``crossing`` and ``entering`` with "whole" cleared for tensors whose boundary is not Replicate:
+        those are sent and kept in their producer's own layout, as the lowering runs them."""
+        if not problem.sequence_parallel:
+            return self.crossing, self.entering
+        def whole(node, flag: bool) -> bool:
+            return flag and problem.boundary(node) == Replicate()
+        crossing = [(node, count, size, whole(node, flag), first, last)
+                    for node, count, size, flag, first, last in self.crossing]
+        entering = {unit: [(node, count, size, whole(node, flag)) for node, count, size, flag in tensors]
+                    for unit, tensors in self.entering.items()}
+        return crossing, entering
 
     def tp_bytes_per_micro_batch(self, tp: int, tp_group: tuple[int, ...], micro_batch: int, seq: int, *,
                                  run_micro_batch: int, run_seq: int, sequence_parallel: bool = False) -> dict:

@@ -8,7 +8,8 @@ embedding, final norm, head, loss) with weight 1. Segments are solved together s
 (GPT-2's ``wte``, read by the embedding and by the LM head) gets one placement. A group holds the
 tensor-producing ops of its nodes and the placeholders only it reads; a placeholder read by several
 groups is "shared" and kept Replicate. Tensors crossing a group's edge are Replicate on tp (Megatron
-without sequence parallelism), so the groups' solutions compose.
+without sequence parallelism; with it, the residual stream is split along the sequence there,
+``TpProblem.boundary``), so the groups' solutions compose.
 
 Blocks of one kind have the same structure in the same order (``find_blocks`` hashes exactly that):
 node i of the representative is node i of every other block of its kind, which ``copies`` records.

@@ -30,12 +30,21 @@ from torch.fx import Node
 from xirang.ir.meta_keys import REQUIRES_GRAD, TENSOR
 from xirang.ir.placement import Partial, Placement, Replicate, Shard
 from xirang.passes.planning.sharding_rules import Strategy, gradient_placements, strategies_for
+from xirang.passes.planning.sharding_rules_sequence import stream_dim
 
 from xirang.passes.planning.plan_splits_graph import ExprTable, Group, SplitGraph, produces_tensor, tensor_info
 
 R = Replicate()
-EXTERNAL = Strategy("external", (), R, 1.0)  # a tensor made outside the group: Replicate by contract
-BOUNDARY = Strategy("boundary", (R,), R, 1.0)  # a tensor read outside the group, or the loss
+
+
+def external(placement: Placement) -> Strategy:
+    """A tensor made outside the group, in its boundary layout (``TpProblem.boundary``)."""
+    return Strategy("external", (), placement, 1.0)
+
+
+def boundary(placement: Placement) -> Strategy:
+    """A tensor read outside the group (or the loss), made its boundary layout before it leaves."""
+    return Strategy("boundary", (placement,), placement, 1.0)
 
 
 def transition(src: Placement, dst: Placement | None) -> tuple[str, ...] | None:
@@ -121,6 +130,25 @@ class TpProblem:
         size = self.float_bytes if info.is_floating else info.itemsize
         return self.table.index(info.numel), float(size)
 
+    def boundary(self, node: Node, index: int | None = None) -> Placement:
+        """The layout ``node``'s tensor has where it crosses a group's edge, the same on both sides so
+        the groups' solutions compose: Replicate (Megatron-LM, Shoeybi et al. 2019), or, with sequence
+        parallelism, a residual-stream tensor (floating, one sequence dim, read by exactly one other
+        place: the next block, or the final norm) split along the sequence, as Korthikanti et al. 2022
+        keep each layer's input and output. The lowering hands a consumer its producer's layout
+        directly, so a Replicate boundary between two sequence shards would price an all-gather each
+        way that never runs. Blocks of a kind take their representative's answer."""
+        if not self.sequence_parallel or self.tp == 1 or index is not None:
+            return R
+        node = self.graph.rep_of.get(node, node)
+        info = tensor_info(node)
+        if node.op != "call_function" or info is None or not info.is_floating or node in self.graph.required_outputs:
+            return R
+        here = self.graph.place(node)
+        readers = {self.graph.place(u) for u in node.users if u.op == "call_function" and produces_tensor(u)}
+        dim = stream_dim(node)
+        return Shard(dim) if dim is not None and len(readers - {here}) == 1 else R
+
     # --- building ------------------------------------------------------------------------------
 
     def _add(self, decision: Decision) -> Decision:
@@ -172,8 +200,8 @@ class TpProblem:
                               REQUIRES_GRAD.get(value, False) and REQUIRES_GRAD.get(node, False))
         for node in group.nodes:
             if tensor_info(node) is not None and any(self._reads_outside(u, node, place) for u in node.users):
-                boundary = self._add(Decision(f"out:{node.name}", group, (BOUNDARY,), None, None))
-                self._consume(group, node, None, boundary, 0, REQUIRES_GRAD.get(node, False))
+                leaving = self._add(Decision(f"out:{node.name}", group, (boundary(self.boundary(node)),), None, None))
+                self._consume(group, node, None, leaving, 0, REQUIRES_GRAD.get(node, False))
         for key, consumers in self._gradients.items():
             self._backward(group, consumers, *self._sources[key])
 
@@ -181,11 +209,11 @@ class TpProblem:
         """``consumer`` reads ``producer`` (element ``index``) as its input k: price the forward reshard,
         and note the gradient that flows back."""
         decision = self.of_node.get(producer)
-        if decision is None or decision.group is not group:  # made elsewhere: Replicate by contract
+        if decision is None or decision.group is not group:  # made elsewhere: in its boundary layout
             key = (producer, index)
             if key not in self._external:
                 name = f"in:{group.name}:{producer.name}" + ("" if index is None else f"[{index}]")
-                self._external[key] = self._add(Decision(name, group, (EXTERNAL,)))
+                self._external[key] = self._add(Decision(name, group, (external(self.boundary(producer, index)),)))
             decision = self._external[key]
         source = decision
         tensor = self.tensor(producer, index)

@@ -6,8 +6,8 @@ How to read ``TensorSplit.collectives`` (``CollectiveChoice.node``):
 - ``"<consumer>"``: forward, reshards one input of ``<consumer>`` just before it runs (the input whose
   producer's output layout differs from the consumer's input layout in ``placements``), or a
   collective the op issues itself (vocabulary-parallel cross-entropy).
-- ``"<producer>.out"``: forward, makes ``<producer>``'s output Replicate where it leaves its block or
-  is the loss.
+- ``"<producer>.out"``: forward, makes ``<producer>``'s output its boundary layout where it leaves its
+  block (Replicate, or a sequence shard of the residual stream: ``TpProblem.boundary``) or is the loss.
 - ``"<producer>.grad"`` (``"<producer>[i].grad"`` for element i of a multi-output op): backward,
   turns the summed gradient of ``<producer>``'s output into the layout its backward needs
   (Megatron's f: the all-reduce of the gradient of a column-parallel linear's input).

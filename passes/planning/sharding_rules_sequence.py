@@ -88,6 +88,12 @@ SEQUENCE_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {
 }
 
 
+def stream_dim(node: Node) -> int | None:
+    """The dim a residual-stream tensor is split along where it crosses a block's edge under sequence
+    parallelism (``TpProblem.boundary``): its one sequence dim; None with none or several."""
+    return _one_sequence_dim(node)
+
+
 def sequence_follows(node: Node, tp: int) -> list[Follow]:
     """The sequence-sharded rows of ``node`` (empty for an op the residual stream does not use)."""
     rule = SEQUENCE_RULES.get(getattr(node.target, "overloadpacket", None))
