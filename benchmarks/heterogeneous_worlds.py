@@ -44,6 +44,8 @@ CASES = {
     "llama2_13b_h100_a100": (LLAMA2_13B, 4096, 512, "4x8:h100-80g+4x8:a100-80g", "8x8:a100-80g"),
     "llama2_70b_a100_h100": (LLAMA2_70B, 4096, 1024, "16x8:a100-80g+16x8:h100-80g", "32x8:a100-80g"),
     "llama2_70b_h100_h200": (LLAMA2_70B, 4096, 512, "4x8:h100-80g+4x8:h200", "8x8:h100-80g"),
+    # memory-bound: 16 B per parameter nearly fill an 80 GB device at 32 devices; the H200s (141 GB) take more layers
+    "llama2_70b_h100_h200_tight": (LLAMA2_70B, 4096, 128, "2x8:h100-80g+2x8:h200", "4x8:h100-80g"),
 }
 
 
@@ -51,8 +53,9 @@ def describe(plan) -> str:
     mesh, shares = plan.mesh, plan.micro_batches_per_dp_rank
     layers = [sum(name.startswith("block:") for name in stage.units) for stage in plan.stages]
     uneven = f" m per dp rank {min(shares)}..{max(shares)}" if len(set(shares)) > 1 else f" m={plan.num_micro_batches}"
+    zero = f" zero={plan.zero_stage}" if plan.zero_stage else ""
     return (f"dp={mesh.dp} pp={mesh.pp} tp={mesh.tp} b={plan.micro_batch}{uneven} {plan.schedule} "
-            f"recompute={plan.recompute}; blocks per stage {layers}")
+            f"recompute={plan.recompute}{zero}; blocks per stage {layers}")
 
 
 def run(name: str) -> dict:
