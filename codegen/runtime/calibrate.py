@@ -15,14 +15,13 @@ Every benchmark runs on all N local ranks at once, as training does, so what ran
   at once, while between ops a peer must first be scheduled again behind the busy ranks.
 
 A sample's time is the median over iterations on each rank, then the slowest rank (a collective
-ends when its last rank does). ``calibrated_world`` fits the lines (``ir/calibration.fit_line``)
-and builds the World the planner reads. The same code runs on GPUs with device "cuda" and nccl; the
-timings synchronise the device around each timed region.
+ends when its last rank does). ``calibrated_world`` (its own module) fits the lines
+(``ir/calibration.fit_line``) and builds the World the planner reads. The same code runs on GPUs
+with device "cuda" and nccl; the timings synchronise the device around each timed region.
 """
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -30,10 +29,10 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.ir.calibration import COLLECTIVE_KINDS, Calibration, CollectiveFit, fit_line
-from xirang.ir.device import DeviceSpec, Efficiency
+from xirang.codegen.runtime.calibrated_world import calibrated_world
+from xirang.ir.calibration import COLLECTIVE_KINDS
 from xirang.ir.errors import XirangError
-from xirang.ir.world import LinkSpec, NodeSpec, World
+from xirang.ir.world import World
 
 # (m, k, n) of the timed matmuls: activations (micro-batch x seq rows) times weight shards of hidden
 # 256..1024 models, the sizes CPU development runs train at; --quick keeps two small ones.
@@ -315,91 +314,6 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
             "collectives": collectives}
 
 
-def _slowest(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
-    """Sample-wise worst over ranks of [[x, seconds], ...] lists measured at the same x."""
-    return [[rows[0][0], max(row[1] for row in rows)] for rows in zip(*per_rank)]
-
-
-def _mean(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
-    """Sample-wise mean over ranks of [[x, seconds], ...] lists measured at the same x."""
-    return [[rows[0][0], statistics.fmean(row[1] for row in rows)] for rows in zip(*per_rank)]
-
-
-def _rate(samples: Sequence[Sequence[float]], what: str) -> tuple[float, dict]:
-    """Work per second of ``seconds ≈ c + work / rate`` fitted to (work, seconds) samples; the
-    intercept c is the op's fixed cost at these sizes. Returns the rate and the fit for the file."""
-    c, per_unit, residual = fit_line([s[0] for s in samples], [s[1] for s in samples])
-    fit = {"intercept_s": c, "residual": residual, "samples": [list(s) for s in samples]}
-    if per_unit <= 0:
-        # noise hid the growth with size (tiny --quick sizes on a busy machine): the throughput of
-        # the largest sample, all its time counted as work, is the conservative rate
-        work, seconds = max(samples)
-        fit.update(intercept_s=0.0, note=f"{what}: time did not grow with size; rate of the largest sample")
-        return work / seconds, {**fit, "rate": work / seconds}
-    return 1.0 / per_unit, {**fit, "rate": 1.0 / per_unit}
-
-
-def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
-    """The World of one node of ``len(results)`` devices, every figure measured (see module doc)."""
-    ranks = len(results)
-    raw: dict = {"threads_per_rank": results[0]["threads"], "cpu_count": os.cpu_count()}
-    compute, sharing = results[0]["compute"], results[0]["sharing"]
-    # N ranks on k cores (``_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
-    parallel, waiting = float(ranks), 0.0
-    if sharing is not None and sharing["together_s"] > 0:
-        parallel = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
-        raw["sharing"] = dict(sharing)
-        # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and
-        # "as much as a busy one" (as slow as with every rank busy) the pipeline's waiting ranks are
-        spread = sharing["together_s"] - sharing["alone_s"]
-        waiting = (sharing["beside_waiters_s"] - sharing["alone_s"]) / spread if spread > 0 else 0.0
-        waiting = min(1.0, max(0.0, waiting))
-    peaks = {}  # rates of one rank with every rank busy (measured in lock-step where cores are shared)
-    for dtype, samples in compute["matmul"].items():
-        peaks[dtype], raw[f"matmul_{dtype}"] = _rate(samples, f"{dtype} matmul")
-    # fp16 is not timed: priced at the bf16 rate, the other 16-bit path (CPUs without fp16 units
-    # upcast both)
-    peaks["fp16"] = peaks.get("bfloat16", peaks["float32"])
-    bandwidth, raw["elementwise"] = _rate(compute["elementwise"], "elementwise add")
-    op_forward, op_backward = compute["op_forward_s"], compute["op_backward_s"]
-    raw["collectives_in_context"] = sharing is not None
-    raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
-                   "share cores)")
-    fits = []
-    for key in results[0]["collectives"]:
-        kind, size = key.split("/")
-        per_rank = [r["collectives"][key] for r in results]
-        # back to back, a collective ends at its slowest rank; in context, each rank's time runs from
-        # the end of its own work, which the compute price already puts at the mean rank's: the mean
-        samples = _mean(per_rank) if results[0]["sharing"] is not None else _slowest(per_rank)
-        fits.append(CollectiveFit.fitted(kind, int(size), backend, [tuple(s) for s in samples]))
-    on_gpu = device.startswith("cuda")
-    if on_gpu:
-        memory = torch.cuda.get_device_properties(0).total_memory
-    else:  # the ranks share the host's memory
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
-    spec = DeviceSpec(
-        name="cpu" if not on_gpu else torch.cuda.get_device_name(0).lower().replace(" ", "-"),
-        peak_flops={"fp32": peaks["float32"], "bf16": peaks.get("bfloat16", peaks["float32"]),
-                    "fp16": peaks["fp16"]},
-        memory_bytes=int(memory), memory_bandwidth=bandwidth,
-        # a CPU's host link is a copy within its own memory: read and written, half the bandwidth
-        # each way (as the "cpu" preset); a GPU's is PCIe, not measured here
-        host_link_bytes_per_s=bandwidth / 2 if not on_gpu else None,
-        op_overhead_s=op_forward,
-        # the peaks above are rates reached at training sizes with every rank busy: nothing is left
-        # for a datasheet derating to discount
-        efficiency=Efficiency(matmul=1.0, other=1.0, memory=1.0))
-    send = next((f for f in fits if f.kind == "send"), None)
-    link = LinkSpec(1.0 / send.beta if send and send.beta else 1e12, send.alpha if send else 0.0)
-    raw["inter_node"] = "not measured: one node; the intra-node link stands in for it"
-    calibration = Calibration(ranks, backend, "cuda" if on_gpu else "cpu", tuple(fits), op_backward,
-                              # gloo's communication threads run on the cores the ranks compute on
-                              comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
-                              waiting_share=waiting)
-    return World((NodeSpec(ranks, spec),), link, link, calibration)
-
-
 def calibrate(nprocs: int, *, device: str = "cpu", backend: str | None = None, quick: bool = False,
               timeout_s: float = 900.0) -> World:
     """Run the microbenchmarks on ``nprocs`` local ranks and return the measured World."""
@@ -408,4 +322,4 @@ def calibrate(nprocs: int, *, device: str = "cpu", backend: str | None = None, q
     # ranks sharing busy cores can be starved for long stretches without being frozen
     results = launch(calibrate_rank, nprocs, (device, quick), backend=backend, timeout_s=timeout_s,
                      heartbeat_s=120.0)
-    return calibrated_world(results, backend=backend, device=device)
+    return calibrated_world(results, backend=backend, device=device)  # codegen/runtime/calibrated_world.py
