@@ -24,7 +24,8 @@ _DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m", "sp"), "tp_comm": ("t
 OPTIONS = (
     ("zero", "ZeRO", lambda stage: f"zero-{stage}", (("dp_exposed", "exposed all-gather"),)),
     ("sp", "Sequence parallelism", lambda on: "sp" if on else "no sp",
-     (("tp_comm", "tensor-parallel collectives"), ("compute", "compute"))),
+     (("tp_comm", "tensor-parallel collectives"), ("compute", "compute"), ("pp_p2p", "pipeline sends"),
+      ("offload", "activation copies"))),
 )
 PART_TITLES = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "optimizer"),
                ("activations", "activations"), ("working_set", "work set"), ("buffers", "buffers"))
