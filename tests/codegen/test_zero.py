@@ -8,7 +8,7 @@ tensors on each rank count 1/dp of the model's elements (plus the bucket padding
 elements per bucket); every reduce-scatter and all-gather equals ``Plan.with_zero_stage``'s list;
 the global gradient norm equals torch's on one device; a checkpoint of the sharded optimizer
 round-trips exactly and loads into the plain model as one device's AdamW state. Also in the matrix
-tier: GPT and HF Llama at (4, 1, 1) and (2, 2, 2), 1F1B and interleaved, plans made at seq 4096 on
+tier: GPT, HF Llama and HF GPT-2 at (4, 1, 1) and (2, 2, 2), 1F1B and interleaved, plans made at seq 4096 on
 A100s so tp shards (asserted), run at seq 16 on 4 and 8 CPU ranks (one launch each), with the same
 checks. Default tier: the plan field's round trip and refusals.
 """
@@ -22,7 +22,7 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import single_device_run, worst_differences
-from tests.conftest import hf_llama
+from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.checkpoint import load_checkpoint, save_checkpoint
 from xirang.codegen.runtime.comm_check import calls_table, planned_calls
@@ -40,7 +40,8 @@ STEPS, SEQ, VOCAB_USED, TOLERANCE = 3, 16, 500, 1e-5
 
 def build(name: str):
     torch.manual_seed(0)
-    return build_gpt("tiny", device="cpu") if name == "gpt" else hf_llama(device="cpu")
+    return {"gpt": lambda: build_gpt("tiny", device="cpu"), "llama": lambda: hf_llama(device="cpu"),
+            "gpt2": lambda: hf_gpt2(device="cpu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}[name]()
 
 
 def batch(step: int, size: int = 8) -> dict:
@@ -200,7 +201,8 @@ def _ranks(rank, world, jobs, folder):
 MATRIX = [("gpt 4x1x1", "gpt", 4, 1, 1, "1f1b", 1), ("llama 4x1x1", "llama", 4, 1, 1, "1f1b", 1),
           ("gpt 2x2x2 1f1b", "gpt", 2, 2, 2, "1f1b", 1), ("gpt 2x2x2 interleaved", "gpt", 2, 2, 2, "interleaved", 2),
           ("llama 2x2x2 1f1b", "llama", 2, 2, 2, "1f1b", 1),
-          ("llama 2x2x2 interleaved", "llama", 2, 2, 2, "interleaved", 2)]
+          ("llama 2x2x2 interleaved", "llama", 2, 2, 2, "interleaved", 2),
+          ("gpt2 4x1x1", "gpt2", 4, 1, 1, "1f1b", 1), ("gpt2 2x2x2 interleaved", "gpt2", 2, 2, 2, "interleaved", 2)]
 
 
 @pytest.mark.matrix
@@ -210,6 +212,7 @@ def test_zero1_matrix_equals_one_device(tmp_path, world):
     jobs = [(label, name, _plan(name, dp, tp, pp, schedule, v)) for label, name, dp, tp, pp, schedule, v in MATRIX
             if dp * tp * pp == world]
     results = launch(_ranks, world, (jobs, str(tmp_path)), timeout_s=1800, heartbeat_s=300)
-    want = {name: single_device_run(build(name), batch, STEPS, keep_duplicates=True) for name in ("gpt", "llama")}
+    want = {name: single_device_run(build(name), batch, STEPS, keep_duplicates=True)
+            for name in ("gpt", "llama", "gpt2")}
     for label, name, plan in jobs:
         check_zero(label, plan, results, want[name])
