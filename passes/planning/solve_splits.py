@@ -20,14 +20,16 @@ import numbers
 from dataclasses import dataclass
 from typing import Hashable, Optional
 
-import pulp
-from xirang.ir.errors import InvalidValue, SolverFailure
+from xirang.ir.errors import InvalidValue
+from xirang.passes.planning.solve_cbc import LinearProgram, solve_cbc
 
 EXHAUSTIVE_LIMIT = 1_000_000  # assignments solve_splits_exhaustive is willing to enumerate
 
 
 def _amount(value, what: str) -> float:
     """A finite non-negative number (seconds or bytes) as a float, or a ValueError naming ``what``."""
+    if type(value) is float and 0.0 <= value < math.inf:  # the usual case; numbers.Real's check is slow
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or value < 0:
         raise InvalidValue(f"{what} must be a finite non-negative number, got {value!r}")
@@ -231,72 +233,65 @@ def _merged_edges(problem: SplitProblem) -> dict[tuple[int, int], list[list[floa
 
 
 def _solve_ilp(problem: SplitProblem) -> list[int]:
-    """Strategy index per node from the linearised ILP.
+    """Strategy index per node from the linearised ILP."""
+    program, x = split_program(problem)
+    values = solve_cbc(program, f"a split problem of {len(problem.nodes)} nodes that has a feasible assignment "
+                                f"(minimum memory fits the budget)")
+    return [0 if len(row) == 1 else max(range(len(row)), key=lambda i: values[row[i]]) for row in x]
+
+
+def split_program(problem: SplitProblem) -> tuple[LinearProgram, list[list]]:
+    """The linearised ILP as CBC reads it, and per node the columns of its strategies ([1]: one strategy).
 
     Costs are divided by the largest one and the memory row by the budget, so CBC's absolute
     tolerances (about 1e-7 to 1e-10) act on numbers near 1 whether costs are micro- or whole seconds.
+    Columns, rows and their names are those the PuLP model of it had (``solve_cbc``: the same file).
     """
     nodes, edges = problem.nodes, _merged_edges(problem)
     scale = max([s.seconds for n in nodes for s in n.strategies]
                 + [c for m in edges.values() for row in m for c in row]) or 1.0
-    model = pulp.LpProblem("splits", pulp.LpMinimize)
+    program = LinearProgram()
     # x[n][i]: node n runs strategy i; a node with one strategy is the constant 1
     x: list[list] = []
     for n, node in enumerate(nodes):
         if len(node.strategies) == 1:
             x.append([1])
             continue
-        row = [pulp.LpVariable(f"x_{n}_{i}", cat=pulp.LpBinary) for i in range(len(node.strategies))]
-        model += pulp.lpSum(row) == 1, f"one_strategy_{n}"
+        row = [program.add_binary(f"x_{n}_{i}") for i in range(len(node.strategies))]
+        program.add_row("E", dict.fromkeys(row, 1), 1)  # one_strategy_{n}
         x.append(row)
 
-    terms, constant = {}, 0.0  # objective: seconds / scale per variable, plus a constant
-
-    def add(var, coef):
-        nonlocal constant
-        if coef == 0:
-            return
-        if isinstance(var, int):
-            constant += coef * var
-        else:
-            terms[var] = terms.get(var, 0.0) + coef  # LpAffineExpression(pairs) would overwrite
-
+    add = program.add_objective  # objective: seconds / scale per column; a fixed node's share is a constant
     for n, node in enumerate(nodes):
-        for i, s in enumerate(node.strategies):
-            add(x[n][i], s.seconds / scale)
+        if len(x[n]) > 1:
+            for i, s in enumerate(node.strategies):
+                add(x[n][i], s.seconds / scale)
     for e, ((u, v), matrix) in enumerate(edges.items()):
         if len(x[u]) == 1 or len(x[v]) == 1:  # one side fixed: the edge cost is linear in the other
-            for i, j in itertools.product(range(len(x[u])), range(len(x[v]))):
-                add(x[u][i] if len(x[u]) > 1 else x[v][j], matrix[i][j] / scale)
+            if len(x[u]) > 1 or len(x[v]) > 1:
+                for i, j in itertools.product(range(len(x[u])), range(len(x[v]))):
+                    add(x[u][i] if len(x[u]) > 1 else x[v][j], matrix[i][j] / scale)
             continue
         # y[i][j] = x[u][i] * x[v][j] via the marginal constraints (rows sum to x_u, columns to x_v)
-        y = [[pulp.LpVariable(f"y_{e}_{i}_{j}", lowBound=0) for j in range(len(x[v]))]
-             for i in range(len(x[u]))]
-        for i, row in enumerate(y):
-            model += pulp.lpSum(row) == x[u][i], f"rows_{e}_{i}"
-        for j in range(len(x[v])):
-            model += pulp.lpSum(row[j] for row in y) == x[v][j], f"cols_{e}_{j}"
+        y = [[f"y_{e}_{i}_{j}" for j in range(len(x[v]))] for i in range(len(x[u]))]
+        for i, row in enumerate(y):  # rows_{e}_{i}
+            program.add_row("E", {**dict.fromkeys(row, 1), x[u][i]: -1}, 0)
+        for j in range(len(x[v])):  # cols_{e}_{j}
+            program.add_row("E", {**{row[j]: 1 for row in y}, x[v][j]: -1}, 0)
         for i, row in enumerate(y):
             for j, var in enumerate(row):
                 add(var, matrix[i][j] / scale)
-    model += pulp.LpAffineExpression(list(terms.items()), constant=constant)
 
     budget = problem.memory_budget
     if budget is not None:
         unit = budget or 1.0
         fixed = math.fsum(n.strategies[0].memory for n, row in zip(nodes, x) if len(row) == 1)
-        row = [(var, s.memory / unit) for n, vars_ in zip(nodes, x) if len(vars_) > 1
-               for var, s in zip(vars_, n.strategies) if s.memory]
+        row = {var: s.memory / unit for n, vars_ in zip(nodes, x) if len(vars_) > 1
+               for var, s in zip(vars_, n.strategies) if s.memory}
         if row:
-            model += pulp.LpAffineExpression(row) <= (budget - fixed) / unit, "memory_budget"
+            program.add_row("L", row, (budget - fixed) / unit)  # memory_budget
 
-    model.solve(pulp.PULP_CBC_CMD(msg=False))
-    status = pulp.LpStatus[model.status]
-    if status != "Optimal":
-        raise SolverFailure(f"CBC returned status {status!r} for a split problem of {len(nodes)} nodes "
-                           f"that has a feasible assignment (minimum memory fits the budget)")
-    return [0 if len(row) == 1 else max(range(len(row)), key=lambda i: row[i].varValue or 0.0)
-            for row in x]
+    return program, x
 
 
 def solve_splits_exhaustive(problem: SplitProblem) -> SplitSolution:

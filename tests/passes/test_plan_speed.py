@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import gc
 import importlib
+import itertools
 import math
 import random
 from collections import Counter
 
+import pulp
 import pytest
 from test_plan_search import pricer, tiny_device, unit
+from test_solve_splits import random_problem
 
 from examples.catalog import gpt_tiny
 from xirang.ir.device import GiB
@@ -20,6 +23,8 @@ from xirang.ir.errors import XirangError
 from xirang.ir.world import World
 from xirang.passes.planning import plan_partition, plan_search
 from xirang.passes.planning.plan_partition import UnitTable
+from xirang.passes.planning import solve_splits
+from xirang.passes.planning.solve_splits import SplitEdge, SplitNode, SplitProblem, Strategy, split_program
 from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts_dp
 from xirang.pipeline import ANALYSIS_PASSES
 
@@ -145,3 +150,71 @@ def test_the_cyclic_collector_is_off_while_analysing_and_restored_after(monkeypa
         finally:
             gc.enable()
     assert seen == [False, False]
+
+
+def _pulp_model(problem):
+    """The split ILP as solve_splits built it through PuLP's objects before ``solve_cbc`` (the reference
+    the direct writer must match byte for byte), and per node its variables."""
+    nodes, edges = problem.nodes, solve_splits._merged_edges(problem)
+    scale = max([s.seconds for n in nodes for s in n.strategies]
+                + [c for m in edges.values() for row in m for c in row]) or 1.0
+    model, x, terms = pulp.LpProblem("splits", pulp.LpMinimize), [], {}
+    for n, node in enumerate(nodes):
+        if len(node.strategies) == 1:
+            x.append([1])
+            continue
+        row = [pulp.LpVariable(f"x_{n}_{i}", cat=pulp.LpBinary) for i in range(len(node.strategies))]
+        model += pulp.lpSum(row) == 1, f"one_strategy_{n}"
+        x.append(row)
+
+    def add(var, coef):
+        if coef != 0 and not isinstance(var, int):
+            terms[var] = terms.get(var, 0.0) + coef
+    for n, node in enumerate(nodes):
+        for i, s in enumerate(node.strategies):
+            add(x[n][i], s.seconds / scale)
+    for e, ((u, v), matrix) in enumerate(edges.items()):
+        if len(x[u]) == 1 or len(x[v]) == 1:
+            for i, j in itertools.product(range(len(x[u])), range(len(x[v]))):
+                add(x[u][i] if len(x[u]) > 1 else x[v][j], matrix[i][j] / scale)
+            continue
+        y = [[pulp.LpVariable(f"y_{e}_{i}_{j}", lowBound=0) for j in range(len(x[v]))] for i in range(len(x[u]))]
+        for i, row in enumerate(y):
+            model += pulp.lpSum(row) == x[u][i], f"rows_{e}_{i}"
+        for j in range(len(x[v])):
+            model += pulp.lpSum(row[j] for row in y) == x[v][j], f"cols_{e}_{j}"
+        for i, row in enumerate(y):
+            for j, var in enumerate(row):
+                add(var, matrix[i][j] / scale)
+    model += pulp.LpAffineExpression(list(terms.items()))
+    if problem.memory_budget is not None:
+        unit = problem.memory_budget or 1.0
+        fixed = math.fsum(n.strategies[0].memory for n, row in zip(nodes, x) if len(row) == 1)
+        row = [(var, s.memory / unit) for n, vars_ in zip(nodes, x) if len(vars_) > 1
+               for var, s in zip(vars_, n.strategies) if s.memory]
+        if row:
+            model += pulp.LpAffineExpression(row) <= (problem.memory_budget - fixed) / unit, "memory_budget"
+    return model, x
+
+
+def test_split_ilps_reach_cbc_as_the_file_pulp_writes_and_solve_alike(tmp_path):
+    """solve_cbc writes the MPS text itself: it must be PuLP's byte for byte (CBC breaks exact ties by
+    the file it reads, and plans name the tie it picked), and CBC's answer must be PuLP's."""
+    rng = random.Random(5)
+    problems = [random_problem(rng) for _ in range(40)]
+    free = [SplitNode(name, [Strategy("p"), Strategy("q")]) for name in "ab"]  # nothing costs: PuLP's dummy column
+    zero = SplitProblem(free, [SplitEdge("a", "b", [[0.0, 0.0], [0.0, 0.0]])], memory_budget=0.0)
+    solved = 0
+    for case, problem in enumerate(problems + [zero]):
+        if problem.memory_budget is not None and problem.min_memory > problem.memory_budget or \
+                all(len(n.strategies) == 1 for n in problem.nodes):
+            continue
+        model, x = _pulp_model(problem)
+        model.writeMPS(str(tmp_path / "pulp.mps"), rename=1)
+        assert split_program(problem)[0].mps_text()[0] == (tmp_path / "pulp.mps").read_text(), case
+        if solved < 12:  # CBC twice per problem: a dozen is enough to hold the reading of the answer
+            model.solve(pulp.PULP_CBC_CMD(msg=False))
+            expected = [0 if len(r) == 1 else max(range(len(r)), key=lambda i: r[i].varValue or 0.0) for r in x]
+            assert solve_splits._solve_ilp(problem) == expected, case
+            solved += 1
+    assert solved == 12

@@ -1,0 +1,116 @@
+"""Solve a small mixed 0/1 linear program with CBC, handing CBC exactly the file PuLP would write.
+
+A ``LinearProgram`` is named columns (binary, or continuous >= 0), rows ``sum coef * column (= or <=)
+rhs`` in the order added, and a minimised objective. ``mps_text`` writes it in PuLP 3's MPS dialect
+byte for byte (columns sorted by name and renamed X0000000..., rows C0000000... in order, one MARK
+pair around each integer column, ``% .12e`` numbers, an objective without columns given PuLP's
+``__dummy`` column fixed at 0), and ``solve_cbc`` runs PuLP's bundled CBC with PuLP's command line.
+
+Why not through PuLP's objects: for the split ILPs, building LpVariable and LpAffineExpression
+objects and PuLP's writer cost about as much CPU as CBC's own solve. CBC breaks exact ties (equally
+cheap shardings) its own way, and which one it picks depends on the file it reads, so the text is
+kept identical to PuLP's, not merely equivalent: plans do not change
+(``tests/passes/test_solve_splits.py`` compares the text with PuLP's writer).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pulp
+from xirang.ir.errors import SolverFailure
+
+
+class LinearProgram:
+    """Columns by name; ``add_row`` and ``add_objective`` name them, ``binary`` marks the 0/1 ones."""
+
+    def __init__(self):
+        self.objective: dict[str, float] = {}
+        self.rows: list[tuple[str, dict[str, float], float]] = []  # (sense "E" or "L", coefficients, rhs)
+        self.binary: set[str] = set()
+
+    def add_binary(self, name: str) -> str:
+        self.binary.add(name)
+        return name
+
+    def add_row(self, sense: str, coefficients: dict[str, float], rhs: float) -> None:
+        self.rows.append((sense, coefficients, rhs))
+
+    def add_objective(self, name: str, coefficient: float) -> None:
+        """Adds to the column's objective coefficient (zero adds nothing, as PuLP's expression)."""
+        if coefficient != 0:
+            self.objective[name] = self.objective.get(name, 0.0) + coefficient
+
+    def columns(self) -> list[str]:
+        names = set(self.objective)
+        for _, coefficients, _ in self.rows:
+            names.update(coefficients)
+        if not self.objective:
+            names.add(_DUMMY)
+        return sorted(names)
+
+    def mps_text(self) -> tuple[str, dict[str, str]]:
+        """(the MPS file, column name -> the name CBC knows it by)."""
+        columns = self.columns()
+        renamed = {name: "X%07d" % k for k, name in enumerate(columns)}
+        entries: dict[str, list[str]] = {name: [] for name in columns}
+        rows = ["*SENSE:Minimize\n", "NAME          MODEL\n", "ROWS\n", " N  OBJ\n"]
+        rhs_lines = []
+        for r, (sense, coefficients, rhs) in enumerate(self.rows):
+            row = "C%07d" % r
+            rows.append(f" {sense}  {row}\n")
+            for name, value in coefficients.items():
+                entries[name].append("    %-8s  %-8s  % .12e\n" % (renamed[name], row, value))
+            rhs_lines.append("    RHS       %-8s  % .12e\n" % (row, rhs if rhs != 0 else 0))
+        objective = self.objective or {_DUMMY: 1}
+        lines, bounds = rows + ["COLUMNS\n"], []
+        for name in columns:
+            mps_name, integer = renamed[name], name in self.binary
+            if integer:
+                lines.append("    MARK      'MARKER'                 'INTORG'\n")
+            lines += entries[name]
+            if name in objective:
+                lines.append("    %-8s  %-8s  % .12e\n" % (mps_name, "OBJ", objective[name]))
+            if integer:
+                lines.append("    MARK      'MARKER'                 'INTEND'\n")
+                bounds.append(" BV BND       %-8s\n" % mps_name)
+            elif name == _DUMMY:
+                bounds.append(" FX BND       %-8s  % .12e\n" % (mps_name, 0))
+        lines += ["RHS\n"] + rhs_lines + ["BOUNDS\n"] + bounds + ["ENDATA\n"]
+        return "".join(lines), renamed
+
+
+_DUMMY = "__dummy"  # PuLP's stand-in column for an objective without columns
+
+
+def solve_cbc(program: LinearProgram, what: str) -> dict[str, float]:
+    """Column name -> value of CBC's optimum (a SolverFailure naming ``what`` if CBC finds none)."""
+    text, renamed = program.mps_text()
+    with tempfile.TemporaryDirectory(prefix="xirang-cbc-") as folder:
+        model, solution = os.path.join(folder, "model.mps"), os.path.join(folder, "model.sol")
+        with open(model, "w") as file:
+            file.write(text)
+        command = [pulp.PULP_CBC_CMD().path, model, "-timeMode", "elapsed", "-solve", "-printingOptions", "all",
+                   "-solution", solution]  # PuLP's own, so CBC runs as it did under PuLP
+        finished = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, check=False)
+        if finished.returncode != 0 or not os.path.exists(solution):
+            raise SolverFailure(f"CBC ({command[0]}) failed on {what} with exit status {finished.returncode}")
+        with open(solution) as file:
+            lines = file.read().splitlines()
+    status = lines[0].split() if lines else ["(empty)"]
+    # PuLP's reading: "Optimal ...", or "Stopped on ... - objective value ..." with a solution found
+    if not (status[0] == "Optimal" or (status[0] == "Stopped" and len(status) >= 5 and status[4] == "objective")):
+        raise SolverFailure(f"CBC returned status {' '.join(status[:3])!r} for {what}")
+    original = {mps_name: name for name, mps_name in renamed.items()}
+    values = dict.fromkeys(renamed, 0.0)
+    for line in lines[1:]:
+        fields = line.split()
+        if len(fields) < 3:
+            break
+        if fields[0] == "**":  # CBC marks values outside their bounds; PuLP reads past the mark
+            fields = fields[1:]
+        if fields[1] in original:
+            values[original[fields[1]]] = float(fields[2])
+    return values
