@@ -87,7 +87,7 @@ class Folding:
     def expand(self, gm, aliases_of) -> dict:
         """Replicate layer 2 of every folded run up to the run's full length. Returns a summary.
         The graph is changed in place and not recompiled: the caller's next step (``canonical_graph``
-        in ``trace_model``) replaces it and generates the code once, for the whole model."""
+        in ``trace_model``) replaces it; its code is generated once, when first asked for."""
         summary = {}
         for run in self.runs:
             _expand_run(gm, run, aliases_of)

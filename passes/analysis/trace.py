@@ -58,7 +58,7 @@ def trace_model(gm, ctx):
     TORCH_SYMBOLS.set(gm, torch_symbols)
     info["cpu_seconds"] = time.process_time() - cpu_start
     TRACE_INFO.set(gm, info)
-    return gm  # canonical_graph generated the code; only node meta changed since
+    return gm  # its code is generated on first use (canonical_graph)
 
 
 def _trace_folded(model, named, symbolic_dims, info, fold: bool):

@@ -26,6 +26,7 @@ import re
 
 import torch
 from torch.fx import Graph, GraphModule, map_arg
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from xirang.ir.meta_keys import CONSTANT_VALUE
 
@@ -132,8 +133,12 @@ def canonical_names(graph: Graph) -> Graph:
 
 
 def canonical_graph(gm: GraphModule) -> GraphModule:
-    """``gm`` without layout-only copies and with canonical node names (the same module object)."""
+    """``gm`` without layout-only copies and with canonical node names, as a module (``gm``'s attributes
+    and meta) whose Python code is generated when first asked for: torch's ``_LazyGraphModule``. Planning
+    never runs the analysed graph and lowering copies it, so the code (0.35 s of CPU for Llama-2-70B's
+    6,000 nodes, 0.5 s for Llama-3-405B's) is written only for a dump, ``print`` or a call."""
     scalar_fills(gm)
     drop_layout_copies(gm)
-    gm.graph = canonical_names(gm.graph)  # GraphModule's graph setter recompiles: the code is generated once
-    return gm
+    renamed = _LazyGraphModule(gm, canonical_names(gm.graph))
+    renamed.meta.update(gm.meta)
+    return renamed
