@@ -203,6 +203,11 @@ class CompiledModel:
         """What the optimizer steps: the model's parameters, or under ZeRO-1 this rank's shard parameters."""
         return self.zero.parameters() if self.zero else [tensor for _, tensor in self.named_parameters()]
 
+    def parameters_resident(self):
+        """A context in which ``named_parameters()`` hold their values between steps: under ZeRO-3 they are
+        gathered for it and freed after (at rest each is a NaN expanded to its shape); else nothing to do."""
+        return self.zero.parameters_resident() if self.zero else nullcontext()
+
     def local_param_bytes(self) -> int:
         """Bytes of the trainable tensors this rank holds (its stages' tp shards)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -245,7 +250,7 @@ class CompiledModel:
         if not strict:  # load only this rank's tensors the state dict has (under any alias)
             state = {fqn: t for fqn, t in state.items()
                      if any(name in state_dict for name in (fqn, *self._aliases.get(fqn, ())))}
-        with self.zero.parameters_resident() if self.zero else nullcontext():  # ZeRO-3: freed at rest
+        with self.parameters_resident():  # ZeRO-3: freed at rest
             load_full_state(state, state_dict, aliases=self._aliases, trainable=self._trainable,
                             shards=self.program.shards, tp_rank=self.tp_rank, tp=self.tp,
                             where=f"pp rank {self.pp_rank} (stages {list(self.schedule.stages_of(self.pp_rank))})")

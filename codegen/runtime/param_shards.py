@@ -29,7 +29,9 @@ runtime alone can answer; the rewrite is confined to the modules this rank runs 
 program without the gates).
 
 Anything that reads the parameters between steps (``full_state_dict``, ``load_full_state_dict``,
-checkpoints) does so inside ``parameters_resident()``: every bucket gathered, freed again after.
+checkpoints) does so inside ``parameters_resident()``: every bucket gathered, freed again after. At
+rest each parameter is a NaN expanded to its shape (one element, stride 0), so code that reads it
+outside that context sees NaN and code that writes it fails loudly, instead of touching freed storage.
 """
 from __future__ import annotations
 
@@ -66,15 +68,21 @@ class ZeroThreeShards(ZeroOneShards):
 
     def __init__(self, grad_buckets: dict, fqn_of: dict, *, stages: dict, actions, **kwargs):
         super().__init__(grad_buckets, fqn_of, **kwargs)
-        self.flat_params = []  # per shard: the flat buffer of the bucket's parameters (freed at rest)
+        self.flat_params, self._views = [], []  # per shard: the flat buffer (freed at rest), its parameters' views
         with torch.no_grad():
             for shard in self.shards:
-                flat = shard.flat(shard.params)
-                offset = 0
+                flat, offset, views = shard.flat(shard.params), 0, []
                 for param in shard.params:
-                    param.data = flat[offset:offset + param.numel()].view(param.shape)
+                    views.append(flat[offset:offset + param.numel()].view(param.shape))
                     offset += param.numel()
                 self.flat_params.append(flat)
+                self._views.append(views)
+        # at rest a parameter is one NaN expanded to its shape (stride 0): its shape stays, reading it gives
+        # NaN and writing it fails, where a view of freed storage would read out of bounds (a crash)
+        self._at_rest = {}
+        for shard in self.shards:
+            key = (shard.param.dtype, shard.param.device)
+            self._at_rest.setdefault(key, torch.full((), float("nan"), dtype=key[0], device=key[1]))
         shard_of = {id(param): index for index, shard in enumerate(self.shards) for param in shard.params}
         self.stages, gated = {}, {}
         for index, stage in stages.items():
@@ -85,7 +93,7 @@ class ZeroThreeShards(ZeroOneShards):
         first_use = [k for action in actions if isinstance(action, Forward) for k in gated[action.stage]]
         self.order = list(dict.fromkeys(first_use + list(range(len(self.shards)))))
         self._position = {k: i for i, k in enumerate(self.order)}
-        self._issued, self._pending, self._ready = 0, {}, set()
+        self._issued, self._pending, self._ready, self._resident_depth = 0, {}, set(), 0
         self.events: list = []  # ("issue" | "wait", shard) of the gathers since the last release, in order
         self.release()
 
@@ -116,6 +124,8 @@ class ZeroThreeShards(ZeroOneShards):
             k = self.order[self._issued]
             shard, flat = self.shards[k], self.flat_params[k]
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            for param, view in zip(shard.params, self._views[k]):
+                param.data = view
             record_call(self.counter, "all_gather", flat.nbytes, self.dp, shard.label)
             self._pending[k] = all_gather_flat(flat, shard.param.detach(), self.groups.dp, async_op=True)
             self.events.append(("issue", k))
@@ -125,7 +135,10 @@ class ZeroThreeShards(ZeroOneShards):
         """Free every bucket's full parameters (waiting for a prefetch still in flight)."""
         for handle in self._pending.values():
             handle.wait()
-        for flat in self.flat_params:
+        for shard, flat in zip(self.shards, self.flat_params):
+            nan = self._at_rest[(shard.param.dtype, shard.param.device)]
+            for param in shard.params:
+                param.data = nan.expand(param.shape)
             flat.untyped_storage().resize_(0)
         self._issued, self._pending, self._ready, self.last_events, self.events = 0, {}, set(), self.events, []
 
@@ -138,16 +151,21 @@ class ZeroThreeShards(ZeroOneShards):
 
     @contextmanager
     def parameters_resident(self):
-        """The parameters gathered for what reads them between steps, freed again after."""
+        """The parameters gathered for what reads them between steps, freed again after the outermost
+        such context (``load_full_state_dict`` inside a caller's keeps them for the caller)."""
         self.gather_parameters()
+        self._resident_depth += 1
         try:
             yield
         finally:
-            self.release()
+            self._resident_depth -= 1
+            if not self._resident_depth:
+                self.release()
 
     def resident_parameter_bytes(self) -> int:
-        """Bytes of parameter storage this rank holds now: the shard parameters and the flat buffers' storage."""
-        return storage_bytes([shard.param for shard in self.shards] + self.flat_params)
+        """Bytes of parameter storage this rank holds now: the shard parameters, the flat buffers' storage
+        and the NaN the parameters expand at rest (one element per dtype)."""
+        return storage_bytes([shard.param for shard in self.shards] + self.flat_params + list(self._at_rest.values()))
 
 
 def gate_stage(program, shard_of_parameter: list, owner: ZeroThreeShards) -> tuple[fx.GraphModule, list]:

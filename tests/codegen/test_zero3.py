@@ -8,7 +8,8 @@ LM head across pipeline ranks at (2, 2, 2)), plans made at seq 4096 on A100s so 
 run at seq 16. Per configuration and rank: loss every step, gathered gradients and parameters after 3
 AdamW steps within 1e-5 of one device; the parameter storage the rank holds between steps (counted
 storage by storage: shard parameters plus the flat buffers, freed) is 1/dp of its parameters plus
-the bucket padding, before the first step, after each step and after a checkpoint; AdamW's state
+the bucket padding, before the first step, after each step and after a checkpoint, the parameters
+reading NaN then and their values inside ``parameters_resident()``; AdamW's state
 storage 2 x the shards' (1/dp); every collective of every step (all-gathers included) equal to the
 plan's; a checkpoint restores the sharded state exactly and the step after a resume equals the step
 after the save. One configuration per launch re-buckets by size (``bucket_bytes``), so several buckets
@@ -58,6 +59,7 @@ def held(compiled) -> dict:
     """Parameter bytes this rank holds now (storage counted), its parameters' full bytes, the shards' bytes."""
     shards = [s.param for s in compiled.zero.shards]
     return {"held": storage_bytes(shards + [t for _, t in compiled.named_parameters()]),
+            "nan": all(torch.isnan(t).all().item() for _, t in compiled.named_parameters()),
             "full": sum(t.numel() * t.element_size() for _, t in compiled.named_parameters()),
             "shards": storage_bytes(shards)}
 
@@ -77,6 +79,11 @@ def zero3_run(compiled, counter, steps: int, folder: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     params = compiled.full_state_dict()
+    with compiled.parameters_resident():  # the values, for code that reads named_parameters() between steps
+        compiled.load_full_state_dict(params)  # its own resident context inside: the caller's stays resident
+        again = compiled.full_state_dict()  # and another
+        resident = (not any(torch.isnan(t).any().item() for _, t in compiled.named_parameters())
+                    and all(torch.equal(again[fqn], value) for fqn, value in params.items()))
     state = [value for s in optimizer.state.values() for value in s.values() if value.dim() > 0]
     save_checkpoint(compiled, optimizer, folder, step=steps)
     at_rest.append(held(compiled))
@@ -95,7 +102,7 @@ def zero3_run(compiled, counter, steps: int, folder: str) -> dict:
     resumed = max(abs(resumed_loss - next_loss), *((v - next_params[k]).abs().max().item()
                                                   for k, v in compiled.full_state_dict().items()))
     return {"steps": found, "params": params, "records": records, "events": events, "at_rest": at_rest,
-            "state_bytes": storage_bytes(state), "restored": restored, "resumed": resumed,
+            "state_bytes": storage_bytes(state), "restored": restored, "resumed": resumed, "resident": resident,
             "buckets": len(compiled.zero.shards), "rank": compiled.rank}
 
 
@@ -109,12 +116,13 @@ def check_zero3(label: str, plan, results: list, want: dict, *, planned_buckets:
         padding = 4 * (dp - 1) * got["buckets"]  # fewer than dp fp32 elements per bucket
         for rest in got["at_rest"][:1] if plan.zero_stage == 1 else got["at_rest"]:
             share = rest["full"] / dp
-            if plan.zero_stage == 3:  # the shards and nothing of the full parameters
-                assert share <= rest["held"] <= share + padding, (label, got["rank"], rest)
+            if plan.zero_stage == 3:  # the shards and nothing of the full parameters (but the NaN they expand)
+                assert share <= rest["held"] - 4 <= share + padding and rest["nan"], (label, got["rank"], rest)
             assert share <= rest["shards"] <= share + padding, (label, got["rank"], rest)
         # AdamW's exp_avg and exp_avg_sq: twice the shards' bytes, 1/dp of the full state
         assert got["state_bytes"] == 2 * got["at_rest"][0]["shards"], (label, got["rank"], got["state_bytes"])
         assert got["restored"] == 0.0 and got["resumed"] <= TOLERANCE, (label, got["restored"], got["resumed"])
+        assert got["resident"], label
         for events in got["events"]:  # each bucket's gather issued before it is waited on, the next one too
             issued = [k for kind, k in events if kind == "issue"]
             for position, (kind, k) in enumerate(events):
