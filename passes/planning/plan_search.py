@@ -98,7 +98,9 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     pricer = _ByLayout(*(CandidatePricer(clock.splits[sp], world, global_batch=global_batch, precision=precision,
                                          memory_fraction=memory_fraction) for sp in (False, True)))
     fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
-    if not fitting and sequence_parallel is None:  # activations may fit only sharded along the sequence
+    both = sequence_parallel is None and any(c.tp > 1 for c in todo)  # step 4 still to do
+    if not fitting and both:  # activations may fit only sharded along the sequence: price them all so
+        both = False
         twins = [replace(c, sequence_parallel=True) for c in todo if c.tp > 1]
         clock.split_all([_split_key(c) for c in twins])
         fitting, failing, skipped, everything, more = _fast_pass(pricer, twins, alternatives + 1)
@@ -109,7 +111,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     keyed = {p.candidate for p in fitting}
     extra = [p for p in everything if p.candidate not in keyed][:max(alternatives + 1 - len(fitting), 0)]
     top = sorted((_exact(pricer, p) for p in fitting[:max(exact_top, alternatives + 1)] + extra), key=_rank)
-    if sequence_parallel is None:
+    if both:
         top = sorted(top + _sequence_parallel_twins(clock, pricer, top, failing, skipped, todo), key=_rank)
     best = top[0]
     shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
