@@ -7,7 +7,9 @@ sum) is trained from identical weights by
 Both use AdamW. The steps alternate Xirang, native, Xirang, ... so load drift on a shared machine
 hits both; every rank waits on a barrier before each step and a step's time is the slowest
 rank's. Reported: the median over the steps after the warm-up, their ratio, and the largest
-per-step |loss difference|.
+per-step |loss difference|; and the CPU seconds of a step summed over the ranks (``time.process_time``,
+every thread of a rank's process, gloo's included): with more ranks than cores that sum, not the
+step's critical path, bounds the step, and unlike wall time it barely moves with other load.
 
     python benchmarks/race_native.py [--meshes 8,1,1 1,1,8:gpipe ...] [--steps N] [--warmup N]
 """
@@ -86,9 +88,9 @@ def _optimizer(params):
 
 def _timed(step, data):
     dist.barrier()  # every rank starts the step together: its time is then the slowest rank's
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     loss = step(data)
-    return time.perf_counter() - start, loss
+    return time.perf_counter() - start, loss, time.process_time() - cpu
 
 
 class XirangRun:
@@ -116,9 +118,9 @@ def _rank(rank, world, meshes, plans, steps, warmup):
         rows = []
         for step in range(warmup + steps):
             data = batch(step)
-            x_s, x_loss = _timed(ours.step, data)
-            n_s, n_loss = _timed(native.step, data)
-            rows.append((x_s, n_s, x_loss, n_loss))
+            x_s, x_loss, x_cpu = _timed(ours.step, data)
+            n_s, n_loss, n_cpu = _timed(native.step, data)
+            rows.append((x_s, n_s, x_loss, n_loss, x_cpu, n_cpu))
         results.append(rows)
         dist.barrier()
     return results
@@ -132,7 +134,9 @@ def summarise(per_rank, warmup):
     # the native loss of a step: the mean of the dp shares' losses, reported by their last-stage tp-0 ranks
     n_loss = [statistics.fmean(rows[s][3] for rows in per_rank if rows[s][3] is not None) for s in range(steps)]
     diff = max(abs(a - b) for a, b in zip(x_loss, n_loss))
-    return statistics.median(x_times), statistics.median(n_times), diff, x_loss[-1]
+    x_cpu = statistics.median([sum(rows[s][4] for rows in per_rank) for s in range(steps)][warmup:])
+    n_cpu = statistics.median([sum(rows[s][5] for rows in per_rank) for s in range(steps)][warmup:])
+    return statistics.median(x_times), statistics.median(n_times), diff, x_loss[-1], x_cpu, n_cpu
 
 
 def main(argv=None):
@@ -159,12 +163,12 @@ def main(argv=None):
     # heartbeat keeps the launcher from calling a starved rank frozen
     results = launch(_rank, WORLD, (meshes, plans, args.steps, args.warmup), timeout_s=1800, heartbeat_s=300)
     print(f"\n{'mesh (dp,tp,pp)':18s} {'schedule':8s} {'m':>2s} {'xirang ms':>10s} {'native ms':>10s} {'x/native':>9s} "
-          f"{'max |dloss|':>12s} {'last loss':>10s}")
+          f"{'max |dloss|':>12s} {'last loss':>10s} {'xirang CPU s':>12s} {'native CPU s':>12s} {'CPU x/n':>8s}")
     for i, mesh in enumerate(meshes):
-        x_s, n_s, diff, last = summarise([r[i] for r in results], args.warmup)
+        x_s, n_s, diff, last, x_cpu, n_cpu = summarise([r[i] for r in results], args.warmup)
         schedule = mesh[3] if mesh[2] > 1 else "-"
         print(f"{str(mesh[:3]):18s} {schedule:8s} {micro_batches(mesh):2d} {x_s * 1e3:10.1f} {n_s * 1e3:10.1f} "
-              f"{x_s / n_s:9.2f} {diff:12.2e} {last:10.4f}")
+              f"{x_s / n_s:9.2f} {diff:12.2e} {last:10.4f} {x_cpu:12.2f} {n_cpu:12.2f} {x_cpu / n_cpu:8.2f}")
     print(f"\ntotal {time.perf_counter() - began:.0f} s")
 
 

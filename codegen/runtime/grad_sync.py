@@ -87,7 +87,8 @@ class _Bucket:
     algorithm: str = "flat"
     label: str = ""
     ready: set = field(default_factory=set)  # id() of params whose gradient arrived this step
-    buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients
+    buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients (a view of ``storage``)
+    storage: Optional[torch.Tensor] = None   # the bucket's flat buffer, kept from step to step
     shard: Optional[torch.Tensor] = None     # hierarchical: this rank's 1/k of the buffer
     phase: int = 0                           # hierarchical: 1 reduce-scatter, 2 cross-node, 3 gather
     handle: Optional[object] = None          # torch.distributed Work of the phase in flight
@@ -219,11 +220,7 @@ class GradientBuckets:
         world = group_size(self.group)
         hierarchical = bucket.algorithm == "hierarchical" and world > 1 and not bucket.scatter
         k = self.hierarchy.ranks_per_node if hierarchical else world if bucket.scatter else 1
-        flat = torch.cat([param.grad.reshape(-1) for param in bucket.params])
-        if self.reduce_dtype is not None:
-            flat = flat.to(self.reduce_dtype)
-        if flat.numel() % k:  # a hierarchical buffer splits into k equal shards: pad with zeros
-            flat = torch.cat([flat, flat.new_zeros(k - flat.numel() % k)])
+        flat = self._filled(bucket, k)
         if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
             flat.mul_(self.share_weight)
         flat.div_(world)  # divide first: an average, and a half-precision sum that cannot overflow
@@ -244,6 +241,26 @@ class GradientBuckets:
         if bucket.index > 0:  # the previous bucket's reduce-scatter had a bucket's time to finish
             self._cross_nodes(self.buckets[bucket.index - 1])
         self._log("launch", bucket.index)
+
+    def _filled(self, bucket: _Bucket, k: int) -> torch.Tensor:
+        """The bucket's flat buffer holding its gradients (in the reduce dtype), padded with zeros to k
+        equal shards. Kept from step to step as DDP keeps its buckets: a fresh buffer of this size
+        each step is a large allocation the allocator hands back to the OS and faults in again, which
+        on CPU ranks cost as much as the copy itself."""
+        grads = [param.grad.reshape(-1) for param in bucket.params]
+        count = sum(g.numel() for g in grads)
+        size, dtype = -(-count // k) * k, self.reduce_dtype or grads[0].dtype
+        held = bucket.storage
+        if held is None or held.numel() != size or held.dtype != dtype or held.device != grads[0].device:
+            held = bucket.storage = torch.zeros(size, dtype=dtype, device=grads[0].device)  # padding stays 0
+        if all(g.dtype == dtype for g in grads):
+            torch.cat(grads, out=held[:count])
+        else:
+            offset = 0
+            for g in grads:
+                held[offset:offset + g.numel()].copy_(g)
+                offset += g.numel()
+        return held
 
     def _cross_nodes(self, bucket: _Bucket) -> None:
         """Hierarchical phase 2: once the in-node reduce-scatter is done, all-reduce the shard across
@@ -295,6 +312,8 @@ class GradientBuckets:
                 offset += count
             bucket.ready.clear()
             bucket.buffer = bucket.handle = bucket.shard = None
+            if bucket.scatter:  # ZeRO: no full-size gradient buffer is kept between steps (its point)
+                bucket.storage = None
             bucket.phase = 0
         self._next = 0
 
