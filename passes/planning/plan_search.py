@@ -98,10 +98,12 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     pricer = _ByLayout(*(CandidatePricer(clock.splits[sp], world, global_batch=global_batch, precision=precision,
                                          memory_fraction=memory_fraction) for sp in (False, True)))
     fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
-    both = sequence_parallel is None and any(c.tp > 1 for c in todo)  # step 4 still to do
+    # step 4 still to do: tp must divide the sequence (the lowering refuses a sequence shard it does not)
+    shardable = [c for c in todo if c.tp > 1 and seq % c.tp == 0] if sequence_parallel is None else []
+    both = bool(shardable)
     if not fitting and both:  # activations may fit only sharded along the sequence: price them all so
         both = False
-        twins = [replace(c, sequence_parallel=True) for c in todo if c.tp > 1]
+        twins = [replace(c, sequence_parallel=True) for c in shardable]
         clock.split_all([_split_key(c) for c in twins])
         fitting, failing, skipped, everything, more = _fast_pass(pricer, twins, alternatives + 1)
         todo, priced = todo + twins, priced + more
@@ -112,7 +114,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     extra = [p for p in everything if p.candidate not in keyed][:max(alternatives + 1 - len(fitting), 0)]
     top = sorted((_exact(pricer, p) for p in fitting[:max(exact_top, alternatives + 1)] + extra), key=_rank)
     if both:
-        top = sorted(top + _sequence_parallel_twins(clock, pricer, top, failing, skipped, todo), key=_rank)
+        top = sorted(top + _sequence_parallel_twins(clock, pricer, top, failing, skipped, shardable), key=_rank)
     best = top[0]
     shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
     shown = top[1:max(alternatives - len(shown_failing), 0) + 1] + shown_failing
@@ -297,20 +299,20 @@ def _option_counterparts(pricer: _ByLayout, best: Priced) -> list[Priced]:
 
 
 def _sequence_parallel_twins(clock: _Clock, pricer: _ByLayout, top: list[Priced], failing: list[Priced],
-                             skipped: list, todo: list[Candidate]) -> list[Priced]:
+                             skipped: list, shardable: list[Candidate]) -> list[Priced]:
     """Step 4: the best fitting tp > 1 candidates and up to two faster ones that did not fit, in every
     recompute mode their configuration was offered (1/tp of the norms' activations may let less
-    recompute fit), priced with sequence-sharded rows: fast cuts, then exact where they fit."""
+    recompute fit), priced with sequence-sharded rows: fast cuts, then exact where they fit.
+    ``shardable``: the candidates whose tp divides the sequence."""
     step = top[0].step_seconds
     seeds = [p.candidate for p in top if p.candidate.tp > 1][:SP_SEEDS]
     seeds += [p.candidate for p in failing if p.candidate.tp > 1 and p.step_seconds < step][:2]
     seeds += [c for bound, c in sorted(skipped, key=lambda s: pricer.memory_lower_bound(s[1]))
               if c.tp > 1 and bound < step][:2]
-    def same_but_recompute(c: Candidate) -> tuple:
+    def same_but_recompute(c: Candidate) -> Candidate:
         return replace(c, recompute="none", sequence_parallel=False)
     wanted = {same_but_recompute(c) for c in seeds}
-    twins = [replace(c, sequence_parallel=True) for c in todo
-             if not c.sequence_parallel and same_but_recompute(c) in wanted]
+    twins = [replace(c, sequence_parallel=True) for c in shardable if same_but_recompute(c) in wanted]
     clock.split_all([_split_key(c) for c in twins])
     fast = [_fast_price(pricer.of(c), c) for c in twins]
     return [_exact(pricer.of(p.candidate), p) for p in fast if p.fits]

@@ -52,6 +52,9 @@ def test_search_takes_sequence_parallelism_when_activations_fit_only_with_it(lon
     assert lines["Sequence parallelism"].startswith(f"sp saves {saved:.1f} GiB/device, ")
     assert lines["Sequence parallelism"].endswith("; no sp does not fit).")
     assert "Sequence parallelism: sp saves" in chosen.explain()
+    # a sequence tp does not divide is never sharded (the lowering would refuse the program)
+    with pytest.raises(xirang.XirangError, match="no plan fits device memory"):
+        plan(long_gpt, small, seq=16383)
 
 
 def test_search_leaves_sequence_parallelism_off_where_it_only_costs():
