@@ -26,13 +26,14 @@ from xirang.passes.planning.solve_cbc import LinearProgram, solve_cbc
 EXHAUSTIVE_LIMIT = 1_000_000  # assignments solve_splits_exhaustive is willing to enumerate
 
 
-def _amount(value, what: str) -> float:
-    """A finite non-negative number (seconds or bytes) as a float, or a ValueError naming ``what``."""
+def _amount(value, what: str, *parts) -> float:
+    """A finite non-negative number (seconds or bytes) as a float, or a ValueError naming
+    ``what.format(*parts)`` (formatted only then: split problems hold tens of thousands of numbers)."""
     if type(value) is float and 0.0 <= value < math.inf:  # the usual case; numbers.Real's check is slow
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or value < 0:
-        raise InvalidValue(f"{what} must be a finite non-negative number, got {value!r}")
+        raise InvalidValue(f"{what.format(*parts)} must be a finite non-negative number, got {value!r}")
     return float(value)
 
 
@@ -51,7 +52,7 @@ class Strategy:
 
     def __post_init__(self):
         for key in ("compute", "memory", "comm"):
-            object.__setattr__(self, key, _amount(getattr(self, key), f"strategy {self.name!r} {key}"))
+            object.__setattr__(self, key, _amount(getattr(self, key), "strategy {!r} {}", self.name, key))
 
     @property
     def seconds(self) -> float:
@@ -93,7 +94,7 @@ class SplitEdge:
         if self.producer == self.consumer:
             raise InvalidValue(f"{where} is a self-loop; a node cannot feed itself")
         try:
-            rows = tuple(tuple(_amount(c, f"{where} reshard cost") for c in row) for row in self.cost)
+            rows = tuple(tuple(_amount(c, "{} reshard cost", where) for c in row) for row in self.cost)
         except TypeError:
             raise InvalidValue(f"{where}: cost must be a matrix (sequence of rows), got {self.cost!r}") \
                 from None

@@ -14,6 +14,7 @@ from collections import Counter
 
 import pulp
 import pytest
+import torch
 from test_plan_search import pricer, tiny_device, unit
 from test_solve_splits import random_problem
 
@@ -21,6 +22,7 @@ from examples.catalog import gpt_tiny
 from xirang.ir.device import GiB
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
+from xirang.passes.analysis.trace_normalize import canonical_names
 from xirang.passes.planning import plan_partition, plan_search
 from xirang.passes.planning.plan_partition import UnitTable
 from xirang.passes.planning import solve_splits
@@ -218,3 +220,21 @@ def test_split_ilps_reach_cbc_as_the_file_pulp_writes_and_solve_alike(tmp_path):
             assert solve_splits._solve_ilp(problem) == expected, case
             solved += 1
     assert solved == 12
+
+
+def test_canonical_names_in_place_leave_the_graph_a_node_by_node_copy_would():
+    """Renaming in place (not through a copy) must leave what the copy left: names, each node's users in
+    graph order (stamping appends readers out of order; later passes walk users), plain generated code."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    late = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2), name="mul_6")
+    with graph.inserting_before(late):  # made after `late`, placed before it: x's users are out of order
+        early = graph.call_function(torch.ops.aten.neg.default, (x,), name="neg_3")
+    total = graph.call_function(torch.ops.aten.add.Tensor, (early, late), name="add_9")
+    graph.output((total,))
+    assert list(x.users) == [late, early]
+    renamed = canonical_names(graph)
+    assert renamed is graph and [n.name for n in graph.nodes] == ["x", "neg", "mul", "add", "output"]
+    assert list(x.users) == [early, late]
+    code = torch.fx.GraphModule(torch.nn.Module(), graph).code
+    assert "def forward(self, x):" in code and "neg = torch.ops.aten.neg.default(x)" in code
