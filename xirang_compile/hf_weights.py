@@ -129,7 +129,17 @@ def local_piece(handle, name: str, shard, tp_rank: int, tp: int, dtype) -> torch
 
 def load_pretrained(compiled, directory) -> dict:
     """Fill this rank's parameters of ``compiled`` in place from the checkpoint folder, reading only its
-    pieces. Returns ``{"tensors": n, "elements": n}`` read by this rank."""
+    pieces. Returns ``{"tensors": n, "elements": n}`` read by this rank. Under ZeRO the optimizer's
+    shards take their slices of what was loaded (ZeRO-3: the parameters are gathered for the load,
+    a collective over dp, as every rank calls this)."""
+    with compiled.parameters_resident():
+        read = _load_pieces(compiled, directory)
+        if compiled.zero:
+            compiled.zero.refresh_from_parameters()
+    return read
+
+
+def _load_pieces(compiled, directory) -> dict:
     safetensors = _require("safetensors")
     files = _checkpoint_files(directory)
     shards, aliases = compiled.program.shards, compiled.program.aliases
