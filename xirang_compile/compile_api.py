@@ -79,7 +79,10 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     are weighted by share, so training stays equal to one device.
 
     ``zero_stage=1``: ZeRO-1, the optimizer state sharded over dp (codegen/runtime/dist_optimizer.py;
-    ``parameters()`` are then the shard parameters): a planning pin, and on a given plan ``Plan.with_zero_stage``.
+    ``parameters()`` are then the shard parameters); ``zero_stage=3`` also shards the parameters at rest
+    (codegen/runtime/param_shards.py: gathered per bucket at first use in a step, freed after it; read
+    them between steps inside ``compiled.parameters_resident()``): a planning pin, and on a given plan
+    ``Plan.with_zero_stage``.
 
     Adaptive micro-batch injection: ``inject_every=N`` (1F1B, pp >= 2) re-chooses every N steps how
     many extra forwards each pipeline rank runs in its warm-up, from the stages' measured times and

@@ -69,8 +69,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     True offers the split the residual stream sharded along the sequence on tp (Korthikanti et al.
     2022), which the split ILP takes op by op where it costs less than the all-reduce layout; False
     never; unpinned, the search prices both layouts for its best few tp > 1 configurations and keeps
-    the faster (plan_search, step 4). ``zero_stage`` (0 or 1) pins ZeRO-1 on or off; unpinned, the
-    search prices both wherever dp > 1.
+    the faster (plan_search, step 4). ``zero_stage`` (0, 1 or 3) pins the ZeRO stage; unpinned, the
+    search prices all three wherever dp > 1.
     """
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True, False or None",
