@@ -17,7 +17,8 @@ from xirang.ir.plan_explain import why_lost
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import ALGORITHMS, collective_cost, group_topology
 from xirang.passes.analysis.fingerprint import graph_fingerprint
-from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced, bucket_elements
+from xirang.passes.planning.dp_sync_costs import bucket_elements
+from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced
 from xirang.passes.planning.plan_search import SearchResult
 
 

@@ -9,9 +9,7 @@ Terms, each with its source:
 - Step time: ``pipeline_step_time`` (Narayanan et al. 2021, eq. 1 and sec. 2.2.2) of the slowest
   device (the sum of its v chunks when interleaved; the zero-bubble schedules' bubble at the model's
   backward : forward time ratio, its B and W halves taken equal, Qi et al. 2024), plus the
-  data-parallel gradient all-reduce left after the last micro-batch's backward (``exposed_comm_time``;
-  Li et al. 2020). Where the World's calibration says communication does not overlap compute (CPU
-  ranks: gloo's threads run on the cores that compute), every bucket's all-reduce is exposed.
+  data-parallel gradient sync left after the last micro-batch's backward (``dp_sync_costs``).
 - Ranks sharing cores (``Calibration.parallel_ranks`` k < N ranks, CPU ranks): the calibrated times
   are those of every rank busy; a rank idle in the pipeline's bubble leaves its core to the busy
   ones, which then run up to N/k times faster. The step is then the larger of the two classic
@@ -39,22 +37,9 @@ Terms, each with its source:
   state (the 16 bytes per parameter split as the plan's precision holds them: 2 + 2 + 12 at bf16,
   4 + 4 + 8 at fp32), activations (kept by the micro-batches in flight), the working set of recompute
   (the largest block rebuilt in its backward) and offload (two blocks on the device), model buffers.
-- ZeRO-1 (``Candidate.zero_stage`` 1, codegen/runtime/dist_optimizer.py): ZeRO's P_os (Rajbhandari et
-  al. 2020, fig. 1; ``model_state_bytes(zero_stage=1)``): the optimizer part of the 16 bytes is
-  divided by dp, parameters and gradients stay whole: 2 + 2 + 12/dp bytes per parameter at bf16,
-  4 + 4 + 8/dp at fp32. (Megatron-LM's distributed optimizer with fp32 gradients, 6 + 12/dp, is the
-  same rule over its fp32 gradient buffer; Xirang's gradients are in the plan's precision.) Each
-  bucket's all-reduce becomes a reduce-scatter (half a ring all-reduce's time), and the updated
-  parameters are all-gathered, in fp32 (``PARAM_STORAGE_BYTES``: the runtime keeps parameters in
-  fp32 and casts in the graph), before the next forward: the runtime does not overlap that gather,
-  so all of it is exposed (the "dp_exposed" cause holds the exposed reduce-scatter plus the gather).
-- ZeRO-3 (``Candidate.zero_stage`` 3, codegen/runtime/param_shards.py), the variant the runtime runs:
-  parameters are gathered per bucket at the step's first forward and kept until its last backward
-  (torchtitan's choice under pipelining: no re-gather per micro-batch), gradients reduce-scattered as
-  ZeRO-1's. So the peak holds zero-1's bytes (gathered parameters, whole gradients, 1/dp of Adam);
-  only between steps are parameters 1/dp. The gathers move zero-1's bytes but are prefetched one
-  bucket ahead in the forward: exposed is the first bucket's and what a gather outlasts its bucket's
-  forward (``cost_model.exposed_prefetched_gathers``), added to the exposed reduce-scatter.
+- ZeRO (``Candidate.zero_stage`` 1 and 3): the optimizer part of the 16 bytes divided by dp (ZeRO's
+  P_os, Rajbhandari et al. 2020, fig. 1; ZeRO-3's parameters are 1/dp only between steps, so its peak
+  is the same); its reduce-scatters and all-gathers in the dp sync (``dp_sync_costs``).
 - A World mixing device kinds (``device_speeds``): compute / speed per rank, micro-batches dealt to dp
   replicas by pace (``Priced.micro_batch_shares``), the step the slowest replica's pipeline with its
   share, activations in flight those of the replica with the most micro-batches; dp sync as uniform.
@@ -66,14 +51,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.cost_model import (exposed_comm_time, exposed_prefetched_gathers, model_state_bytes,
-                                               pipeline_step_time)
+from xirang.passes.planning.cost_model import model_state_bytes, pipeline_step_time
 from xirang.passes.planning.device_speeds import WorldSpeeds, mixed_kinds
+from xirang.passes.planning.dp_sync_costs import DpSyncPricer
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
 from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
 from xirang.passes.planning.unit_costs import TensorSplit
@@ -81,15 +66,8 @@ from xirang.ir.errors import InvalidValue
 
 STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-PARAM_STORAGE_BYTES = 4  # what ZeRO-1's all-gather moves per element: parameters are stored in fp32
 CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload")
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
-
-
-def bucket_elements(dp: int) -> int:
-    """Gradient elements per all-reduce bucket: Megatron-LM's default max(40M, 1M·dp) (core DDP),
-    large enough that the per-bucket latency of a ring over many nodes stays small."""
-    return max(40_000_000, 1_000_000 * dp)
 
 
 @dataclass(frozen=True)
@@ -192,6 +170,7 @@ class CandidatePricer:
         self.uniform = world.uniform_nodes  # once: it compares every node (2048 of them for a 16k-GPU world)
         self.devices = WorldSpeeds(world, precision) if mixed_kinds(world) else None
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
+        self.sync = DpSyncPricer(self)
 
     # --- cached pieces ---------------------------------------------------------------------------
     def units(self, c: Candidate) -> _Units:
@@ -206,7 +185,7 @@ class CandidatePricer:
         key = (c.tp, c.micro_batch, c.recompute, c.offload, pair, saved)
         if key not in self._tables:
             n = self.units(c)
-            cuts = tuple(2 * self._cost("send", nbytes, pair) for nbytes in n.cut_bytes)
+            cuts = tuple(2 * self.cost("send", nbytes, pair) for nbytes in n.cut_bytes)
             static = n.static if not saved else tuple(
                 s - saved * (n.grads[i + 1] - n.grads[i]) for i, s in enumerate(n.static))
             self._tables[key] = UnitTable(n.seconds, static, n.activation, cuts)
@@ -230,7 +209,7 @@ class CandidatePricer:
             self._pairs[key] = (crossing or pairs or [(0,)])[0]
         return self._pairs[key]
 
-    def _cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+    def cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
         key = (kind, nbytes, group)
         if key not in self._costs:
             self._costs[key] = collective_cost(kind, nbytes, group, self.world).seconds
@@ -337,7 +316,7 @@ class CandidatePricer:
             work = m * math.fsum(rank_times) / c.pp
             pipeline = max(work + self.waiting * max(0.0, pipeline - work), pipeline * self.shared)
             busy = min(1.0, pipeline / (m * t_device)) if t_device else 1.0
-        sync = self._exposed_exact if exact else self._exposed_estimate
+        sync = self.sync.exact if exact else self.sync.estimate
         dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
         breakdown = {"compute": busy * m * compute, "tp_comm": busy * m * tp_comm,
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
@@ -366,72 +345,3 @@ class CandidatePricer:
         return {"parameters": params * held, "gradients": params * self.grad_bytes,
                 "optimizer": params * (self.optimizer_bytes_per_param() - self.zero_saved_per_param(c)),
                 "activations": activations, "working_set": n.transient, "buffers": buffers}
-
-    def _rank_grads(self, c: Candidate, stages: Sequence[tuple[int, int]]) -> tuple[float, float]:
-        n = self.units(c)
-        grads = math.fsum(n.grads[b] - n.grads[a] for a, b in stages) * self.grad_bytes
-        return grads, math.fsum(n.backward_prefix[b] - n.backward_prefix[a] for a, b in stages)
-
-    def _exposed_estimate(self, c: Candidate, rank: int, stages) -> float:
-        """Buckets of equal size filled at an even rate: the all-reduce queue ends either after the
-        last bucket (ready when the backward ends) or after all buckets queued behind the first,
-        whichever is later (the maximum of ``exposed_comm_time``'s recurrence, which is linear in
-        the bucket index here)."""
-        grads, backward = self._rank_grads(c, stages)
-        if grads <= 0:
-            return 0.0
-        cap, group = bucket_elements(c.dp) * self.grad_bytes, self.dp_group(c, rank)
-        full, rest = divmod(grads, cap)
-        kind = "reduce_scatter" if c.zero_stage else "all_reduce"
-        last = self._cost(kind, rest or cap, group)
-        count = full + (rest > 0)
-        total = (count - 1) * self._cost(kind, cap, group) + last
-        gather = self._zero_gather(c, grads, group, stages)
-        if not self.overlap:
-            return total + gather
-        return max(last, backward * min(1.0, cap / grads) + total - backward) + gather
-
-    def _zero_gather(self, c: Candidate, grads: float, group, stages=()) -> float:
-        """The all-gather of every bucket's parameters, fp32. ZeRO-1: before the next forward, all exposed.
-        ZeRO-3: at the first forward, bucket k+1's issued as bucket k's block starts
-        (``exposed_prefetched_gathers``; each bucket's share of the ``stages``' forward its gradients'
-        share): the first bucket's gather is exposed, the others where they outlast a bucket's forward."""
-        if not c.zero_stage or grads <= 0:
-            return 0.0
-        scale, cap = PARAM_STORAGE_BYTES / self.grad_bytes, bucket_elements(c.dp) * self.grad_bytes
-        full, rest = divmod(grads, cap)
-        if c.zero_stage == 1 or not self.overlap:
-            return full * self._cost("all_gather", cap * scale, group) + (
-                self._cost("all_gather", rest * scale, group) if rest else 0.0)
-        n, sizes = self.units(c), [cap] * int(full) + ([rest] if rest else [])
-        forward = math.fsum(math.fsum(n.seconds[a:b]) - (n.backward_prefix[b] - n.backward_prefix[a])
-                            for a, b in stages)
-        return exposed_prefetched_gathers([self._cost("all_gather", size * scale, group) for size in sizes],
-                                          [forward * size / grads for size in sizes])
-
-    def _exposed_exact(self, c: Candidate, rank: int, stages) -> float:
-        """Buckets filled in backward order (last unit first), a unit's gradients arriving evenly
-        over its backward; all-reduces queued on one stream (``exposed_comm_time``)."""
-        n, cap = self.units(c), bucket_elements(c.dp) * self.grad_bytes
-        group, kind = self.dp_group(c, rank), "reduce_scatter" if c.zero_stage else "all_reduce"
-        comm, backward, filled, elapsed = [], [], 0.0, 0.0
-        for u in reversed([u for a, b in stages for u in range(a, b)]):
-            left = (n.grads[u + 1] - n.grads[u]) * self.grad_bytes
-            rate = n.backward[u] / left if left else 0.0
-            elapsed += 0.0 if left else n.backward[u]
-            while left > 0:
-                room = cap - filled
-                if left < room:
-                    filled, elapsed, left = filled + left, elapsed + left * rate, 0.0
-                    break
-                comm.append(self._cost(kind, cap, group))
-                backward.append(elapsed + room * rate)
-                left, filled, elapsed = left - room, 0.0, 0.0
-        if filled:
-            comm.append(self._cost(kind, filled, group))
-            backward.append(elapsed)
-        elif elapsed:  # backward of units with no parameters after the last bucket is ready
-            comm.append(0.0)
-            backward.append(elapsed)
-        gather = self._zero_gather(c, self._rank_grads(c, stages)[0], group, stages)
-        return (exposed_comm_time(comm, backward) if self.overlap else math.fsum(comm)) + gather

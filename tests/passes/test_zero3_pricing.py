@@ -14,7 +14,7 @@ from tests.passes.test_zero_pricing import P, search, world_of
 from xirang.ir.errors import XirangError
 from xirang.passes.planning.cost_collectives import collective_cost
 from xirang.passes.planning.cost_model import exposed_prefetched_gathers
-from xirang.passes.planning.plan_costs import bucket_elements
+from xirang.passes.planning.dp_sync_costs import bucket_elements
 
 
 def test_prefetched_gathers_expose_the_first_and_what_outlasts_a_bucket_forward():

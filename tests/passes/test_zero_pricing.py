@@ -19,7 +19,7 @@ from xirang.ir.device import GiB, DeviceSpec
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.plan_costs import bucket_elements
+from xirang.passes.planning.dp_sync_costs import bucket_elements
 from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 
