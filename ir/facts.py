@@ -105,7 +105,7 @@ class ByteCount:
 
     ``saved_for_backward`` is the bytes of the storages in ``saved``, each once and whole; summed over
     several ops it counts a storage two ops keep twice, so memory per unit is the union of their
-    ``saved`` by storage (``memory_traffic.live_saved_bytes``).
+    ``saved`` by storage (``saved_storages.live_saved_bytes``).
     """
 
     read: Size

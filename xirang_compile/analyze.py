@@ -11,7 +11,7 @@ from xirang.ir.facts import evaluate
 from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, FLOPS, MODULE_PARAMS, MODULE_PATH,
                                  MODULE_TYPE, PARAM_COUNT, SYMBOLS, TRACE_INFO, UNIT, UNPRICED_OPS)
 from xirang.ir.pass_spec import CompileContext
-from xirang.passes.analysis.memory_traffic import live_saved_bytes
+from xirang.passes.analysis.saved_storages import live_saved_bytes
 
 from xirang.pass_manager import PassManager, PassTiming, lint_graph
 from xirang.pipeline import ANALYSIS_PASSES

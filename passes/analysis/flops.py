@@ -35,7 +35,7 @@ from xirang.ir.facts import FlopCount
 from xirang.ir.meta_keys import FLOPS, REQUIRES_GRAD, TENSOR, UNPRICED_OPS
 from xirang.ir.pass_spec import compiler_pass
 
-from xirang.passes.analysis.memory_traffic import ALIAS_OPS, arg, needs_grad, tensors
+from xirang.passes.analysis.saved_storages import ALIAS_OPS, arg, needs_grad, tensors
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 
 aten = torch.ops.aten

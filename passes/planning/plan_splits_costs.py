@@ -41,7 +41,7 @@ from xirang.ir.placement import Shard
 from xirang.passes.planning.cost_collectives import CollectiveCost, collective_cost
 from xirang.passes.planning.cost_model import Efficiency, compute_time
 from xirang.passes.analysis.attention_core import FUSED_ATTENTION, in_eager_core
-from xirang.passes.analysis.memory_traffic import input_saved, storage_of, tensors
+from xirang.passes.analysis.saved_storages import input_saved, storage_of, tensors
 from xirang.passes.analysis.op_tables import op_packet
 from xirang.passes.planning.plan_splits_graph import ExprTable, tensor_info
 from xirang.passes.planning.plan_splits_problem import Decision, Term

@@ -49,7 +49,7 @@ from torch.fx import Node
 
 from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
-from xirang.passes.analysis.memory_traffic import STAT_BYTES, arg
+from xirang.passes.analysis.saved_storages import STAT_BYTES, arg
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 from xirang.passes.planning.sharding_rules_fused import (chunked_follows, fused_chunks, padded_follows,
                                                          reaches_vocab_loss, split_follows)

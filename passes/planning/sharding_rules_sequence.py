@@ -22,7 +22,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from xirang.passes.analysis.memory_traffic import arg
+from xirang.passes.analysis.saved_storages import arg
 from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, POINTWISE_OPS, R, Follow,
                                                          broadcast_input, first_tensor, norm_dim, shape, tensor_args)
 from xirang.ir.placement import Shard

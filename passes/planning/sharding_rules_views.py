@@ -37,7 +37,7 @@ from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import TENSOR
 from xirang.ir.placement import Partial, Placement, Replicate, Shard
 
-from xirang.passes.analysis.memory_traffic import arg
+from xirang.passes.analysis.saved_storages import arg
 
 aten = torch.ops.aten
 R, SUM = Replicate(), Partial("sum")

@@ -1,0 +1,165 @@
+"""The storages a node's tensors live in and what keeping them for the backward costs: the facts
+``memory_traffic`` (bytes per node), ``traffic_rules`` (what each op saves), ``flops`` and the split
+ILP's pricing read. Sizes are sympy expressions in the batch/seq symbols.
+
+- A view is followed to the tensor it views (``storage_of``): a saved view keeps the whole storage.
+- Parameters, buffers and constants are resident anyway: saving one costs nothing (``input_saved``).
+- ``live_saved_bytes``: the storages a set of nodes keeps, each once.
+"""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+from torch.fx import Node
+
+from xirang.ir.facts import SavedTensor, TensorInfo
+from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR
+
+from xirang.passes.analysis.op_tables import op_packet
+
+aten = torch.ops.aten
+ZERO = sympy.Integer(0)
+STAT_BYTES = 4  # mean/rstd/logsumexp statistics are kept in float32 (the accumulation type)
+
+# Ops whose output aliases an input's storage: nothing is read or written. ``reshape`` copies when
+# its input is not contiguous (e.g. after a transpose); that copy is not priced here.
+ALIAS_OPS = frozenset({
+    operator.getitem, aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.t,
+    aten.permute, aten.expand, aten.expand_as, aten.squeeze, aten.unsqueeze, aten.slice, aten.select,
+    aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.flatten, aten.unflatten,
+    aten.alias, aten.detach, aten.view_as, aten.narrow, aten.as_strided, aten.sym_size,
+    aten.sym_numel, aten.sym_stride, aten.lift_fresh_copy,
+})
+
+
+# --- sizes of a node's tensors ----------------------------------------------------------------
+
+def tensors(node) -> tuple[TensorInfo, ...]:
+    """The TensorInfo(s) a node produces (empty for SymInts, None, non-nodes)."""
+    if not isinstance(node, Node):
+        return ()
+    info = TENSOR.get(node, None)
+    if isinstance(info, TensorInfo):
+        return (info,)
+    if isinstance(info, tuple):
+        return tuple(i for i in info if isinstance(i, TensorInfo))
+    return ()
+
+
+def nbytes(node) -> sympy.Expr:
+    return sympy.Add(*(t.nbytes for t in tensors(node)))
+
+
+def arg(node: Node, index: int, name: str, default=None):
+    """Argument ``index`` (positional) or ``name`` (keyword) of a call."""
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def needs_grad(value) -> bool:
+    return isinstance(value, Node) and REQUIRES_GRAD.get(value, False)
+
+
+def is_persistent(value) -> bool:
+    """A parameter, buffer or constant, or a view of one: memory that is resident anyway."""
+    while isinstance(value, Node):
+        if value.op == "get_attr":
+            return True
+        if value.op == "placeholder":
+            return ROLE.get(value, "input") in ("parameter", "buffer", "constant")
+        if op_packet(value) not in ALIAS_OPS or not value.args:
+            return False
+        value = value.args[0]
+    return False
+
+
+def activation_bytes(value) -> sympy.Expr:
+    return ZERO if is_persistent(value) else nbytes(value)
+
+
+# --- ops that return their input under some arguments --------------------------------------------
+
+def dropout_active(node) -> bool:
+    """Whether an aten.dropout node drops anything (p > 0 in training): else it returns its input."""
+    p, train = arg(node, 1, "p", 0.5), arg(node, 2, "train", True)
+    return not (isinstance(p, (int, float)) and p == 0) and train is not False
+
+
+def _same_dtype(node) -> bool:
+    """aten.to to the dtype a tensor already has returns the tensor itself."""
+    source, result = tensors(node.args[0]), tensors(node)
+    return bool(source and result) and source[0].dtype == result[0].dtype
+
+
+def _dropout_alias(node) -> bool:
+    return not dropout_active(node)  # p == 0 or eval: aten.dropout returns its input
+
+
+# an op that is an alias only for some arguments: its predicate (the others in ALIAS_OPS always are)
+ALIAS_WHEN = {aten.to: _same_dtype, aten.dropout: _dropout_alias}
+
+
+# --- storages: what a saved tensor keeps alive ------------------------------------------------
+
+def is_alias(node: Node) -> bool:
+    """Does ``node``'s output share its input's storage (a view, or an op that returns its input)?"""
+    packet = op_packet(node)
+    if packet in ALIAS_OPS:
+        return True
+    when = ALIAS_WHEN.get(packet)
+    return when is not None and when(node)
+
+
+def storage_of(value: Node) -> Node:
+    """The node whose output owns the storage ``value`` reads: views and aliases followed to the
+    tensor they view. An element of a multi-output op that is not a view (a norm's output, mean, rstd)
+    owns its storage; the pieces of a split or chunk share their input's."""
+    while (isinstance(value, Node) and value.op == "call_function" and value.args
+           and isinstance(value.args[0], Node) and is_alias(value)):
+        if value.target is operator.getitem and not is_alias(value.args[0]):
+            break  # an element of a real multi-output op
+        value = value.args[0]
+    return value
+
+
+def _floating(node) -> bool:
+    found = tensors(node)
+    return bool(found) and found[0].is_floating
+
+
+def input_saved(node: Node, value) -> tuple[SavedTensor, ...]:
+    """``node`` keeps input ``value``: the storage it views, whole (nothing for a parameter, buffer or
+    constant, or a non-tensor)."""
+    if not isinstance(value, Node) or is_persistent(value) or not tensors(value):
+        return ()
+    base = storage_of(value)
+    return (SavedTensor(base.name, nbytes(base), _floating(base), node.all_input_nodes.index(value)),)
+
+
+def own_saved(node: Node, what: str | None = None, size=None, floating: bool | None = None,
+              like: int | None = None) -> tuple[SavedTensor, ...]:
+    """``node`` keeps its own output (``what`` None) or an intermediate of its own named ``what``;
+    ``like``: the position in ``node.all_input_nodes`` of the input whose tp layout that intermediate
+    has (a cross-entropy's log-probabilities are sharded as its logits), else the output's."""
+    if what is None:
+        (out, *_) = tensors(node)
+        return (SavedTensor(node.name, out.nbytes, out.is_floating),)
+    return (SavedTensor(f"{node.name}:{what}", sympy.sympify(size), bool(floating), like),)
+
+
+def distinct(items) -> tuple[SavedTensor, ...]:
+    """Saved storages, each once (the first item naming it)."""
+    found: dict[str, SavedTensor] = {}
+    for item in items:
+        found.setdefault(item.storage, item)
+    return tuple(found.values())
+
+
+def live_saved_bytes(nodes) -> sympy.Expr:
+    """Bytes the ops ``nodes`` keep for the backward together: the union of their saved storages,
+    each once, at the traced dtype."""
+    items = distinct(item for n in nodes if BYTES.has(n) for item in BYTES.get(n).saved)
+    return sympy.Add(*(item.nbytes for item in items))
