@@ -14,16 +14,19 @@ e_{r+1} <= e_r + 1 (a rank can feed only one forward beyond its own warm-up). Lo
 e = 0: each round tries every sequence of one or two moves (+1 on one rank, or +1 on ranks 0..j) and
 takes the best strictly shorter makespan, ties to fewer extra micro-batches, then lower ranks; it
 stops when no move shortens the step. On the p = 4 cases above it finds the exhaustive optimum.
+Later decisions climb from the warm-ups running (when they still beat e = 0).
 
 The bounds are the plan's (``warmup_bounds``): each extra micro-batch in flight holds one more
 micro-batch of the rank's activations (the plan's ``memory_parts[r]["activations"]`` over the
 schedule's in-flight count), and only what fits under the device's memory beside the plan's
 predicted peak is allowed. A plan without memory parts allows nothing.
 
-Every ``every`` steps the pp group's measured timestamps (``CompiledModel.gather_timestamps``, the
-same on every rank of the group) give each stage's mean forward and backward seconds, so every rank
-of the group computes the same warm-ups: deterministic given the measurements. Backwards still run
-in micro-batch order, so gradients and losses are bit-for-bit those of the plain 1F1B.
+Each rank sums its own stage's forward and backward seconds every step (the executor's timestamps,
+no communication); every ``every`` steps one all-reduce of those sums over the pp group gives each
+stage's mean, the group's first rank runs the search and broadcasts the warm-ups: deterministic given
+the measurements, and the search's CPU is spent once, not on every rank (on CPU ranks sharing cores
+the copies competed with training). Backwards still run in micro-batch order, so gradients and
+losses are bit-for-bit those of the plain 1F1B.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ import logging
 import math
 from dataclasses import dataclass
 from typing import Sequence
+
+import torch
+import torch.distributed as dist
 
 from xirang.codegen.runtime.schedule_sim import simulate
 from xirang.ir.errors import InvalidValue
@@ -62,8 +68,10 @@ def warmup_bounds(plan, pp: int, num_micro_batches: int) -> tuple[int, ...]:
 
 
 def best_extra_warmup(p: int, m: int, forward: Sequence[float], backward: Sequence[float],
-                      bounds: Sequence[int]) -> tuple[tuple[int, ...], float, float]:
-    """(extra warm-ups, makespan with them, makespan of the plain 1F1B); see the module docstring."""
+                      bounds: Sequence[int], start: Sequence[int] = ()) -> tuple[tuple[int, ...], float, float]:
+    """(extra warm-ups, makespan with them, makespan of the plain 1F1B); see the module docstring.
+    ``start``: the warm-ups running now; the search climbs from them when they beat the plain 1F1B
+    (a steady run then costs one round of moves instead of the whole climb from zero)."""
     if len(bounds) != p or len(forward) != p or len(backward) != p:
         raise InvalidValue(f"best_extra_warmup: need one bound, forward and backward time per pipeline rank "
                            f"(p={p}), got {len(bounds)}, {len(forward)}, {len(backward)}")
@@ -84,6 +92,9 @@ def best_extra_warmup(p: int, m: int, forward: Sequence[float], backward: Sequen
         + [tuple(int(j <= i) for j in range(p)) for i in range(p - 1)]))
     current = (0,) * p
     plain = best = makespan(current)
+    start = tuple(start)
+    if len(start) == p and start != current and allowed(start) and makespan(start) < plain:
+        current, best = start, makespan(start)
     while True:
         found = None
         for first in moves:
@@ -133,7 +144,7 @@ class AdaptiveInjection:
 
     def after_step(self) -> None:
         compiled = self.compiled
-        for _, action, start, end in compiled.gather_timestamps():  # collective over the pp group
+        for _, action, start, end in compiled.last_step.timestamps:  # this rank's own stage: no communication
             sums = self._sums[action.stage]
             if isinstance(action, Forward):
                 sums[0] += end - start
@@ -144,22 +155,37 @@ class AdaptiveInjection:
         self._steps += 1
         if self._steps % self.every:
             return
-        forward = tuple(f / max(n, 1) for f, n, _, _ in self._sums)
-        backward = tuple(b / max(n, 1) for _, _, b, n in self._sums)
+        group = compiled.groups.pp
+        totals = torch.tensor(self._sums, dtype=torch.float64, device=compiled.device)
+        if group is not None:  # each rank filled only its own stage's row
+            dist.all_reduce(totals, group=group)
         self._sums = [[0.0, 0, 0.0, 0] for _ in range(compiled.pp)]
+        forward = tuple(float(f / max(n, 1)) for f, n, _, _ in totals.tolist())
+        backward = tuple(float(b / max(n, 1)) for _, _, b, n in totals.tolist())
         m = compiled.schedule.num_micro_batches
         before = tuple(compiled.extra_warmup) or (0,) * compiled.pp
-        bounds = warmup_bounds(compiled.plan, compiled.pp, m)
-        chosen, simulated, plain = best_extra_warmup(compiled.pp, m, forward, backward, bounds)
-        now = simulated if chosen == before else float(simulate(
-            build_schedule("1f1b", compiled.pp, m, 1, before), forward=list(forward), backward=list(backward)).makespan)
-        after = chosen if simulated < now * (1 - self.min_gain) else before
-        decision = InjectionDecision(self._steps, forward, backward, before, after, now,
-                                     simulated if after == chosen else now)
+        answer = torch.zeros(compiled.pp + 2, dtype=torch.float64, device=compiled.device)
+        if compiled.pp_rank == 0:  # the search once, on the group's first rank; the others take its answer
+            answer.copy_(torch.tensor([*self._decide(forward, backward, m, before)], dtype=torch.float64))
+        if group is not None:
+            dist.broadcast(answer, src=compiled.groups.pp_ranks[0], group=group)
+        *after, now, later = answer.tolist()
+        after = tuple(int(e) for e in after)
+        decision = InjectionDecision(self._steps, forward, backward, before, after, now, later)
         self.decisions.append(decision)
         log.info("step %d: stage forward/backward ms %s; extra warm-up %s -> %s (simulated step %.1f -> %.1f ms, "
                  "bounds %s)", decision.step, [f"{f * 1e3:.1f}/{b * 1e3:.1f}" for f, b in zip(forward, backward)],
                  list(before), list(after), decision.simulated_before * 1e3, decision.simulated_after * 1e3,
-                 list(bounds))
+                 list(warmup_bounds(compiled.plan, compiled.pp, m)))
         if after != before:
             compiled.set_extra_warmup(after)
+
+    def _decide(self, forward, backward, m: int, before) -> tuple:
+        """(extra warm-ups..., simulated step with ``before``, simulated step with the answer)."""
+        compiled = self.compiled
+        bounds = warmup_bounds(compiled.plan, compiled.pp, m)
+        chosen, simulated, _ = best_extra_warmup(compiled.pp, m, forward, backward, bounds, start=before)
+        now = simulated if chosen == before else float(simulate(
+            build_schedule("1f1b", compiled.pp, m, 1, before), forward=list(forward), backward=list(backward)).makespan)
+        after = chosen if simulated < now * (1 - self.min_gain) else before
+        return (*after, now, simulated if after == chosen else now)
