@@ -8,6 +8,8 @@ Rajbhandari et al., "ZeRO", SC'20 (model states). Collectives are priced in ``co
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping, Optional, Sequence
@@ -103,19 +105,17 @@ def exposed_prefetched_gathers(gather_seconds: Sequence[float], forward_seconds:
     """ZeRO-3's parameter all-gathers left on the critical path of a forward (FSDP's forward prefetch,
     Zhao et al. 2023, sec. 4.3): bucket 0's gather is issued when the forward starts and waited on at
     once; bucket k+1's is issued when bucket k's compute starts, the gathers one after another on one
-    stream, and bucket k+1's compute waits for its gather. Exposed = the forward's end less its compute."""
+    stream, and bucket k+1's compute waits for its gather. Exposed = the forward's end less its compute.
+
+    Closed form: bucket k+1's gather is issued when bucket k's compute starts, and that is never
+    before the previous gather ends (bucket k waited for it), so bucket k+1 starts max(f_k, g_{k+1})
+    after bucket k: exposed = g_0 + sum_{k>=1} max(0, g_k - f_{k-1})."""
     if len(gather_seconds) != len(forward_seconds):
         raise InvalidValue(f"one forward time per bucket: {len(gather_seconds)} gathers, "
                            f"{len(forward_seconds)} forward times")
     if not gather_seconds:
         return 0.0
-    start = gather_free = gather_seconds[0]  # bucket 0's compute starts once its gather is done
-    for k, forward in enumerate(forward_seconds):
-        if k + 1 == len(forward_seconds):
-            return max(0.0, start + forward - sum(forward_seconds))
-        gather_free = max(gather_free, start) + gather_seconds[k + 1]  # prefetch as bucket k starts
-        start = max(start + forward, gather_free)
-    return 0.0
+    return gather_seconds[0] + math.fsum(max(0.0, g - f) for g, f in zip(gather_seconds[1:], forward_seconds))
 
 
 def exposed_gradient_sync(bucket_bytes: Sequence[float], backward_seconds: Sequence[float],

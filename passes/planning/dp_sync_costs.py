@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from xirang.passes.planning.cost_model import exposed_comm_time, exposed_prefetched_gathers
+from xirang.passes.planning.cost_model import exposed_comm_time
 from xirang.passes.planning.plan_search_space import Candidate
 
 PARAM_STORAGE_BYTES = 4  # what ZeRO's all-gather moves per element: parameters are stored in fp32
@@ -84,11 +84,16 @@ class DpSyncPricer:
         if c.zero_stage == 1 or not p.overlap:
             return full * p.cost("all_gather", cap * scale, group) + (
                 p.cost("all_gather", rest * scale, group) if rest else 0.0)
-        n, sizes = p.units(c), [cap] * int(full) + ([rest] if rest else [])
+        n = p.units(c)
         forward = math.fsum(math.fsum(n.seconds[a:b]) - (n.backward_prefix[b] - n.backward_prefix[a])
                             for a, b in stages)
-        return exposed_prefetched_gathers([p.cost("all_gather", size * scale, group) for size in sizes],
-                                          [forward * size / grads for size in sizes])
+        if full == 0:  # one bucket: its gather is all exposed
+            return p.cost("all_gather", rest * scale, group)
+        # exposed_prefetched_gathers' closed form over full equal buckets and the remainder last, in O(1)
+        # (a rank of a dp-only mesh holds hundreds of buckets, priced for each of ~10^4 candidates)
+        whole, per = p.cost("all_gather", cap * scale, group), forward * cap / grads
+        tail = max(0.0, p.cost("all_gather", rest * scale, group) - per) if rest else 0.0
+        return whole + (full - 1) * max(0.0, whole - per) + tail
 
     def exact(self, c: Candidate, rank: int, stages) -> float:
         """Buckets filled in backward order (last unit first), a unit's gradients arriving evenly
