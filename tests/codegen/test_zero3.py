@@ -27,7 +27,6 @@ import torch.fx as fx
 import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import single_device_run, worst_differences
-from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.checkpoint import load_checkpoint, save_checkpoint
 from xirang.codegen.runtime.comm_check import calls_table, planned_calls
@@ -39,20 +38,8 @@ from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 from xirang.lower import lower
 
-STEPS, SEQ, VOCAB_USED, TOLERANCE = 3, 16, 500, 1e-5
+from tests.codegen.test_zero import STEPS, TOLERANCE, batch, build  # the same models and batches as ZeRO-1's
 SMALL_BUCKETS = 64 * 1024  # bytes: several buckets per stage, so the prefetch has something to do
-
-
-def build(name: str):
-    torch.manual_seed(0)
-    return {"gpt": lambda: build_gpt("tiny", device="cpu"), "llama": lambda: hf_llama(device="cpu"),
-            "gpt2": lambda: hf_gpt2(device="cpu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}[name]()
-
-
-def batch(step: int, size: int = 8) -> dict:
-    generator = torch.Generator().manual_seed(step)
-    return {"input_ids": torch.randint(0, VOCAB_USED, (size, SEQ), generator=generator),
-            "labels": torch.randint(0, VOCAB_USED, (size, SEQ), generator=generator)}
 
 
 def held(compiled) -> dict:
