@@ -111,6 +111,18 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, *, async_o
     return scatter(out, full, group=group, async_op=async_op)
 
 
+def start_all_reduce_slice(full: torch.Tensor, group):
+    """The emulated reduce-scatter of ``full`` (dim 0) launched asynchronously: an all-reduce whose
+    result keeps this rank's rows; returns a function that waits and gives them (see ``_reduce_scatter``)."""
+    summed = full.clone()
+    work = dist.all_reduce(summed, group=group, async_op=True)
+
+    def finish():
+        work.wait()
+        return summed.chunk(group_size(group), dim=0)[group_rank(group)].contiguous()
+    return finish
+
+
 def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's slice of ``dim`` (``x`` already padded)."""
     k = group_size(group)

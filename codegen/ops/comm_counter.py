@@ -33,7 +33,9 @@ class CommRecord:
     all_reduce where the backend lacks it): the logical kind and bytes are what a plan counts,
     the wire traffic was the emulation's. ``algorithm`` is what ran (``xirang.ir.plan_parts.ENACTED_ALGORITHM``):
     "flat" (the backend's own) or "hierarchical" (two levels on sub-groups, recorded once, as the
-    one logical collective the plan lists).
+    one logical collective the plan lists). ``chunks`` > 1: this call is one of that many pieces of
+    one logical collective cut to overlap a matmul (``collective_matmul.py``); the pieces' bytes add up
+    to the whole collective's, so sums by kind are unchanged.
     """
 
     kind: str
@@ -42,6 +44,7 @@ class CommRecord:
     label: str = ""
     emulated: bool = False
     algorithm: str = "flat"
+    chunks: int = 1
 
 
 @dataclass
@@ -51,12 +54,12 @@ class CommCounter:
     records: list = field(default_factory=list)
 
     def record(self, kind: str, nbytes: int, group_size: int, label: str = "",
-               emulated: bool = False, algorithm: str = "flat") -> None:
+               emulated: bool = False, algorithm: str = "flat", chunks: int = 1) -> None:
         if kind not in KINDS:
             raise InvalidValue(f"CommCounter.record: unknown collective kind {kind!r} "
                              f"(from {label or 'an unlabelled call'}); valid kinds are "
                              f"{', '.join(KINDS)}")
-        self.records.append(CommRecord(kind, int(nbytes), int(group_size), label, emulated, algorithm))
+        self.records.append(CommRecord(kind, int(nbytes), int(group_size), label, emulated, algorithm, int(chunks)))
 
     def total_bytes(self, kind: Optional[str] = None) -> int:
         """Sum of ``nbytes`` over all records, or over the records of one kind."""
@@ -77,7 +80,7 @@ class CommCounter:
 
 
 def record_call(counter: Optional[CommCounter], kind: str, nbytes: int, group_size: int,
-                label: str, emulated: bool = False, algorithm: str = "flat") -> None:
+                label: str, emulated: bool = False, algorithm: str = "flat", *, chunks: int = 1) -> None:
     """Record on ``counter`` if one was passed; the call sites stay one line."""
     if isinstance(counter, CommCounter):  # None: nothing counts; an unattached program fails on its group
-        counter.record(kind, nbytes, group_size, label, emulated, algorithm)
+        counter.record(kind, nbytes, group_size, label, emulated, algorithm, chunks)
