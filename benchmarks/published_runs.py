@@ -11,7 +11,22 @@ count for the published and the predicted figure, so the error is the step-time 
 error = predicted TFLOP/s / published - 1 = published step / predicted step - 1 (negative: predicted
 too slow). Nothing here is fitted: the A100 efficiencies were fitted to the five runs of
 ../shared/reference/published_configs.json (benchmarks/fit_efficiency.py), none of which is a row
-here; the H100's are set from the reasons written beside them, not from these rows.
+here; the H100's are set from the reasons written beside them, not from these rows. So no
+leave-one-out errors are due: no row's figure enters any other row's price.
+
+Pins: a row's ``sequence_parallel`` and ``zero_stage`` (absent: left to the search) say what the run
+had. MT-NLG had neither (sequence parallelism is Korthikanti et al. 2022's). The Megatron-LM rows leave
+both to the search: its sequence-parallel choice shards the activations sent between stages over tp,
+standing in for Megatron-LM's scatter/gather of them (Narayanan et al. 2021 sec. 4.1), which neither
+Xirang's runtime nor the cost model's no-sequence-parallel layout has.
+
+Framework: the planner prices Xirang's own runtime (non-blocking isend/irecv between stages, gradient
+buckets all-reduced while the backward runs). A row with ``"framework": "deepspeed_pipe"`` ran
+DeepSpeed's PipelineEngine instead, which does neither: its step is priced from the plan's own stage
+times by ``deepspeed_pipe_step`` (module below): the engine's schedule with blocking, one-after-the-
+other sends (``cost_model.blocking_1f1b_stage_ends``), then on each stage the tied-embedding sum, the
+dp all-reduce of its gradients (DeepSpeed's buckets of 5e8 elements, after the last backward) and the
+Adam step (``cost_model.optimizer_step_seconds``), which the planner does not price for any row.
 
     python benchmarks/published_runs.py [--rows ID,ID] [--json out.json]
 """
@@ -33,10 +48,16 @@ import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from xirang.ir.device import Efficiency, device_spec  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
-from xirang.passes.planning.cost_model import megatron_flops  # noqa: E402
+from xirang.passes.planning.cost_collectives import collective_cost  # noqa: E402
+from xirang.passes.planning.cost_model import (blocking_1f1b_stage_ends, megatron_flops,  # noqa: E402
+                                               optimizer_step_seconds)
+from xirang.passes.planning.plan_splits import SplitPricer  # noqa: E402
+from xirang.reprice import stage_predictions  # noqa: E402
 
 RUNS = Path(__file__).with_name("published_runs.json")
 GPUS_PER_NODE = 8  # DGX A100, DGX H100 and Grand Teton nodes alike
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # gradient elements per all-reduce (DeepSpeed MEMORY_OPT_ALLREDUCE_SIZE)
+GRAD_BYTES = 2  # 16-bit gradients all-reduced (DeepSpeed's default: allreduce_always_fp32 off)
 
 
 def load_rows(path: Path = RUNS) -> list[dict]:
@@ -101,7 +122,7 @@ def price_row(row: dict, report, *, world: World | None = None, **overrides) -> 
     model, tokens = model_of(row)
     world = world or world_of(row)
     pins = {name: row.get(name) for name in ("tp", "pp", "micro_batch", "schedule", "virtual_stages", "recompute",
-                                             "offload")}
+                                             "offload", "sequence_parallel", "zero_stage")}
     pins.update(overrides)
     started = time.perf_counter()
     plan = xirang.plan(model, world=world, example_kwargs=tokens, analysed=report,
@@ -110,20 +131,66 @@ def price_row(row: dict, report, *, world: World | None = None, **overrides) -> 
     published = row["published"]
     published_step = published.get("step_seconds") or flops / (published["tflops_per_gpu"] * 1e12 * row["gpus"])
     published_tflops = published.get("tflops_per_gpu") or flops / published_step / row["gpus"] / 1e12
-    predicted_step = plan.predicted.step_seconds
+    breakdown = dict(plan.predicted.breakdown)
+    if row.get("framework", "xirang") == "deepspeed_pipe":
+        breakdown = deepspeed_pipe_step(plan, report, world, row["seq"])
+    elif row.get("framework", "xirang") != "xirang":
+        raise ValueError(f"row {row['id']}: unknown framework {row['framework']!r}")
+    predicted_step = breakdown.pop("step") if "step" in breakdown else plan.predicted.step_seconds
     predicted_tflops = flops / predicted_step / row["gpus"] / 1e12
     return {"id": row["id"], "device": row["device"], "gpus": row["gpus"], "plan": describe(plan),
             "published_tflops": published_tflops, "predicted_tflops": predicted_tflops,
             "published_step_s": published_step, "predicted_step_s": predicted_step,
             "error": predicted_tflops / published_tflops - 1,
-            "breakdown": dict(plan.predicted.breakdown), "plan_seconds": time.perf_counter() - started,
+            "breakdown": breakdown, "plan_seconds": time.perf_counter() - started,
             "memory_gib": max(plan.predicted.memory_bytes_per_device) / 2**30}
+
+
+def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
+    """The step of ``plan`` run by DeepSpeed's PipelineEngine (1F1B ``TrainSchedule``), in seconds by cause.
+
+    Stage forward and backward per micro-batch are the plan's own (``reprice.stage_predictions``: its
+    units' compute and tp collectives, the backward with recompute); each cut's activation and gradient
+    go rank to rank over the link between the two stages' ranks (every tp rank sends its whole copy: the
+    engine has no scatter/gather). ``blocking_1f1b_stage_ends`` gives when each stage ends its last
+    backward; after it, one after another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
+    DeepSpeed's ReduceTiedGrads), the all-reduce of its 16-bit gradients on its dp group in buckets of
+    ``DEEPSPEED_BUCKET_ELEMENTS`` (ReduceGrads, not overlapped), and the Adam step over its parameters
+    (OptimizerStep). The step is the latest stage's end. Terms: compute and tp as the plan's; p2p the
+    schedule's end with transfers less without; dp the latest stage's tail; bubble the rest."""
+    mesh, m = plan.mesh, plan.num_micro_batches
+    split = SplitPricer(report.graph_module, world, precision=plan.precision).price(
+        mesh.tp, tuple(range(mesh.tp)), plan.micro_batch, seq, sequence_parallel=bool(plan.sequence_parallel))
+    bounds, forward, backward, _ = stage_predictions(plan, split)
+    leads = [mesh.rank_of(dp=0, pp=s, tp=0) for s in range(mesh.pp)]  # tp rank 0 of each stage of replica 0
+    transfer = [collective_cost("send", split.units[stop - 1].cut_bytes_after, (leads[s], leads[s + 1]), world).seconds
+                for s, (_, stop) in enumerate(bounds[:-1])]
+    ends = blocking_1f1b_stage_ends(forward, backward, transfer, m)
+    quiet = max(blocking_1f1b_stage_ends(forward, backward, [0.0] * len(transfer), m))
+    tied = plan.predicted.breakdown.get("tied_sum", 0.0)
+    device = world.nodes[0].device
+    tails = []
+    for s, (start, stop) in enumerate(bounds):
+        params = sum(u.params_local for u in split.units[start:stop])
+        full, rest = divmod(params, DEEPSPEED_BUCKET_ELEMENTS)
+        group = mesh.group("dp", leads[s])
+        sync = full * collective_cost("all_reduce", DEEPSPEED_BUCKET_ELEMENTS * GRAD_BYTES, group, world).seconds + (
+            collective_cost("all_reduce", rest * GRAD_BYTES, group, world).seconds if rest else 0.0)
+        tails.append((tied if s in (0, mesh.pp - 1) else 0.0) + sync + optimizer_step_seconds(params, device))
+    last = max(range(mesh.pp), key=lambda s: ends[s] + tails[s])
+    step = ends[last] + tails[last]
+    planned = plan.predicted.breakdown
+    compute, tp = planned["compute"], planned["tp_comm"]
+    p2p = max(ends) - quiet
+    return {"step": step, "compute": compute, "tp_comm": tp, "pp_p2p": p2p, "dp_exposed": tails[last],
+            "pp_bubble": step - compute - tp - p2p - tails[last], "offload": 0.0}
 
 
 def describe(plan) -> str:
     mesh = plan.mesh
     schedule = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    return f"dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} b{plan.micro_batch} {schedule} rc={plan.recompute}"
+    extras = (" sp" if plan.sequence_parallel else "") + (f" z{plan.zero_stage}" if plan.zero_stage else "")
+    return f"dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} b{plan.micro_batch} {schedule} rc={plan.recompute}{extras}"
 
 
 def analyse(row: dict, cache: dict):
@@ -146,7 +213,7 @@ def main(argv=None) -> int:
     if options.rows:
         wanted = options.rows.split(",")
         rows = [row for row in rows if row["id"] in wanted]
-    header = (f"{'run':<16} {'device':<9} {'gpus':>5} | {'plan (published config pinned)':<40} | "
+    header = (f"{'run':<16} {'device':<9} {'gpus':>5} | {'plan (published config pinned)':<44} | "
               f"{'paper':>6} {'priced':>7} {'err':>7} | {'step s':>7} {'priced':>7} | "
               f"{'compute':>7} {'tp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6}")
     print("TFLOP/s per GPU as each source counts them; err = priced / paper - 1; terms: seconds per step")
@@ -156,7 +223,8 @@ def main(argv=None) -> int:
     for row in rows:
         outcome = price_row(row, analyse(row, cache), world=world_of(row, efficiency))
         b = outcome["breakdown"]
-        print(f"{row['id']:<16} {row['device']:<9} {row['gpus']:>5} | {outcome['plan']:<40} | "
+        plan_text = outcome["plan"] + (" ds" if row.get("framework") == "deepspeed_pipe" else "")
+        print(f"{row['id']:<16} {row['device']:<9} {row['gpus']:>5} | {plan_text:<44} | "
               f"{outcome['published_tflops']:>6.0f} {outcome['predicted_tflops']:>7.1f} {outcome['error']:>+7.1%} | "
               f"{outcome['published_step_s']:>7.2f} {outcome['predicted_step_s']:>7.2f} | "
               f"{b['compute']:>7.2f} {b['tp_comm']:>6.2f} {b['pp_bubble']:>6.2f} {b['pp_p2p']:>6.2f} "

@@ -38,6 +38,20 @@ def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
                nbytes / (device.memory_bandwidth * efficiency.memory))
 
 
+# Bytes per parameter one mixed-precision Adam step moves through device memory, as DeepSpeed's fp16
+# optimizer runs it over flat buffers: 16-bit gradients read and written to fp32 (2 + 4), the gradient
+# norm read (4), fused Adam reading master weight, m, v and gradient and writing the first three
+# (16 + 12), the fp32 master copied to the 16-bit weights (4 + 2).
+ADAM_STEP_BYTES_PER_PARAM = 2 + 4 + 4 + 16 + 12 + 4 + 2
+
+
+def optimizer_step_seconds(params: float, device: DeviceSpec) -> float:
+    """A memory-bound Adam step over ``params`` local parameters: ``ADAM_STEP_BYTES_PER_PARAM`` per
+    parameter at the device's achievable memory bandwidth. 1.9e9 parameters on an A100-80GB
+    (2.039 TB/s x 0.35): 1.9e9 x 44 / 7.14e11 = 0.117 s."""
+    return compute_time(0.0, params * ADAM_STEP_BYTES_PER_PARAM, device, "fp32", is_matmul=False)
+
+
 # --- pipeline schedules --------------------------------------------------------------------------
 # p stages, m micro-batches per step, v model chunks per device (interleaved only). Times are those
 # of one device's whole share of the layers for one micro-batch, forward plus backward. The closed
@@ -77,6 +91,44 @@ def pipeline_step_time(schedule: str, p: int, m: int, t_micro_batch: float, v: i
     chunks); ``backward_ratio`` is its backward over its forward (the zero-bubble schedules' bubble
     depends on it). Assumes balanced stages and free point-to-point sends (add those separately)."""
     return m * t_micro_batch * (1 + bubble_fraction(schedule, p, m, v, backward_ratio))
+
+
+def blocking_1f1b_stage_ends(forward: Sequence[float], backward: Sequence[float],
+                             transfer: Sequence[float], m: int) -> list[float]:
+    """When each stage ends its last backward under DeepSpeed's PipelineEngine ``TrainSchedule``, whose
+    sends and receives are blocking and issued one after the other (deepspeed/runtime/pipe/schedule.py:
+    "The communication is blocking and must be paired with a RecvActivation on the next stage").
+
+    Formulation: 2(m + p - 1) slots; stage s runs the forward of micro-batch j in slot 2j + s and its
+    backward in slot 2j + 2p - 1 - s. A stage in a backward slot first sends its previous slot's
+    activation to s + 1, then receives this slot's gradient from s + 1; in the same slot s + 1 (in a
+    forward slot) receives that activation and sends that gradient. The pair's transfers rendezvous
+    (a blocking send waits for its receiver): they start when both stages are free and take
+    ``transfer[s]`` each, one after the other (not two directions at once), then each stage computes
+    (``forward[s]`` / ``backward[s]``, idle where the slot has no micro-batch). Times only: no memory.
+    p = 2, m = 1, forward 1, backward 2, transfer 0.5: stage 0 ends at 1 + 0.5 + 1 + 2 + 0.5 + 2 = 7.
+    """
+    p = len(forward)
+    if len(backward) != p or len(transfer) != p - 1 or p < 1 or m < 1:
+        raise InvalidValue(f"blocking_1f1b_stage_ends: one forward and backward per stage and one transfer per "
+                           f"cut, m >= 1; got {p} forwards, {len(backward)} backwards, {len(transfer)} "
+                           f"transfers, m={m}")
+
+    def forward_of(s: int, slot: int) -> bool:  # a micro-batch's forward in this slot of stage s
+        return (slot - s) % 2 == 0 and 0 <= (slot - s) // 2 < m
+
+    def backward_of(s: int, slot: int) -> bool:
+        return (slot - s) % 2 == 1 and 0 <= (slot + s + 1 - 2 * p) // 2 < m
+
+    free = [0.0] * p
+    for slot in range(2 * (m + p - 1)):
+        for s in range(slot % 2 == 0, p - 1, 2):  # stages in a backward slot pair with the next stage
+            sends = forward_of(s, slot - 1) + backward_of(s, slot)
+            if sends:
+                free[s] = free[s + 1] = max(free[s], free[s + 1]) + sends * transfer[s]
+        for s in range(p):
+            free[s] += forward[s] if forward_of(s, slot) else backward[s] if backward_of(s, slot) else 0.0
+    return free
 
 
 # --- data-parallel gradient sync overlapped with the backward -----------------------------------
