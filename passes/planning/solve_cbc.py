@@ -4,7 +4,8 @@ A ``LinearProgram`` is named columns (binary, or continuous >= 0), rows ``sum co
 rhs`` in the order added, and a minimised objective. ``mps_text`` writes it in PuLP 3's MPS dialect
 byte for byte (columns sorted by name and renamed X0000000..., rows C0000000... in order, one MARK
 pair around each integer column, ``% .12e`` numbers, an objective without columns given PuLP's
-``__dummy`` column fixed at 0), and ``solve_cbc`` runs PuLP's bundled CBC with PuLP's command line.
+``__dummy`` column fixed at 0), and ``solve_cbc`` runs PuLP's bundled CBC with PuLP's command line
+plus ``SPEED_OPTIONS``.
 
 Why not through PuLP's objects: for the split ILPs, building LpVariable and LpAffineExpression
 objects and PuLP's writer cost about as much CPU as CBC's own solve. CBC breaks exact ties (equally
@@ -83,6 +84,14 @@ class LinearProgram:
 
 _DUMMY = "__dummy"  # PuLP's stand-in column for an objective without columns
 
+# Skip CBC's integer preprocessing, root cuts and primal heuristics: the split ILPs' LP relaxation is
+# already integral at the root (the local polytope, see solve_splits), so they only cost time (~40% of
+# CBC's CPU, mostly the feasibility pump's mini branch and bound). Branch and bound still proves the
+# optimum, and Clp's own presolve stays on: it decides which of several exact ties the LP lands on
+# ("-presolve off" picks other ties). On the 136 split ILPs of the plan_speed setups every column came
+# out as with PuLP's command line, and tests/passes/test_plan_speed.py holds random ILPs to PuLP's answer.
+SPEED_OPTIONS = ("-preprocess", "off", "-cuts", "off", "-heuristics", "off")
+
 
 def solve_cbc(program: LinearProgram, what: str) -> dict[str, float]:
     """Column name -> value of CBC's optimum (a SolverFailure naming ``what`` if CBC finds none)."""
@@ -91,8 +100,8 @@ def solve_cbc(program: LinearProgram, what: str) -> dict[str, float]:
         model, solution = os.path.join(folder, "model.mps"), os.path.join(folder, "model.sol")
         with open(model, "w") as file:
             file.write(text)
-        command = [pulp.PULP_CBC_CMD().path, model, "-timeMode", "elapsed", "-solve", "-printingOptions", "all",
-                   "-solution", solution]  # PuLP's own, so CBC runs as it did under PuLP
+        command = [pulp.PULP_CBC_CMD().path, model, "-timeMode", "elapsed", *SPEED_OPTIONS, "-solve",
+                   "-printingOptions", "all", "-solution", solution]  # PuLP's, with SPEED_OPTIONS before -solve
         finished = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, check=False)
         if finished.returncode != 0 or not os.path.exists(solution):
