@@ -58,6 +58,9 @@ class Plan:
     # the residual stream may be split along the sequence on tp (Korthikanti et al. 2022): the split
     # ILP was offered those layouts (placements say where it took them)
     sequence_parallel: bool = False
+    # tp collectives overlapped with compute (passes/lowering/overlap_tp.py): 0 off, or the number of
+    # chunks each linear is cut into against its sequence all-gather / reduce-scatter (needs sp, tp > 1)
+    tp_overlap: int = 0
     precision: str = "fp32"
     grad_reduce_dtype: str = "fp32"
     zero_stage: int = 0  # ZERO_STAGES; 1 and 3 need dp > 1 and list each bucket's reduce-scatter and all-gather
@@ -113,6 +116,7 @@ class Plan:
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"sequence_parallel is {self.sequence_parallel!r}", where="sequence_parallel",
                             hint="set it to true or false")
+        self._check_tp_overlap(mesh)
         check_choice(self.precision, PRECISIONS, "precision")
         check_choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
         self._check_zero_stage(mesh)
@@ -157,6 +161,16 @@ class Plan:
                             where="predicted.memory_bytes_per_device", hint=REPLAN)
         object.__setattr__(self, "alternatives", check_seq(self.alternatives, "alternatives",
                                                            lambda v, w: check_type(v, Alternative, w)))
+
+    def _check_tp_overlap(self, mesh: Mesh) -> None:
+        if type(self.tp_overlap) is not int or self.tp_overlap < 0 or self.tp_overlap == 1:
+            raise PlanError(f"tp_overlap is {self.tp_overlap!r}; give 0 (off) or the chunks per overlapped "
+                            f"linear (2 or more)", where="tp_overlap", hint="set tp_overlap to 0, 2, 4, ...")
+        if self.tp_overlap and (mesh.tp == 1 or not self.sequence_parallel):
+            raise PlanError(f"tp_overlap {self.tp_overlap} chunks the sequence all-gathers and reduce-scatters "
+                            f"of tp, but mesh {mesh} has tp {mesh.tp} and sequence_parallel is "
+                            f"{self.sequence_parallel}", where="tp_overlap",
+                            hint="use tp_overlap 0, or a plan with tp > 1 and sequence_parallel")
 
     def _check_zero_stage(self, mesh: Mesh) -> None:
         if type(self.zero_stage) is not int or self.zero_stage not in ZERO_STAGES:
@@ -293,11 +307,12 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives, offload, dp_shares, sequence_parallel and zero_stage came after the first plans
+            # alternatives, offload, dp_shares, sequence_parallel, zero_stage and tp_overlap came after the first plans
             # were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
                        required=tuple(f.name for f in fields(cls) if f.name not in (
-                           "alternatives", "offload", "dp_shares", "sequence_parallel", "zero_stage")))
+                           "alternatives", "offload", "dp_shares", "sequence_parallel", "zero_stage",
+                           "tp_overlap")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):

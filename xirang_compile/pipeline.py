@@ -17,6 +17,7 @@ from xirang.passes.analysis.trace import trace_model
 from xirang.passes.lowering.apply_plan import apply_plan
 from xirang.passes.lowering.compute_dtypes import plan_run_dtypes
 from xirang.passes.lowering.offload import mark_offload
+from xirang.passes.lowering.overlap_tp import overlap_tp_collectives
 from xirang.passes.lowering.precision import insert_precision_casts
 from xirang.passes.lowering.random_streams import place_random_streams
 from xirang.passes.lowering.recompute import mark_recompute
@@ -43,6 +44,7 @@ LOWERING_PASSES = [
     shard_parameters,        # the shard of each parameter/buffer this rank binds
     insert_collectives,      # this tp rank's program: local shapes, collectives on the edges
     insert_precision_casts,  # fp32 master weights read in the compute dtype, fp32 loss
+    overlap_tp_collectives,  # plan.tp_overlap: sequence all-gather / reduce-scatter chunked against their linear
     place_random_streams,    # random ops draw on runtime-owned streams (tp-shared or per tp rank)
     assign_stages,           # pipeline stage of every node (pp = 1: one stage)
     mark_recompute,          # regions the backward recomputes (plan.recompute: blocks or attention cores)

@@ -21,6 +21,7 @@ from xirang.ir.world import World, parse_world
 from xirang.passes.planning.cost_model import Efficiency
 from xirang.passes.planning.plan_search import cpu_seconds, search_plan
 from xirang.passes.planning.plan_search_space import check_global_batch
+from xirang.passes.planning.tp_overlap_cost import choose_tp_overlap
 
 from xirang.analyze import analyze, gc_paused
 from xirang.model_checks import batch_statistics_nodes, check_plan_batch_split, check_trainable
@@ -54,7 +55,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
          micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
          recompute: Optional[str] = None, offload: Optional[str] = None, efficiency: Optional[Efficiency] = None,
          progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None,
-         sequence_parallel: Optional[bool] = None, zero_stage: Optional[int] = None) -> Plan:
+         sequence_parallel: Optional[bool] = None, zero_stage: Optional[int] = None,
+         tp_overlap: Optional[int] = None) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
     ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
@@ -70,7 +72,9 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
     2022), which the split ILP takes op by op where it costs less than the all-reduce layout; False
     never; unpinned, the search prices both layouts for its best few tp > 1 configurations and keeps
     the faster (plan_search, step 4). ``zero_stage`` (0, 1 or 3) pins the ZeRO stage; unpinned, the
-    search prices all three wherever dp > 1.
+    search prices all three wherever dp > 1. ``tp_overlap`` (0 off, or chunks) pins the overlap of the
+    sequence-parallel tp collectives with their linears; unset, it is taken where it hides time
+    (passes/planning/tp_overlap_cost.py; never where the World's calibration says comm slows compute).
     """
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True, False or None",
@@ -129,6 +133,7 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
                          memory_fraction=MEMORY_FRACTION)
     if sequence_parallel or result.best.candidate.sequence_parallel:  # pinned on keeps tp 1 plans as before
         made = dataclasses.replace(made, sequence_parallel=True)
+    made = choose_tp_overlap(gm, made, seq, pinned=tp_overlap)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s",
                                  cpu_seconds=cpu_seconds() - cpu_start))
