@@ -150,23 +150,29 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     """The step of ``plan`` run by DeepSpeed's PipelineEngine (1F1B ``TrainSchedule``), in seconds by cause.
 
     Stage forward and backward per micro-batch are the plan's own (``reprice.stage_predictions``: its
-    units' compute and tp collectives, the backward with recompute); each cut's activation and gradient
-    go rank to rank over the link between the two stages' ranks (every tp rank sends its whole copy: the
-    engine has no scatter/gather). ``blocking_1f1b_stage_ends`` gives when each stage ends its last
-    backward; after it, one after another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
+    units' compute and tp collectives, the backward with recompute). With tp > 1 the engine partitions
+    what crosses a cut over the tp group (its ``is_pipe_partitioned`` / ``is_grad_partitioned``,
+    PartitionedTensor): each tp rank sends 1/tp of the activation or gradient to its peer on the other
+    stage, and the receiver all-gathers it on its tp group before the forward or backward that reads it
+    (priced into that forward or backward). ``blocking_1f1b_stage_ends`` gives when each stage ends its
+    last backward; after it, one after another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
     DeepSpeed's ReduceTiedGrads), the all-reduce of its 16-bit gradients on its dp group in buckets of
     ``DEEPSPEED_BUCKET_ELEMENTS`` (ReduceGrads, not overlapped), and the Adam step over its parameters
     (OptimizerStep). The step is the latest stage's end. Terms: compute and tp as the plan's; p2p the
-    schedule's end with transfers less without; dp the latest stage's tail; bubble the rest."""
+    schedule's end with transfers and gathers less without; dp the latest stage's tail; bubble the rest."""
     mesh, m = plan.mesh, plan.num_micro_batches
     split = SplitPricer(report.graph_module, world, precision=plan.precision).price(
         mesh.tp, tuple(range(mesh.tp)), plan.micro_batch, seq, sequence_parallel=bool(plan.sequence_parallel))
     bounds, forward, backward, _ = stage_predictions(plan, split)
     leads = [mesh.rank_of(dp=0, pp=s, tp=0) for s in range(mesh.pp)]  # tp rank 0 of each stage of replica 0
-    transfer = [collective_cost("send", split.units[stop - 1].cut_bytes_after, (leads[s], leads[s + 1]), world).seconds
-                for s, (_, stop) in enumerate(bounds[:-1])]
-    ends = blocking_1f1b_stage_ends(forward, backward, transfer, m)
+    cut = [split.units[stop - 1].cut_bytes_after for _, stop in bounds[:-1]]
+    transfer = [collective_cost("send", nbytes / mesh.tp, (leads[s], leads[s + 1]), world).seconds
+                for s, nbytes in enumerate(cut)]
     quiet = max(blocking_1f1b_stage_ends(forward, backward, [0.0] * len(transfer), m))
+    for s, nbytes in enumerate(cut):  # the receiver's all-gather of the partitioned activation / gradient
+        forward[s + 1] += collective_cost("all_gather", nbytes, mesh.group("tp", leads[s + 1]), world).seconds
+        backward[s] += collective_cost("all_gather", nbytes, mesh.group("tp", leads[s]), world).seconds
+    ends = blocking_1f1b_stage_ends(forward, backward, transfer, m)
     tied = plan.predicted.breakdown.get("tied_sum", 0.0)
     device = world.nodes[0].device
     tails = []
