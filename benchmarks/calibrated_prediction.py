@@ -61,24 +61,27 @@ def _train(rank, world_size, plan, world, steps, warmup):
     torch.manual_seed(0)
     compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=_batch(2))
     batch = _batch()
-    times, costs = [], []
+    times, cpu, costs = [], [], []
     for _ in range(warmup + steps):
         for param in compiled.parameters():  # what optimizer.zero_grad does between steps (untimed)
             param.grad = None
         dist.barrier()  # every rank starts the step together: the job's step ends at its slowest rank
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         compiled.train_step(**batch)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)  # this rank's CPU seconds (gloo's threads included)
         costs.append(compiled.measured_costs())  # untimed: a gather of what the step recorded
-    return times[warmup:], costs[warmup:]
+    return times[warmup:], costs[warmup:], cpu[warmup:]
 
 
 def measure(plan, world: World, steps: int, warmup: int) -> tuple:
-    """(median over steps of the slowest rank's train_step seconds, the steps' median MeasuredCosts)."""
+    """(median over steps of the slowest rank's train_step seconds, the steps' median MeasuredCosts,
+    median over steps of the CPU seconds summed over ranks)."""
     # 8 ranks on a few busy cores: a rank can be starved for long stretches; it is not frozen
     per_rank = launch(_train, RANKS, (plan, world, steps, warmup), timeout_s=1800, heartbeat_s=300)
-    seconds = statistics.median(max(step) for step in zip(*(times for times, _ in per_rank)))
-    return seconds, xirang.MeasuredCosts.median(per_rank[0][1])
+    seconds = statistics.median(max(step) for step in zip(*(times for times, _, _ in per_rank)))
+    cpu = statistics.median(sum(step) for step in zip(*(cpu for _, _, cpu in per_rank)))
+    return seconds, xirang.MeasuredCosts.median(per_rank[0][1]), cpu
 
 
 def _order(times: dict) -> list:
@@ -93,6 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", nargs="*", help="mesh names to run (default all)")
     parser.add_argument("--predict-only", action="store_true", help="plan and print the predictions, train nothing")
+    parser.add_argument("--details", action="store_true", help="print each mesh's re-pricing report (stages, scales)")
     args = parser.parse_args(argv)
     if args.world_file:
         world = World.load(args.world_file)
@@ -116,13 +120,18 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
             print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
             continue
-        measured[name], costs = measure(plan, world, args.steps, args.warmup)
+        measured[name], costs, cpu = measure(plan, world, args.steps, args.warmup)
         report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=_batch(2))
         repriced[name], picks[name] = report.repriced_current, report.best if report.another_wins else "itself"
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
         print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  measured {measured[name] * 1e3:8.1f} ms  "
               f"ratio {predicted[name] / measured[name]:5.2f}  re-priced {repriced[name] * 1e3:8.1f} ms "
               f"(ratio {repriced[name] / measured[name]:5.2f}; picks {picks[name]})   ({parts} ms)", flush=True)
+        if args.details:
+            cores = world.calibration.parallel_ranks or RANKS
+            print(f"  CPU seconds per step summed over ranks {cpu:.3f}: {cpu / measured[name]:.2f} cores busy "
+                  f"on average (the calibration: {cores:.2f} of {os.cpu_count()} cores at full speed)")
+            print(report, flush=True)
     if args.predict_only:
         print(f"predicted order: {_order(predicted)}")
         return 0

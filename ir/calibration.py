@@ -118,6 +118,9 @@ class CollectiveFit:
                    tuple(tuple(s) for s in data.get("samples", ())), data.get("residual", 0.0))
 
 
+OP_CLASSES = ("matmul", "attention", "other")  # Calibration.op_fixed_s: products, fused attention, the rest
+
+
 @dataclass(frozen=True)
 class Calibration:
     """One calibration run on ``ranks`` local ranks of ``device_kind`` ("cpu" or "cuda") over ``backend``.
@@ -136,6 +139,11 @@ class Calibration:
     - ``waiting_share``: on shared cores, what a rank waiting for a message (a pipeline rank in its
       bubble) costs the busy ones, as a fraction of what a busy rank costs them: 0 where waiting
       blocks, 1 where it spins as hard as compute.
+    - ``op_fixed_s``: per op class ("matmul", "attention", "other"), the fixed seconds one call costs
+      forward and backward beyond its dispatch (``DeviceSpec.op_overhead_s`` and the backward's per-op
+      cost): the intercept of the class's measured line ``seconds = c + FLOPs / rate`` at training
+      sizes (packing, blocking and threading set-up that does not shrink with the work). It weighs
+      at small micro-batches: a CPU's matmul of 128 rows spends about a third of its time there.
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -148,6 +156,7 @@ class Calibration:
     raw: Mapping = field(default_factory=dict)
     parallel_ranks: Optional[float] = None
     waiting_share: float = 0.0
+    op_fixed_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -170,6 +179,11 @@ class Calibration:
             value = _number(self.parallel_ranks, "Calibration parallel_ranks", positive=True)
             object.__setattr__(self, "parallel_ranks", min(value, float(self.ranks)))
         object.__setattr__(self, "_table", {key: f for key, f in zip(keys, fits)})
+        fixed = dict(self.op_fixed_s)
+        if not set(fixed) <= set(OP_CLASSES):
+            raise InvalidValue(f"Calibration op_fixed_s keys must be among {OP_CLASSES}, got {sorted(fixed)}")
+        object.__setattr__(self, "op_fixed_s", MappingProxyType(
+            {name: _number(value, f"Calibration op_fixed_s[{name!r}]") for name, value in fixed.items()}))
 
     def fit(self, kind: str, group_size: int) -> Optional[CollectiveFit]:
         """The measured line for ``kind`` on ``group_size`` ranks, or None if not measured."""
@@ -179,7 +193,7 @@ class Calibration:
     def __hash__(self) -> int:
         return hash((self.ranks, self.backend, self.device_kind, self.collectives,
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
-                     self.waiting_share))
+                     self.waiting_share, tuple(sorted(self.op_fixed_s.items()))))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -187,14 +201,14 @@ class Calibration:
     def __reduce__(self):
         return (Calibration, (self.ranks, self.backend, self.device_kind, self.collectives,
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
-                              self.parallel_ranks, self.waiting_share))
+                              self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s)))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
                 "device_kind": self.device_kind, "collectives": [f.to_json() for f in self.collectives],
                 "backward_op_overhead_s": self.backward_op_overhead_s,
                 "comm_overlaps_compute": self.comm_overlaps_compute, "parallel_ranks": self.parallel_ranks,
-                "waiting_share": self.waiting_share,
+                "waiting_share": self.waiting_share, "op_fixed_s": dict(self.op_fixed_s),
                 "raw": _plain(self.raw)}
 
     @classmethod
@@ -209,7 +223,8 @@ class Calibration:
         return cls(data["ranks"], data["backend"], data["device_kind"],
                    tuple(CollectiveFit.from_json(f) for f in data["collectives"]),
                    data.get("backward_op_overhead_s", 0.0), bool(data.get("comm_overlaps_compute", True)),
-                   data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0))
+                   data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0),
+                   data.get("op_fixed_s", {}))
 
 
 def _plain(value):

@@ -39,7 +39,11 @@ class Efficiency:
     software of its era: the presets below give each its own, with the reason beside it; a calibration
     measures the machine at hand.
 
-    - ``matmul``: tensor-core matmuls (and fused attention) at training sizes, of the dtype's peak.
+    - ``matmul``: tensor-core matmuls (and fused attention, unless ``attention`` is given) at training
+      sizes, of the dtype's peak.
+    - ``attention``: fused attention kernels (``scaled_dot_product_attention``) of the dtype's peak,
+      where they run at another rate than matmuls (a CPU's flash-attention kernel at head dim 32-64
+      reaches about half its matmul rate); ``None``: the matmul figure (the presets' choice).
     - ``other``: FLOPs of non-matmul ops, which run on CUDA cores at 1/8-1/16 of the tensor-core rate
       (A100: 39 vs 312 TFLOP/s bf16); these ops are nearly always memory-bound anyway.
     - ``memory``: of the HBM datasheet bandwidth for memory-bound ops. Below what one streaming kernel
@@ -53,22 +57,29 @@ class Efficiency:
     matmul: float = 0.7
     other: float = 0.1
     memory: float = 0.35
+    attention: Optional[float] = None
 
     def __post_init__(self):
-        for name in ("matmul", "other", "memory"):
+        for name in ("matmul", "other", "memory", "attention"):
             value = getattr(self, name)
+            if name == "attention" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise InvalidValue(f"Efficiency.{name} must be a fraction in (0, 1], got {value!r}")
             object.__setattr__(self, name, float(value))
 
     def to_json(self) -> dict:
-        return {"matmul": self.matmul, "other": self.other, "memory": self.memory}
+        data = {"matmul": self.matmul, "other": self.other, "memory": self.memory}
+        if self.attention is not None:
+            data["attention"] = self.attention
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "Efficiency":
-        if not isinstance(data, dict) or set(data) != {"matmul", "other", "memory"}:
-            raise InvalidValue(f"bad efficiency {data!r}: expected an object with exactly the keys "
-                               f"matmul, other, memory (fractions in (0, 1])")
+        if not isinstance(data, dict) or not {"matmul", "other", "memory"} <= set(data) \
+                or not set(data) <= {"matmul", "other", "memory", "attention"}:
+            raise InvalidValue(f"bad efficiency {data!r}: expected an object with the keys matmul, other, "
+                               f"memory and optionally attention (fractions in (0, 1])")
         return cls(**data)
 
 

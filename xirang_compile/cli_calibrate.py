@@ -44,6 +44,9 @@ def describe_calibration(world) -> str:
              f"  matmul  fp32 {device.peak('fp32') / 1e9:9.2f} GFLOP/s per rank, bf16 "
              f"{device.peak('bf16') / 1e9:9.2f} GFLOP/s",
              f"  memory  {device.memory_bandwidth / 1e9:9.2f} GB/s per rank (elementwise add)",
+             f"  other   {device.peak('fp32') * device.efficiency.other / 1e9:9.2f} GFLOP/s per rank "
+             f"(gelu, layer norm, log-softmax), fused attention "
+             f"{device.peak('fp32') * (device.efficiency.attention or device.efficiency.matmul) / 1e9:9.2f} GFLOP/s",
              f"  ranks   {calibration.parallel_ranks or calibration.ranks:.2f} of {calibration.ranks} run at full "
              f"speed at once; a waiting rank costs {calibration.waiting_share:.2f} of a busy one",
              f"  per op  forward {device.op_overhead_s * 1e6:7.1f} us, backward "

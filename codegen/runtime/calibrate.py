@@ -3,16 +3,21 @@
 Every benchmark runs on all N local ranks at once, as training does, so what ranks sharing cores
 (or a PCIe switch, or a NIC) take from each other is in the figures:
 
-- compute: matmuls at training-like shapes (fp32 and bf16), an elementwise add (memory-bound), a
-  tiny op's dispatch (the fixed per-op cost: eager dispatch on CPU, a kernel launch on GPU) and the
+- compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the forward
+  product and its two gradient products, in the layouts autograd issues them), an elementwise add
+  (memory-bound), the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, forward and
+  backward: the roofline's ``Efficiency.other``, at the FLOPs the analysis counts for them), fused
+  attention forward and backward (``Efficiency.attention``, at the analysis's attention FLOPs), a tiny
+  op's dispatch (the fixed per-op cost: eager dispatch on CPU, a kernel launch on GPU) and the
   backward's per-op cost (an autograd node and its gradient op on a tiny tensor). Each op is called
   the way emitted programs call it (``torch.ops.aten``).
 - collectives: every kind the runtime issues, on every group size 2, 4, ... N that divides N (all
   groups of that size running at once, as the dp or tp groups of a mesh do), with the calls the
   runtime makes (all_gather/reduce_scatter as ``codegen/ops/collectives.py`` runs them, send as the
   pipeline's isend/irecv), over a few message sizes. On ranks that share cores each call follows a
-  chunk of eager ops, as in training (``_in_context_time``): back-to-back calls on idle ranks answer
-  at once, while between ops a peer must first be scheduled again behind the busy ranks.
+  chunk of work, as in training (``_in_context_time``: a matmul before a collective, tiny ops before
+  a send): back-to-back calls on idle ranks answer at once, while in training a peer must first get a
+  core behind the busy ranks and finish its own work.
 
 A sample's time is the median over iterations on each rank, then the slowest rank (a collective
 ends when its last rank does). ``calibrated_world`` (its own module) fits the lines
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.codegen.runtime.calibrated_world import calibrated_world
+from xirang.passes.analysis.flops import PER_ELEMENT
 from xirang.ir.calibration import COLLECTIVE_KINDS
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
@@ -40,6 +46,12 @@ MATMUL_SHAPES = ((512, 256, 256), (512, 256, 1024), (1024, 1024, 256), (2048, 25
 QUICK_MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256))
 ELEMENTWISE_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # float32 elements
 QUICK_ELEMENTWISE_SIZES = (1 << 14, 1 << 17)
+# (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
+OTHER_SHAPES = ((256, 256), (512, 1024), (1024, 1024), (256, 2048))
+QUICK_OTHER_SHAPES = ((64, 128), (128, 256))
+# (batch, heads, seq, head dim) of the timed fused attention, causal as decoders train
+ATTENTION_SHAPES = ((2, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64))
+QUICK_ATTENTION_SHAPES = ((1, 2, 64, 32), (1, 2, 128, 32))
 MESSAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)  # bytes; dp buckets are up to 25 MiB
 QUICK_MESSAGE_SIZES = (1 << 10, 16 << 10)
 TINY_OPS = 200  # ops per timed chain of the per-op overhead measurements
@@ -115,7 +127,8 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
             return _lockstep_time(fn, device, iters, window_s=window)
     else:
         timed = _median_time
-    out: dict = {"matmul": {}, "elementwise": [], "op_forward_s": 0.0, "op_backward_s": 0.0}
+    out: dict = {"matmul": {}, "elementwise": [], "other": [], "attention": [], "op_forward_s": 0.0,
+                 "op_backward_s": 0.0}
     for dtype in (torch.float32, torch.bfloat16):
         rows = []
         shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
@@ -123,12 +136,20 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
         for m, k, n in (shapes if dtype == torch.float32 or device.startswith("cuda") else QUICK_MATMUL_SHAPES):
             a = torch.randn(m, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
-            rows.append([2.0 * m * k * n, timed(lambda a=a, b=b: aten.mm.default(a, b), device, iters)])
+            dy = torch.randn(m, n, device=device, dtype=dtype)
+
+            def training_products(a=a, b=b, dy=dy):  # y = a·b, then dA = dY·bᵀ and dB = aᵀ·dY
+                aten.mm.default(a, b)
+                aten.mm.default(dy, b.t())
+                aten.mm.default(a.t(), dy)
+            rows.append([3 * 2.0 * m * k * n, timed(training_products, device, iters)])
         out["matmul"][str(dtype).removeprefix("torch.")] = rows
     for count in (QUICK_ELEMENTWISE_SIZES if quick else ELEMENTWISE_SIZES):
         x, y = torch.randn(count, device=device), torch.randn(count, device=device)
         # an add reads two tensors and writes one: 3 x 4 bytes per element
         out["elementwise"].append([12.0 * count, timed(lambda x=x, y=y: aten.add.Tensor(x, y), device, iters)])
+    out["other"] = _other_samples(device, quick, timed, iters)
+    out["attention"] = _attention_samples(device, quick, timed, iters)
     tiny = torch.ones(8, device=device)
 
     def forward_chain():
@@ -152,10 +173,46 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
     return out
 
 
+def _other_samples(device: str, quick: bool, timed, iters: int) -> list:
+    """[FLOPs, seconds] of a transformer's non-matmul work at each (rows, width): gelu, layer norm and
+    log-softmax, each forward and backward, FLOPs as the analysis counts them (``PER_ELEMENT``,
+    backward ≈ forward), so the rate prices those ops as the planner sees them."""
+    aten, samples = torch.ops.aten, []
+    per_element = 2 * (PER_ELEMENT["gelu"] + PER_ELEMENT["layer_norm"] + PER_ELEMENT["softmax"])
+    for rows, width in (QUICK_OTHER_SHAPES if quick else OTHER_SHAPES):
+        x = torch.randn(rows, width, device=device, requires_grad=True)
+        weight = torch.ones(width, device=device, requires_grad=True)
+        bias = torch.zeros(width, device=device, requires_grad=True)
+        grad = torch.randn(rows, width, device=device)
+
+        def forward_and_backward(x=x, weight=weight, bias=bias, grad=grad, width=width):
+            torch.autograd.backward(
+                [aten.gelu.default(x), aten.native_layer_norm.default(x, [width], weight, bias, 1e-5)[0],
+                 aten._log_softmax.default(x, -1, False)], [grad, grad, grad])
+        samples.append([float(per_element * rows * width), timed(forward_and_backward, device, iters)])
+    return samples
+
+
+def _attention_samples(device: str, quick: bool, timed, iters: int) -> list:
+    """[FLOPs, seconds] of fused causal attention forward and backward at each (batch, heads, seq,
+    head dim): FLOPs as the analysis counts them (QKᵀ and AV in full, 4·B·H·s²·d, backward twice)."""
+    samples = []
+    for batch, heads, seq, dim in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
+        q, k, v = (torch.randn(batch, heads, seq, dim, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, heads, seq, dim, device=device)
+
+        def forward_and_backward(q=q, k=k, v=v, grad=grad):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters)])
+    return samples
+
+
 def _sharing(device: str, quick: bool) -> dict:
     """How many ranks run at full speed at once: a fixed training-like batch of work (matmuls and a
     chain of tiny ops) timed on rank 0 alone (the others blocked in a barrier), then on every rank at
-    once (wall time between two barriers). N ranks sharing k cores take N/k times as long together,
+    once (wall time between two barriers, less the median of an empty pair of barriers: on ranks
+    sharing cores a barrier's own latency is tens of milliseconds and varies from round to round, so
+    left in, it reads as ranks running slower together). N ranks sharing k cores take N/k times as long together,
     so k = N · alone / together (k <= N). k may fall below 1: on a machine other processes load, or
     where switching among more ranks than cores costs time of its own, N ranks together take longer
     than N times one alone; k is then the effective share of a core the job gets."""
@@ -164,16 +221,20 @@ def _sharing(device: str, quick: bool) -> dict:
     a, b, tiny = torch.randn(m, k, device=device), torch.randn(k, n, device=device), torch.ones(8, device=device)
 
     def work():
-        for _ in range(2 if quick else 8):
+        for _ in range(2 if quick else 16):
             aten.mm.default(a, b)
         z = tiny
         for _ in range(TINY_OPS):
             z = aten.mul.Tensor(z, 1.0001)
         _sync(device)
     work()  # warm-up
-    alone, together, beside_waiters = [], [], []
+    alone, together, empty, beside_waiters = [], [], [], []
     token = torch.zeros(1, device=device)
-    for _ in range(2 if quick else 4):
+    for _ in range(2 if quick else 6):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.barrier()
+        empty.append(time.perf_counter() - start)
         dist.barrier()
         if rank == 0:
             start = time.perf_counter()
@@ -195,7 +256,9 @@ def _sharing(device: str, quick: bool) -> dict:
                 dist.isend(token, dst=peer).wait()
         else:
             dist.irecv(token, src=0).wait()
-    return {"alone_s": statistics.median(alone) if alone else 0.0, "together_s": statistics.median(together),
+    together_s = max(statistics.median(together) - statistics.median(empty), 1e-9)
+    return {"alone_s": statistics.median(alone) if alone else 0.0, "together_s": together_s,
+            "barrier_s": statistics.median(empty),
             "beside_waiters_s": statistics.median(beside_waiters) if beside_waiters else 0.0}
 
 
@@ -255,21 +318,34 @@ def _collective_call(kind: str, nbytes: int, group, size: int, group_ranks: Sequ
                       hint=f"known kinds: {', '.join(COLLECTIVE_KINDS)}")
 
 
-CONTEXT_OPS = 40  # tiny ops every rank runs before each collective measured in context
+CONTEXT_OPS = 40  # tiny ops every rank runs before each send measured in context
+# (m, k, n) of the matmul every rank runs before each collective measured in context: about what a
+# tp rank computes between two collectives at the sizes CPU development runs train at (a block's
+# projection at hidden 256, 256 rows), so the peers are as busy as in training when the call starts
+CONTEXT_MATMUL = (256, 256, 1024)
 
 
-def _in_context_time(call: Callable[[], None], device: str, iters: int) -> float:
+def _in_context_time(call: Callable[[], None], device: str, iters: int, *, kind: str) -> float:
     """Median seconds from the end of this rank's own work to the end of ``call``, each call preceded
-    by a chunk of eager ops on every rank, as training issues collectives between ops. On ranks
-    sharing cores this holds what back-to-back calls hide: a rank that must be scheduled again
-    behind the busy ones before it answers, and the ranks' skew in finishing their work."""
+    by a chunk of work on every rank, as training issues collectives between ops. On ranks sharing
+    cores this holds what back-to-back calls hide: a rank that must be scheduled again behind the busy
+    ones before it answers, and the ranks' skew in finishing their work. Before a collective the chunk
+    is a matmul (``CONTEXT_MATMUL``): its peers are then computing as in training, and how long the
+    group's last rank takes to get a core and finish is part of what the call costs, priced nowhere
+    else. Before a pipeline send it is a chain of tiny ops: waiting for the neighbour's stage is the
+    schedule's (the pipeline formula prices it), so only the transfer and a wake-up belong here."""
     aten, tiny = torch.ops.aten, torch.ones(8, device=device)
+    m, k, n = CONTEXT_MATMUL
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
 
-    def work():
+    def ops():
         z = tiny
         for _ in range(CONTEXT_OPS):
             z = aten.mul.Tensor(z, 1.0001)
-    return _median_time(call, device, iters, before=work)
+
+    def matmul():
+        aten.mm.default(a, b)
+    return _median_time(call, device, iters, before=ops if kind == "send" else matmul)
 
 
 def _collective_samples(device: str, quick: bool, in_context: bool = False) -> dict:
@@ -290,7 +366,10 @@ def _collective_samples(device: str, quick: bool, in_context: bool = False) -> d
                 if call is None:
                     break
                 dist.barrier()  # every group starts together: they contend as in training
-                seconds = _in_context_time(call, device, iters) if in_context else _median_time(call, device, iters)
+                if in_context:
+                    seconds = _in_context_time(call, device, iters, kind=kind)
+                else:
+                    seconds = _median_time(call, device, iters)
                 rows.append([float(nbytes), seconds / (2 if kind == "send" else 1)])
             if rows:
                 out[f"{kind}/{size}"] = rows

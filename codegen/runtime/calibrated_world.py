@@ -3,7 +3,10 @@
 
 - Compute: each rate is the slope of ``seconds = c + work / rate`` over the timed sizes (least squares,
   ``ir/calibration.fit_line``); the intercept c is the op's fixed cost there. Rates are one rank's
-  with every rank busy, so the device's efficiencies are 1: nothing is left for a datasheet derating.
+  with every rank busy, so the matmul and memory efficiencies are 1: nothing is left for a datasheet
+  derating. Non-matmul FLOPs and fused attention were timed too: their efficiencies are their
+  measured rates over the matmul's (a CPU core runs gelu or a layer norm at a few percent of its
+  matmul rate, and its flash-attention kernel at about half), files written before had none.
 - Ranks sharing cores: ``parallel_ranks`` k = N · alone / together (how many ranks compute at full
   speed at once), ``waiting_share`` where between "a waiting rank costs nothing" and "as much as a busy
   one" the pipeline's waiting ranks are.
@@ -71,6 +74,19 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     peaks["fp16"] = peaks.get("bfloat16", peaks["float32"])
     bandwidth, raw["elementwise"] = _rate(compute["elementwise"], "elementwise add")
     op_forward, op_backward = compute["op_forward_s"], compute["op_backward_s"]
+    # each class's intercept less the dispatches the per-op costs already price (Calibration.op_fixed_s):
+    # a training matmul sample is three plain products; an attention sample one op whose backward
+    # gives three gradients; an "other" sample three ops, each with one gradient
+    fixed = {"matmul": max(0.0, raw["matmul_float32"]["intercept_s"] - 3 * op_forward)}
+    other, attention = 1.0, None  # a calibration without these samples: as every rank's matmul rate
+    if compute.get("other"):
+        rate, raw["other_flops"] = _rate(compute["other"], "gelu, layer norm, log-softmax")
+        other = min(1.0, rate / peaks["float32"])
+        fixed["other"] = max(0.0, raw["other_flops"]["intercept_s"] / 3 - op_forward - op_backward)
+    if compute.get("attention"):
+        rate, raw["attention"] = _rate(compute["attention"], "fused attention")
+        attention = min(1.0, rate / peaks["float32"])
+        fixed["attention"] = max(0.0, raw["attention"]["intercept_s"] - op_forward - 3 * op_backward)
     raw["collectives_in_context"] = sharing is not None
     raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
                    "share cores)")
@@ -97,13 +113,13 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         host_link_bytes_per_s=bandwidth / 2 if not on_gpu else None,
         op_overhead_s=op_forward,
         # the peaks above are rates reached at training sizes with every rank busy: nothing is left
-        # for a datasheet derating to discount
-        efficiency=Efficiency(matmul=1.0, other=1.0, memory=1.0))
+        # for a datasheet derating to discount; the other ops' rates are measured as fractions of them
+        efficiency=Efficiency(matmul=1.0, other=other, memory=1.0, attention=attention))
     send = next((f for f in fits if f.kind == "send"), None)
     link = LinkSpec(1.0 / send.beta if send and send.beta else 1e12, send.alpha if send else 0.0)
     raw["inter_node"] = "not measured: one node; the intra-node link stands in for it"
     calibration = Calibration(ranks, backend, "cuda" if on_gpu else "cpu", tuple(fits), op_backward,
                               # gloo's communication threads run on the cores the ranks compute on
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
-                              waiting_share=waiting)
+                              waiting_share=waiting, op_fixed_s=fixed)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

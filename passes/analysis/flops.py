@@ -118,8 +118,8 @@ def _reduction(per_element: int) -> Callable[[Node], FlopCount]:
 
 
 def _gelu(node):
-    # erf form 0.5·x·(1 + erf(x/√2)): 5; tanh form 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): 9
-    return _pointwise(9 if arg(node, 1, "approximate", "none") == "tanh" else 5)(node)
+    tanh = arg(node, 1, "approximate", "none") == "tanh"
+    return _pointwise(PER_ELEMENT["gelu_tanh" if tanh else "gelu"])(node)
 
 
 def _dropout(node):
@@ -147,6 +147,8 @@ PER_ELEMENT = {
     "arithmetic": 1,  # add, sub, mul, div, neg, comparisons, where, clamp, relu, exp, log, sqrt, ...
     "sigmoid": 4,  # neg, exp, add, divide
     "silu": 5,  # x · sigmoid(x)
+    "gelu": 5,  # the erf form 0.5·x·(1 + erf(x/√2))
+    "gelu_tanh": 9,  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
     "softmax": 5,  # max, subtract, exp, sum, divide (or log for log_softmax)
     "layer_norm": 7,  # mean, subtract, square, sum, scale by rstd, affine multiply and add
     "rms_norm": 5,  # square, sum, scale by rstd, multiply by weight, (rsqrt per row ≈ free)

@@ -28,12 +28,17 @@ from xirang.ir.errors import InvalidValue
 
 
 def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
-                 efficiency: Optional[Efficiency] = None, is_matmul: bool = True) -> float:
+                 efficiency: Optional[Efficiency] = None, is_matmul: bool = True,
+                 is_attention: bool = False) -> float:
     """Roofline (Williams et al. 2009): the larger of FLOPs at the achievable peak and bytes moved
     at the achievable memory bandwidth. ``efficiency``: the device's own (``DeviceSpec.efficiency``,
-    per generation) unless given."""
+    per generation) unless given. A fused attention op (``is_attention``) runs at
+    ``efficiency.attention`` where the device has its own figure, else as a matmul."""
     efficiency = device.efficiency if efficiency is None else efficiency
-    rate = efficiency.matmul if is_matmul else efficiency.other
+    if is_attention and efficiency.attention is not None:
+        rate = efficiency.attention
+    else:
+        rate = efficiency.matmul if is_matmul or is_attention else efficiency.other
     return max(flops / (device.peak(dtype) * rate),
                nbytes / (device.memory_bandwidth * efficiency.memory))
 

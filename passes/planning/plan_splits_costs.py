@@ -7,7 +7,9 @@ costs, what each link's collectives cost, and the per-node facts both read.
   and backward like the FLOPs, so forward = cost · F_fwd / F_total (half each for a data-moving op
   with no FLOPs that needs a gradient).
 - Fixed cost per op (``DeviceSpec.op_overhead_s``: eager dispatch on a CPU, a kernel launch on a
-  GPU): every op the program dispatches (each ``call_function`` node but Python's ``getitem``) pays
+  GPU; on a calibrated World also its class's measured fixed cost, ``Calibration.op_fixed_s``, for
+  matmuls, fused attention and the other FLOP-counted ops): every op the program dispatches (each
+  ``call_function`` node but Python's ``getitem``) pays
   it once in the forward, whatever its share of the work; an op that needs a gradient pays the
   backward's per-op cost once per input that takes a gradient (one autograd node, one gradient op
   each), at ``World.calibration.backward_op_overhead_s`` where measured, else the forward's figure.
@@ -80,6 +82,7 @@ class NodeFacts:
     inputs: tuple[Kept, ...] = ()  # the storage of every activation input (what a recompute starts from)
     dispatched: bool = False  # an op the program dispatches (pays DeviceSpec.op_overhead_s)
     grad_inputs: int = 0  # inputs that take a gradient from this op's backward
+    attention: bool = False  # a fused attention kernel (priced at Efficiency.attention where given)
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
@@ -111,7 +114,8 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         saved=tuple(_kept(node, item, table, float_bytes) for item in items),
         inputs=tuple(_kept(node, item, table, float_bytes) for item in reads),
         dispatched=node.op == "call_function" and node.target is not operator.getitem,
-        grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes))
+        grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
+        attention=op_packet(node) in FUSED_ATTENTION)
 
 
 def local_fraction(placement, tp: int) -> float:
@@ -129,6 +133,7 @@ class Pricing:
         self.device, self.precision, self.efficiency, self.table = device, precision, efficiency, table
         self._collectives: dict = {}
         self.backward_op_s = device.op_overhead_s if calibration is None else calibration.backward_op_overhead_s
+        self.op_fixed = dict(calibration.op_fixed_s) if calibration is not None else {}
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)
@@ -147,7 +152,8 @@ class Pricing:
         """Roofline seconds (forward + backward) of a node's local share."""
         values = self.values
         seconds = compute_time(values[facts.total] * fraction, values[facts.traffic] * facts.byte_scale * fraction,
-                               self.device, self.precision, efficiency=self.efficiency, is_matmul=facts.matmul)
+                               self.device, self.precision, efficiency=self.efficiency, is_matmul=facts.matmul,
+                               is_attention=facts.attention)
         return seconds + self.op_overhead(facts)
 
     def op_overhead(self, facts: NodeFacts) -> float:
@@ -155,7 +161,22 @@ class Pricing:
         if not facts.dispatched:
             return 0.0
         backward = max(1, facts.grad_inputs) * self.backward_op_s if facts.needs_grad else 0.0
-        return self.device.op_overhead_s + backward
+        return self.device.op_overhead_s + backward + self.class_fixed(facts)
+
+    def class_fixed(self, facts: NodeFacts) -> float:
+        """A calibrated World's fixed cost of the node's op class (``Calibration.op_fixed_s``), measured
+        for a call forward and backward: its forward share alone where no gradient is needed."""
+        if not self.op_fixed:
+            return 0.0
+        if facts.attention:
+            name, forward_share = "attention", 1 / 3  # the backward computes twice the forward's products
+        elif facts.matmul:
+            name, forward_share = "matmul", 1 / 3  # one product forward, two for the gradients
+        elif self.values[facts.total] > 0:
+            name, forward_share = "other", 1 / 2
+        else:
+            return 0.0  # views, copies, indexing: their dispatch is all they pay
+        return self.op_fixed.get(name, 0.0) * (1.0 if facts.needs_grad else forward_share)
 
     def forward_share(self, facts: NodeFacts) -> float:
         total = self.values[facts.total]

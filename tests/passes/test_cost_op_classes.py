@@ -1,0 +1,134 @@
+"""A calibrated World prices each op class at what the machine measured: fused attention at its own
+rate (``Efficiency.attention``), non-matmul FLOPs at the "other" rate, a fixed cost per call of each
+class (``Calibration.op_fixed_s``), and on shared cores a pipeline message costs its receiver CPU too."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from conftest import token_batch
+from examples.gpt import GPTConfig, build_gpt
+import xirang
+from xirang.codegen.runtime.calibrated_world import calibrated_world
+from xirang.ir.calibration import Calibration, CollectiveFit
+from xirang.ir.device import DEVICE_PRESETS, DeviceSpec, Efficiency
+from xirang.ir.errors import XirangError
+from xirang.ir.world import LinkSpec, NodeSpec, World
+from xirang.passes.planning.cost_model import compute_time
+from xirang.passes.planning.plan_costs import CandidatePricer
+from xirang.passes.planning.plan_search_space import Candidate
+from xirang.passes.planning.plan_splits import SplitPricer
+from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
+
+A100 = DEVICE_PRESETS["a100-80g"]
+LINK = LinkSpec(5e8, 2e-4)
+SEND = CollectiveFit("send", 2, "gloo", 1e-3, 0.0)
+
+
+def test_fused_attention_runs_at_its_own_rate_where_the_device_has_one():
+    own = Efficiency(matmul=0.5, other=0.1, memory=0.5, attention=0.25)
+    assert compute_time(1e12, 0, A100, "bf16", efficiency=own, is_attention=True) == pytest.approx(
+        1e12 / (312e12 * 0.25))
+    # no attention figure (every preset): as a matmul, whatever is_matmul says
+    plain = Efficiency(matmul=0.5, other=0.1, memory=0.5)
+    assert compute_time(1e12, 0, A100, "bf16", efficiency=plain, is_attention=True, is_matmul=False) == \
+        pytest.approx(1e12 / (312e12 * 0.5))
+    assert compute_time(1e12, 0, A100, "bf16", efficiency=own, is_matmul=False) == pytest.approx(
+        1e12 / (312e12 * 0.1))
+
+
+def test_efficiency_attention_round_trips_and_older_files_still_load():
+    own = Efficiency(matmul=0.5, other=0.1, memory=0.5, attention=0.25)
+    assert Efficiency.from_json(own.to_json()) == own
+    assert Efficiency.from_json({"matmul": 0.5, "other": 0.1, "memory": 0.5}).attention is None
+    assert "attention" not in Efficiency().to_json()
+    with pytest.raises(XirangError, match="attention"):
+        Efficiency(attention=0.0)
+    with pytest.raises(XirangError, match="optionally attention"):
+        Efficiency.from_json({"matmul": 0.5, "other": 0.1, "memory": 0.5, "tensor_cores": 1.0})
+
+
+def test_calibration_op_fixed_costs_round_trip_and_unknown_classes_are_refused():
+    calibration = Calibration(2, "gloo", "cpu", (SEND,), op_fixed_s={"matmul": 1e-4, "other": 2e-5})
+    assert Calibration.from_json(calibration.to_json()) == calibration
+    assert dict(Calibration.from_json({k: v for k, v in calibration.to_json().items()
+                                       if k != "op_fixed_s"}).op_fixed_s) == {}
+    with pytest.raises(XirangError, match="op_fixed_s keys"):
+        Calibration(2, "gloo", "cpu", (SEND,), op_fixed_s={"conv": 1e-4})
+
+
+def _world(calibration=None, devices=2) -> World:
+    device = DeviceSpec("cpu", {"fp32": 2e10}, 2**32, 1e10)
+    return World((NodeSpec(devices, device),), LINK, LINK, calibration)
+
+
+@functools.cache
+def _gm():
+    model = build_gpt(GPTConfig(vocab_size=256, seq_len=16, hidden=32, heads=2, layers=2), device="meta")
+    return xirang.analyze(model, example_kwargs=token_batch()).graph_module
+
+
+def _total(split) -> float:
+    return sum(u.forward_seconds + u.backward_seconds for u in split.units)
+
+
+def test_each_op_class_pays_its_measured_fixed_cost_once_per_call():
+    gm = _gm()
+    plain = SplitPricer(gm, _world(Calibration(2, "gloo", "cpu", (SEND,))), precision="fp32").price(1, (0,), 2, 16)
+    fixed = {"matmul": 1e-3, "attention": 1e-2, "other": 1e-5}
+    taxed = SplitPricer(gm, _world(Calibration(2, "gloo", "cpu", (SEND,), op_fixed_s=fixed)),
+                        precision="fp32").price(1, (0,), 2, 16)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    attention = sum("scaled_dot_product" in t for t in targets)
+    matmuls = sum(any(op in t for op in ("aten.linear", "aten.mm", "aten.addmm", "aten.bmm")) for t in targets)
+    assert attention == 2 and matmuls >= 9  # two blocks: q/k/v (or fused), proj, two MLP, and the head
+    added = _total(taxed) - _total(plain)
+    # every matmul and attention call on the gradient path pays its class's cost in full; the other
+    # FLOP-counted ops (norms, gelu, adds, the loss) at most 1e-5 each
+    others = len(targets) - attention - matmuls
+    assert attention * 1e-2 + matmuls * 1e-3 <= added + 1e-12
+    assert added <= attention * 1e-2 + matmuls * 1e-3 + others * 1e-5 + 1e-12
+
+
+def _unit(name, cut_bytes):
+    return UnitCost(name, name.split(":")[0], forward_seconds=0.4, backward_seconds=0.6,
+                    tp_comm_forward_seconds=0.0, tp_comm_backward_seconds=0.0, params_local=0,
+                    saved_bytes=0.0, selective_saved_bytes=0.0, selective_recompute_seconds=0.0, input_bytes=0.0,
+                    cut_bytes_after=cut_bytes, model_flops=0.0, model_forward_flops=0.0)
+
+
+def test_on_shared_cores_a_pipeline_message_costs_the_receiver_as_much_as_the_sender():
+    c = Candidate(tp=1, pp=2, dp=1, micro_batch=1, num_micro_batches=1, schedule="1f1b", virtual_stages=1,
+                  recompute="none")
+    split = TensorSplit(1, 1, 8, (_unit("block:0", 1e6), _unit("block:1", 0.0)))
+
+    def cuts(calibration):
+        return CandidatePricer({(1, 1): split}, _world(calibration), global_batch=1).table(c).cut_seconds
+
+    # 1 ms a message: an activation forward and a gradient backward cross the cut
+    assert cuts(Calibration(2, "gloo", "cpu", (SEND,)))[0] == pytest.approx(2e-3)
+    assert cuts(Calibration(2, "gloo", "cpu", (SEND,), parallel_ranks=1.0))[0] == pytest.approx(4e-3)
+
+
+def _results(ranks: int = 2) -> list:
+    """What calibrate_rank returns, made up: every line exact, so the fitted figures are hand-worked."""
+    compute = {
+        "matmul": {"float32": [[1e9, 1e-3 + 0.1], [2e9, 1e-3 + 0.2]]},  # 10 GFLOP/s, 1 ms a training product
+        "elementwise": [[1e6, 1e-3], [2e6, 2e-3]],  # 1 GB/s
+        "other": [[1e7, 6e-4 + 0.02], [2e7, 6e-4 + 0.04]],  # 0.5 GFLOP/s, 0.6 ms per three ops
+        "attention": [[1e9, 2e-3 + 0.4], [2e9, 2e-3 + 0.8]],  # 2.5 GFLOP/s, 2 ms a call
+        "op_forward_s": 1e-5, "op_backward_s": 2e-5}
+    collectives = {"send/2": [[1e3, 1e-4], [1e6, 1e-3]]}
+    return [{"threads": 1, "compute": compute, "sharing": None, "collectives": collectives}] * ranks
+
+
+def test_calibrated_world_takes_each_class_rate_and_fixed_cost_from_its_line():
+    world = calibrated_world(_results(), backend="gloo", device="cpu")
+    device = world.nodes[0].device
+    assert device.peak("fp32") == pytest.approx(1e10)
+    assert device.efficiency.other == pytest.approx(0.05) and device.efficiency.attention == pytest.approx(0.25)
+    fixed = world.calibration.op_fixed_s
+    assert fixed["matmul"] == pytest.approx(1e-3 - 3e-5)  # less three products' dispatch
+    assert fixed["other"] == pytest.approx(2e-4 - 1e-5 - 2e-5)  # a third of it, less one op forward and backward
+    assert fixed["attention"] == pytest.approx(2e-3 - 1e-5 - 3 * 2e-5)
