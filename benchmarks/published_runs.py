@@ -15,8 +15,10 @@ here; the H100's are set from the reasons written beside them, not from these ro
 leave-one-out errors are due: no row's figure enters any other row's price.
 
 Pins: a row's ``sequence_parallel`` and ``zero_stage`` (absent: left to the search) say what the run
-had. MT-NLG had neither (sequence parallelism is Korthikanti et al. 2022's). The Megatron-LM rows leave
-both to the search: its sequence-parallel choice shards the activations sent between stages over tp,
+had, and ``tp_overlap`` 0 a run whose tp collectives did not overlap its matmuls (the 2021-22
+Megatron-LM and MT-NLG runs). MT-NLG had neither sequence parallelism (Korthikanti et al. 2022's)
+nor ZeRO. The Megatron-LM rows leave sequence parallelism and ZeRO to the search: its
+sequence-parallel choice shards the activations sent between stages over tp,
 standing in for Megatron-LM's scatter/gather of them (Narayanan et al. 2021 sec. 4.1), which neither
 Xirang's runtime nor the cost model's no-sequence-parallel layout has.
 
@@ -122,7 +124,7 @@ def price_row(row: dict, report, *, world: World | None = None, **overrides) -> 
     model, tokens = model_of(row)
     world = world or world_of(row)
     pins = {name: row.get(name) for name in ("tp", "pp", "micro_batch", "schedule", "virtual_stages", "recompute",
-                                             "offload", "sequence_parallel", "zero_stage")}
+                                             "offload", "sequence_parallel", "zero_stage", "tp_overlap")}
     pins.update(overrides)
     started = time.perf_counter()
     plan = xirang.plan(model, world=world, example_kwargs=tokens, analysed=report,
