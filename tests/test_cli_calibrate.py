@@ -21,3 +21,7 @@ def test_calibrate_quick_on_two_ranks_writes_a_world_the_planner_reads(tmp_path,
         fit = world.calibration.fit(kind, 2)
         assert fit is not None and len(fit.samples) >= 2 and fit.seconds(1024) > 0, kind
     assert world.calibration.raw["matmul_float32"]["samples"]
+    # the op classes priced apart: measured rates as fractions of the matmul's, fixed costs per call
+    assert 0 < device.efficiency.other <= 1 and 0 < device.efficiency.attention <= 1
+    assert world.calibration.raw["other_flops"]["samples"] and world.calibration.raw["attention"]["samples"]
+    assert set(world.calibration.op_fixed_s) == {"matmul", "other", "attention"}

@@ -34,24 +34,18 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from xirang.codegen.runtime.calibrate_op_classes import attention_samples, other_samples
 from xirang.codegen.runtime.calibrated_world import calibrated_world
-from xirang.passes.analysis.flops import PER_ELEMENT
 from xirang.ir.calibration import COLLECTIVE_KINDS
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
 
 # (m, k, n) of the timed matmuls: activations (micro-batch x seq rows) times weight shards of hidden
 # 256..1024 models, the sizes CPU development runs train at; --quick keeps two small ones.
-MATMUL_SHAPES = ((512, 256, 256), (512, 256, 1024), (1024, 1024, 256), (2048, 256, 768))
+MATMUL_SHAPES = ((128, 256, 768), (512, 256, 256), (512, 256, 1024), (1024, 1024, 256), (2048, 256, 768))
 QUICK_MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256))
 ELEMENTWISE_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # float32 elements
 QUICK_ELEMENTWISE_SIZES = (1 << 14, 1 << 17)
-# (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
-OTHER_SHAPES = ((256, 256), (512, 1024), (1024, 1024), (256, 2048))
-QUICK_OTHER_SHAPES = ((64, 128), (128, 256))
-# (batch, heads, seq, head dim) of the timed fused attention, causal as decoders train
-ATTENTION_SHAPES = ((2, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64))
-QUICK_ATTENTION_SHAPES = ((1, 2, 64, 32), (1, 2, 128, 32))
 MESSAGE_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)  # bytes; dp buckets are up to 25 MiB
 QUICK_MESSAGE_SIZES = (1 << 10, 16 << 10)
 TINY_OPS = 200  # ops per timed chain of the per-op overhead measurements
@@ -148,8 +142,8 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
         x, y = torch.randn(count, device=device), torch.randn(count, device=device)
         # an add reads two tensors and writes one: 3 x 4 bytes per element
         out["elementwise"].append([12.0 * count, timed(lambda x=x, y=y: aten.add.Tensor(x, y), device, iters)])
-    out["other"] = _other_samples(device, quick, timed, iters)
-    out["attention"] = _attention_samples(device, quick, timed, iters)
+    out["other"] = other_samples(device, quick, timed, iters)
+    out["attention"] = attention_samples(device, quick, timed, iters)
     tiny = torch.ones(8, device=device)
 
     def forward_chain():
@@ -171,40 +165,6 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
     # (recording the graph is part of what an op costs in training, so it counts with the backward)
     out["op_backward_s"] = max(0.0, timed(forward_and_backward, device, iters) / TINY_OPS - out["op_forward_s"])
     return out
-
-
-def _other_samples(device: str, quick: bool, timed, iters: int) -> list:
-    """[FLOPs, seconds] of a transformer's non-matmul work at each (rows, width): gelu, layer norm and
-    log-softmax, each forward and backward, FLOPs as the analysis counts them (``PER_ELEMENT``,
-    backward ≈ forward), so the rate prices those ops as the planner sees them."""
-    aten, samples = torch.ops.aten, []
-    per_element = 2 * (PER_ELEMENT["gelu"] + PER_ELEMENT["layer_norm"] + PER_ELEMENT["softmax"])
-    for rows, width in (QUICK_OTHER_SHAPES if quick else OTHER_SHAPES):
-        x = torch.randn(rows, width, device=device, requires_grad=True)
-        weight = torch.ones(width, device=device, requires_grad=True)
-        bias = torch.zeros(width, device=device, requires_grad=True)
-        grad = torch.randn(rows, width, device=device)
-
-        def forward_and_backward(x=x, weight=weight, bias=bias, grad=grad, width=width):
-            torch.autograd.backward(
-                [aten.gelu.default(x), aten.native_layer_norm.default(x, [width], weight, bias, 1e-5)[0],
-                 aten._log_softmax.default(x, -1, False)], [grad, grad, grad])
-        samples.append([float(per_element * rows * width), timed(forward_and_backward, device, iters)])
-    return samples
-
-
-def _attention_samples(device: str, quick: bool, timed, iters: int) -> list:
-    """[FLOPs, seconds] of fused causal attention forward and backward at each (batch, heads, seq,
-    head dim): FLOPs as the analysis counts them (QKᵀ and AV in full, 4·B·H·s²·d, backward twice)."""
-    samples = []
-    for batch, heads, seq, dim in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
-        q, k, v = (torch.randn(batch, heads, seq, dim, device=device, requires_grad=True) for _ in range(3))
-        grad = torch.randn(batch, heads, seq, dim, device=device)
-
-        def forward_and_backward(q=q, k=k, v=v, grad=grad):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-        samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters)])
-    return samples
 
 
 def _sharing(device: str, quick: bool) -> dict:

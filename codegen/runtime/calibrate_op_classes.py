@@ -1,0 +1,53 @@
+"""Microbenchmarks of the op classes the roofline prices apart from matmuls (``xirang calibrate``):
+the non-matmul FLOPs of a transformer and fused attention, each forward and backward, with the FLOPs
+the analysis counts for them (``passes/analysis/flops.py``), so the fitted rates (``Efficiency.other``,
+``Efficiency.attention``) and fixed costs (``Calibration.op_fixed_s``) price those ops as the planner
+sees them. ``codegen/runtime/calibrate.py`` runs them on every rank with its timer (``timed``: lock-step
+on ranks sharing cores) and ``calibrated_world`` fits them.
+"""
+from __future__ import annotations
+
+import torch
+
+from xirang.passes.analysis.flops import PER_ELEMENT
+
+# (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
+OTHER_SHAPES = ((128, 256), (256, 256), (512, 1024), (1024, 1024), (256, 2048))
+QUICK_OTHER_SHAPES = ((64, 128), (128, 256))
+# (batch, heads, seq, head dim) of the timed fused attention, causal as decoders train
+ATTENTION_SHAPES = ((1, 8, 128, 32), (2, 8, 128, 32), (2, 4, 256, 64), (1, 8, 512, 64))
+QUICK_ATTENTION_SHAPES = ((1, 2, 64, 32), (1, 2, 128, 32))
+
+
+def other_samples(device: str, quick: bool, timed, iters: int) -> list:
+    """[FLOPs, seconds] of a transformer's non-matmul work at each (rows, width): gelu, layer norm and
+    log-softmax, each forward and backward, FLOPs as the analysis counts them (``PER_ELEMENT``,
+    backward ≈ forward), so the rate prices those ops as the planner sees them."""
+    aten, samples = torch.ops.aten, []
+    per_element = 2 * (PER_ELEMENT["gelu"] + PER_ELEMENT["layer_norm"] + PER_ELEMENT["softmax"])
+    for rows, width in (QUICK_OTHER_SHAPES if quick else OTHER_SHAPES):
+        x = torch.randn(rows, width, device=device, requires_grad=True)
+        weight = torch.ones(width, device=device, requires_grad=True)
+        bias = torch.zeros(width, device=device, requires_grad=True)
+        grad = torch.randn(rows, width, device=device)
+
+        def forward_and_backward(x=x, weight=weight, bias=bias, grad=grad, width=width):
+            torch.autograd.backward(
+                [aten.gelu.default(x), aten.native_layer_norm.default(x, [width], weight, bias, 1e-5)[0],
+                 aten._log_softmax.default(x, -1, False)], [grad, grad, grad])
+        samples.append([float(per_element * rows * width), timed(forward_and_backward, device, iters)])
+    return samples
+
+
+def attention_samples(device: str, quick: bool, timed, iters: int) -> list:
+    """[FLOPs, seconds] of fused causal attention forward and backward at each (batch, heads, seq,
+    head dim): FLOPs as the analysis counts them (QKᵀ and AV in full, 4·B·H·s²·d, backward twice)."""
+    samples = []
+    for batch, heads, seq, dim in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
+        q, k, v = (torch.randn(batch, heads, seq, dim, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, heads, seq, dim, device=device)
+
+        def forward_and_backward(q=q, k=k, v=v, grad=grad):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters)])
+    return samples
