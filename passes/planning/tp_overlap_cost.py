@@ -76,8 +76,9 @@ def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
         flops = FLOPS.get(node, None)
         matmul = compute_time(_value(flops.forward, sizes) / tp, 0.0, device, plan.precision) if flops else 0.0
         producer = node.args[0]
+        # the lowering fuses a gather read by this linear alone (overlap_tp.fuse_gather_linear)
         if strategy.inputs[0].tp == Replicate() and _is_seq_shard(plan.placements.get(producer.name)) \
-                and len(producer.users) >= 1:
+                and len(producer.users) == 1:
             pairs.append(FusedPair(node.name, "all_gather", _nbytes(producer, sizes, plan), matmul))
         if strategy.outputs and isinstance(strategy.outputs[0].tp, Partial) and len(node.users) == 1:
             user = next(iter(node.users))
