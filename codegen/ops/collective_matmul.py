@@ -4,6 +4,7 @@ communication with dependent computation via decomposition"; PyTorch's async-TP 
 matmul" in torchtitan). Forward | backward:
 
     gather_linear          all-gather(x) -> linear        | matmul-reduce-scatter of grad x (and dW, db)
+    gather_linears         the same, x read by several linears (their weights stacked)
     linear_reduce_scatter  linear -> reduce-scatter       | all-gather-matmul of grad y (and dW, db)
 
 Both chunk along the sharded dim ``dim`` of the activation (the sequence under sequence parallelism),
@@ -206,6 +207,18 @@ def gather_linear(x, weight, bias, group, dim: int, *, chunks: int, full_size: O
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
     return GatherLinear.apply(x, weight, bias, dim, full_size, chunks, group, counter)
+
+
+def gather_linears(x, weights: tuple, biases: tuple, group, dim: int, *, chunks: int,
+                   full_size: Optional[int] = None, counter: Optional[CommCounter] = None) -> tuple:
+    """One gathered input read by several linears (q, k and v; gate and up): ``gather_linear`` of the
+    weights stacked along their output dim, split back per linear. Each output column is the same dot
+    product as in its own linear; the stacking is one copy of the weights per call."""
+    weight = torch.cat(weights)
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+    out = gather_linear(x, weight, bias, group, dim, chunks=chunks, full_size=full_size, counter=counter)
+    return out.split([w.shape[0] for w in weights], dim=-1)
 
 
 def linear_reduce_scatter(x, weight, bias, group, dim: int, *, chunks: int,

@@ -45,10 +45,10 @@ MIN_SAVING = 0.002  # of the predicted step: below it the chunked kernels' own c
 class FusedPair:
     """One linear and the sequence collective the lowering fuses with it (forward kind, full bytes)."""
 
-    linear: str
+    linear: str  # the (first) linear
     kind: str  # "all_gather" before the linear, "reduce_scatter" after it
     nbytes: float  # the collective's full buffer at the plan's sizes (the comm counter's convention)
-    matmul_seconds: float  # the linear's forward matmul on one tp rank
+    matmul_seconds: float  # the forward matmul on one tp rank (of every linear reading one gather)
 
 
 def _value(expr, sizes: dict) -> float:
@@ -64,29 +64,34 @@ def _is_seq_shard(strategy) -> bool:
 
 def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
     """The (linear, collective) pairs ``passes/lowering/overlap_tp.py`` fuses under ``plan``, priced at
-    one micro-batch of ``plan.micro_batch`` samples of ``seq`` tokens."""
+    one micro-batch of ``plan.micro_batch`` samples of ``seq`` tokens: a sequence shard gathered for
+    linears only (one gather, their matmuls together), a partial linear output reduce-scattered."""
     sizes = {"batch": plan.micro_batch, "seq": seq}
     device = plan.world.device_of(0)
-    tp = plan.mesh.tp
+
+    def matmul(node) -> float:
+        flops = FLOPS.get(node, None)
+        return compute_time(_value(flops.forward, sizes) / plan.mesh.tp, 0.0, device, plan.precision) if flops else 0.0
+
+    def column_parallel(node) -> bool:
+        strategy = plan.placements.get(node.name)
+        return node.target is LINEAR and strategy is not None and bool(strategy.inputs) \
+            and strategy.inputs[0].tp == Replicate()
     pairs = []
     for node in gm.graph.nodes:
+        readers = list(node.users)
+        if _is_seq_shard(plan.placements.get(node.name)) and readers and all(
+                column_parallel(user) and user.args[0] is node for user in readers):
+            pairs.append(FusedPair(readers[0].name, "all_gather", _nbytes(node, sizes, plan),
+                                   math.fsum(matmul(user) for user in readers)))
         strategy = plan.placements.get(node.name)
-        if node.target is not LINEAR or strategy is None or not strategy.inputs:
-            continue
-        flops = FLOPS.get(node, None)
-        matmul = compute_time(_value(flops.forward, sizes) / tp, 0.0, device, plan.precision) if flops else 0.0
-        producer = node.args[0]
-        # the lowering fuses a gather read by this linear alone (overlap_tp.fuse_gather_linear)
-        if strategy.inputs[0].tp == Replicate() and _is_seq_shard(plan.placements.get(producer.name)) \
-                and len(producer.users) == 1:
-            pairs.append(FusedPair(node.name, "all_gather", _nbytes(producer, sizes, plan), matmul))
-        if strategy.outputs and isinstance(strategy.outputs[0].tp, Partial) and len(node.users) == 1:
-            user = next(iter(node.users))
-            reads = plan.placements.get(user.name)
-            position = user.all_input_nodes.index(node) if reads is not None else None
+        if node.target is LINEAR and strategy is not None and strategy.outputs \
+                and isinstance(strategy.outputs[0].tp, Partial) and len(readers) == 1:
+            reads = plan.placements.get(readers[0].name)
+            position = readers[0].all_input_nodes.index(node)
             if reads is not None and position < len(reads.inputs) and isinstance(reads.inputs[position].tp, Shard) \
                     and reads.strategy.startswith("seq "):
-                pairs.append(FusedPair(node.name, "reduce_scatter", _nbytes(node, sizes, plan), matmul))
+                pairs.append(FusedPair(node.name, "reduce_scatter", _nbytes(node, sizes, plan), matmul(node)))
     return pairs
 
 

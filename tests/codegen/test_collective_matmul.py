@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xirang.codegen.ops.collective_matmul import chunk_bounds, gather_linear, linear_reduce_scatter
+from xirang.codegen.ops.collective_matmul import chunk_bounds, gather_linear, gather_linears, linear_reduce_scatter
 from xirang.codegen.ops.collectives import gather_summing_grad, reduce_scatter_to_group
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.launch import launch
@@ -47,6 +47,10 @@ def _compare(plain_fn, chunked_fn, tensors, seed):
     return _worst(want, got), _bytes_and_calls(plain), _bytes_and_calls(chunked)
 
 
+def _two_linears(gathered, w, v, b):
+    return torch.cat([F.linear(gathered, w, b), F.linear(gathered, v)], -1)
+
+
 def _rank_main(rank, world):
     group = dist.group.WORLD
     results = {}
@@ -63,6 +67,13 @@ def _rank_main(rank, world):
             lambda x, w, b, c: reduce_scatter_to_group(F.linear(x, w, b), group, 1, counter=c),
             lambda x, w, b, c, n=chunks: linear_reduce_scatter(x, w, b, group, 1, chunks=n, counter=c),
             (full, weight, bias), rank)
+    g = torch.Generator().manual_seed(7)
+    shard, weights = torch.randn(2, 3, 6, generator=g) + rank, (torch.randn(5, 6, generator=g), torch.randn(4, 6))
+    bias = torch.randn(5, generator=g)
+    results["two linears"] = _compare(  # one gather read by two linears (q and k), the second without bias
+        lambda x, w, v, b, c: _two_linears(gather_summing_grad(x, group, 1, counter=c), w, v, b),
+        lambda x, w, v, b, c: torch.cat(gather_linears(x, (w, v), (b, None), group, 1, chunks=2, counter=c), -1),
+        (shard, *weights, bias), rank)
     uneven = torch.randn(2, 2 * world + 1, 6)  # 5 rows on 2 ranks: padded, one reduce-scatter
     weight = torch.randn(5, 6)
     want = _grads(lambda x, w: reduce_scatter_to_group(F.linear(x, w), group, 1), (uneven, weight), 0)
@@ -85,6 +96,12 @@ def test_chunked_equals_unchunked_forward_and_backward(ranks, kind, rows, chunks
         assert bytes_ == plain_bytes, (rank, bytes_, plain_bytes)  # the same bytes per kind, forward + backward
         used = len(chunk_bounds(rows, chunks))
         assert calls == plain_calls * used and chunk_counts == [used], (calls, plain_calls, chunk_counts)
+
+
+def test_one_gather_for_several_linears(ranks):
+    for result in ranks:
+        worst, (plain_bytes, plain_calls, _), (bytes_, calls, _) = result["two linears"]
+        assert worst <= 1e-5 and bytes_ == plain_bytes and calls == 2 * plain_calls, result["two linears"]
 
 
 def test_uneven_rows_reduce_scatter_with_zero_padding(ranks):
