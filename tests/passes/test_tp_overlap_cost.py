@@ -1,11 +1,17 @@
 """Pricing of the chunked tp collective matmuls (passes/planning/tp_overlap_cost.py), by hand."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import torch
+
+import xirang
+from examples.gpt import GPTConfig, build_gpt
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.tp_overlap_cost import FusedPair, exposed_seconds, overlaps_compute
+from xirang.passes.planning.tp_overlap_cost import (CHUNK_CHOICES, MIN_SAVING, FusedPair, choose_tp_overlap,
+                                                    exposed_seconds, overlaps_compute, tp_overlap_saving)
 
 A100S = World.uniform(1, 8, "a100-80g")
 GROUP = tuple(range(8))
@@ -33,3 +39,23 @@ def test_no_matmul_to_hide_behind_costs_the_extra_latencies():
 def test_cpu_worlds_never_count_on_overlap():
     assert overlaps_compute(A100S)
     assert not overlaps_compute(World.uniform(1, 4, "cpu"))
+
+
+def test_the_planner_picks_it_on_a100s_and_not_on_cpus():
+    """A 2-layer GPT at hidden 4096, seq 4096 on 8 A100s at tp 8 with sp (planned on meta): chunking hides
+    part of the sequence collectives behind the matmuls, so xirang.plan sets tp_overlap and lowers its
+    prediction by it; the same plan on CPU devices (gloo shares their cores) is left without it."""
+    with torch.device("meta"):
+        model = build_gpt(GPTConfig(vocab_size=32000, seq_len=4096, hidden=4096, heads=32, layers=2))
+    tokens = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    report = xirang.analyze(model, example_kwargs={"input_ids": tokens, "labels": tokens})
+    plan = xirang.plan(model, world=8, example_kwargs={"input_ids": tokens, "labels": tokens}, global_batch=8,
+                       seq=4096, device="a100-80g", dp=1, tp=8, pp=1, micro_batch=1, sequence_parallel=True,
+                       analysed=report)
+    assert plan.tp_overlap in CHUNK_CHOICES, plan.predicted.notes
+    note = next(n for n in plan.predicted.notes if n.startswith("tp_overlap"))
+    saving = tp_overlap_saving(report.graph_module, plan, 4096, plan.tp_overlap)
+    assert saving > MIN_SAVING * plan.predicted.step_seconds and f"hide {saving:.4g} s" in note
+    off = dataclasses.replace(plan, tp_overlap=0, world=World.uniform(1, 8, "cpu"))
+    assert choose_tp_overlap(report.graph_module, off, 4096).tp_overlap == 0
+    assert choose_tp_overlap(report.graph_module, off, 4096, pinned=2).tp_overlap == 2  # a pin is obeyed
