@@ -26,7 +26,6 @@ from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch import launch
 from xirang.codegen.runtime.process_groups import build_mesh_groups
-from xirang.ir.errors import PlanError
 from xirang.lower import lower
 from xirang.passes.planning.plan_splits import SplitPricer
 
@@ -122,14 +121,3 @@ def test_tp_overlap_2x2x2_equals_single_device():
             plan = sequence_plan(name, 2, 2, 2, schedule, v, 65536)
             jobs.append((f"{name} 2x2x2 {schedule}", name, _overlapped(plan, 2)))
     _run(jobs, {"gpt": FUSED, "llama": ("gather_linears", "linear_reduce_scatter")})
-
-
-def test_tp_overlap_needs_sequence_parallel_and_tp():
-    plan = sequence_plan("gpt", 1, 2, 1, "1f1b", 1, 4096, "cpu", False)
-    assert _overlapped(plan, 4).tp_overlap == 4
-    with pytest.raises(PlanError, match="tp_overlap"):
-        _overlapped(plan, 1)
-    with pytest.raises(PlanError, match="sequence_parallel"):
-        dataclasses.replace(plan, sequence_parallel=False, tp_overlap=2)
-    round_trip = type(plan).from_json(_overlapped(plan, 2).to_json())
-    assert round_trip.tp_overlap == 2

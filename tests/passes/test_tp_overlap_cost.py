@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import pytest
 
 import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
+from xirang.ir.errors import PlanError
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import collective_cost
 from xirang.passes.planning.tp_overlap_cost import (CHUNK_CHOICES, MIN_SAVING, FusedPair, choose_tp_overlap,
@@ -41,10 +45,8 @@ def test_cpu_worlds_never_count_on_overlap():
     assert not overlaps_compute(World.uniform(1, 4, "cpu"))
 
 
-def test_the_planner_picks_it_on_a100s_and_not_on_cpus():
-    """A 2-layer GPT at hidden 4096, seq 4096 on 8 A100s at tp 8 with sp (planned on meta): chunking hides
-    part of the sequence collectives behind the matmuls, so xirang.plan sets tp_overlap and lowers its
-    prediction by it; the same plan on CPU devices (gloo shares their cores) is left without it."""
+@functools.lru_cache(maxsize=1)
+def _planned_on_a100s():
     with torch.device("meta"):
         model = build_gpt(GPTConfig(vocab_size=32000, seq_len=4096, hidden=4096, heads=32, layers=2))
     tokens = torch.zeros(1, 4096, dtype=torch.long, device="meta")
@@ -52,6 +54,18 @@ def test_the_planner_picks_it_on_a100s_and_not_on_cpus():
     plan = xirang.plan(model, world=8, example_kwargs={"input_ids": tokens, "labels": tokens}, global_batch=8,
                        seq=4096, device="a100-80g", dp=1, tp=8, pp=1, micro_batch=1, sequence_parallel=True,
                        analysed=report)
+    return report, plan
+
+
+def _plan_of_8():
+    return _planned_on_a100s()[1]
+
+
+def test_the_planner_picks_it_on_a100s_and_not_on_cpus():
+    """A 2-layer GPT at hidden 4096, seq 4096 on 8 A100s at tp 8 with sp (planned on meta): chunking hides
+    part of the sequence collectives behind the matmuls, so xirang.plan sets tp_overlap and lowers its
+    prediction by it; the same plan on CPU devices (gloo shares their cores) is left without it."""
+    report, plan = _planned_on_a100s()
     assert plan.tp_overlap in CHUNK_CHOICES, plan.predicted.notes
     note = next(n for n in plan.predicted.notes if n.startswith("tp_overlap"))
     saving = tp_overlap_saving(report.graph_module, plan, 4096, plan.tp_overlap)
@@ -59,3 +73,12 @@ def test_the_planner_picks_it_on_a100s_and_not_on_cpus():
     off = dataclasses.replace(plan, tp_overlap=0, world=World.uniform(1, 8, "cpu"))
     assert choose_tp_overlap(report.graph_module, off, 4096).tp_overlap == 0
     assert choose_tp_overlap(report.graph_module, off, 4096, pinned=2).tp_overlap == 2  # a pin is obeyed
+    assert type(plan).from_json(plan.to_json()) == plan  # the field round-trips
+
+
+def test_tp_overlap_needs_chunks_sequence_parallel_and_tp():
+    plan = dataclasses.replace(_plan_of_8(), tp_overlap=0)
+    with pytest.raises(PlanError, match="tp_overlap"):
+        dataclasses.replace(plan, tp_overlap=1)
+    with pytest.raises(PlanError, match="sequence_parallel"):
+        dataclasses.replace(plan, sequence_parallel=False, tp_overlap=2)
