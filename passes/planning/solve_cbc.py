@@ -58,11 +58,13 @@ class LinearProgram:
         entries: dict[str, list[str]] = {name: [] for name in columns}
         rows = ["*SENSE:Minimize\n", "NAME          MODEL\n", "ROWS\n", " N  OBJ\n"]
         rhs_lines = []
+        # the generated names have 8 characters or more, so PuLP's "%-8s" leaves them as they are
         for r, (sense, coefficients, rhs) in enumerate(self.rows):
             row = "C%07d" % r
             rows.append(f" {sense}  {row}\n")
             for name, value in coefficients.items():
-                entries[name].append("    %-8s  %-8s  % .12e\n" % (renamed[name], row, value))
+                text = _UNIT_TEXT.get(value) or "% .12e" % value
+                entries[name].append(f"    {renamed[name]}  {row}  {text}\n")
             rhs_lines.append("    RHS       %-8s  % .12e\n" % (row, rhs if rhs != 0 else 0))
         objective = self.objective or {_DUMMY: 1}
         lines, bounds = rows + ["COLUMNS\n"], []
@@ -83,6 +85,8 @@ class LinearProgram:
 
 
 _DUMMY = "__dummy"  # PuLP's stand-in column for an objective without columns
+# nearly every coefficient is 1 or -1 (the one-strategy and marginal rows): their "% .12e" text, once
+_UNIT_TEXT = {1: "% .12e" % 1, -1: "% .12e" % -1}
 
 # Skip CBC's integer preprocessing, root cuts and primal heuristics: the split ILPs' LP relaxation is
 # already integral at the root (the local polytope, see solve_splits), so they only cost time (~40% of
