@@ -42,7 +42,8 @@ from xirang.ir.world import World
 
 # (m, k, n) of the timed matmuls: activations (micro-batch x seq rows) times weight shards of hidden
 # 256..1024 models, the sizes CPU development runs train at; --quick keeps two small ones.
-MATMUL_SHAPES = ((128, 256, 768), (512, 256, 256), (512, 256, 1024), (1024, 1024, 256), (2048, 256, 768))
+MATMUL_SHAPES = ((128, 256, 256), (128, 256, 768), (128, 1024, 256), (256, 256, 1024), (512, 256, 1024),
+                 (1024, 1024, 256), (2048, 256, 768))
 QUICK_MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256))
 ELEMENTWISE_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # float32 elements
 QUICK_ELEMENTWISE_SIZES = (1 << 14, 1 << 17)
