@@ -75,7 +75,7 @@ def _median_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 
     return statistics.median(times)
 
 
-LOCKSTEP_WINDOW_S = 0.05  # each lock-step window holds at least this much work, well above the barriers' noise
+LOCKSTEP_WINDOW_S = 0.2  # each lock-step window holds at least this much work, well above the barriers' noise
 QUICK_LOCKSTEP_WINDOW_S = 0.005  # --quick: rough figures in seconds
 
 
