@@ -54,7 +54,15 @@ def sequence_plan(name: str, dp: int, tp: int, pp: int, schedule: str, v: int = 
     return dataclasses.replace(plan, placements=placements)
 
 
-def _rank_main(rank, world, jobs):
+def tp_records(counter, tp: int) -> list:
+    """The tp collectives a counter saw (the dp buckets and tied sums are comm_check's)."""
+    return [record for record in counter.records
+            if record.group_size == tp and not record.label.startswith(("bucket:", "tied:"))]
+
+
+def run_lowered(rank: int, jobs, measure) -> dict:
+    """Each (label, model name, plan) of ``jobs`` lowered for ``rank`` and trained ``STEPS`` steps:
+    ``compiled_run``'s results, the program's code, and ``measure(counter, plan)``'s entries."""
     results, traced = {}, {}
     for label, name, plan in jobs:
         if name not in traced:
@@ -64,12 +72,19 @@ def _rank_main(rank, world, jobs):
         compiled = CompiledModel(build(name), plan, program, groups=build_mesh_groups(plan.mesh), counter=counter)
         results[label] = compiled_run(compiled, batch, STEPS)
         results[label]["code"] = compiled.code()
-        tp_bytes = {}  # the tp collectives of the STEPS steps (the dp buckets and tied sums are comm_check's)
-        for record in counter.records:
-            if record.group_size == plan.mesh.tp and not record.label.startswith(("bucket:", "tied:")):
-                tp_bytes[record.kind] = tp_bytes.get(record.kind, 0) + record.nbytes
-        results[label]["tp_bytes_per_step"] = {kind: total / STEPS for kind, total in tp_bytes.items()}
+        results[label].update(measure(counter, plan))
     return results
+
+
+def _tp_bytes_per_step(counter, plan) -> dict:
+    tp_bytes = Counter()
+    for record in tp_records(counter, plan.mesh.tp):
+        tp_bytes[record.kind] += record.nbytes
+    return {"tp_bytes_per_step": {kind: total / STEPS for kind, total in tp_bytes.items()}}
+
+
+def _rank_main(rank, world, jobs):
+    return run_lowered(rank, jobs, _tp_bytes_per_step)
 
 
 def _run(configs, wanted_kinds=("gather", "scatter_to_group")):

@@ -19,42 +19,27 @@ from collections import Counter
 import pytest
 
 import xirang
-from tests.codegen.single_device import compiled_run, worst_differences
+from tests.codegen.single_device import worst_differences
 from tests.codegen.test_3d import STEPS, TOLERANCE, batch, build, reference
-from tests.codegen.test_sequence_parallel import sequence_plan
-from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.compiled_model import CompiledModel
+from tests.codegen.test_sequence_parallel import run_lowered, sequence_plan, tp_records
 from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
-from xirang.lower import lower
 from xirang.passes.planning.plan_splits import SplitPricer
 
 FUSED = ("gather_linear", "linear_reduce_scatter")
 
 
-def _tp_calls(counter, tp):
+def _tp_calls(counter, plan) -> dict:
     """{kind: bytes}, {kind: calls}, {chunks seen} of the tp collectives (not dp buckets, tied sums)."""
     nbytes, calls, chunks = Counter(), Counter(), set()
-    for record in counter.records:
-        if record.group_size == tp and not record.label.startswith(("bucket:", "tied:")):
-            nbytes[record.kind] += record.nbytes
-            calls[record.kind] += 1
-            chunks.add(record.chunks)
-    return dict(nbytes), dict(calls), chunks
+    for record in tp_records(counter, plan.mesh.tp):
+        nbytes[record.kind] += record.nbytes
+        calls[record.kind] += 1
+        chunks.add(record.chunks)
+    return {"tp_calls": (dict(nbytes), dict(calls), chunks)}
 
 
 def _rank_main(rank, world, jobs):
-    results, traced = {}, {}
-    for label, name, plan in jobs:
-        if name not in traced:
-            traced[name] = xirang.analyze(build(name), example_kwargs=batch(0, 2)).graph_module
-        program = lower(traced[name], plan, rank=rank).program
-        counter = CommCounter()
-        compiled = CompiledModel(build(name), plan, program, groups=build_mesh_groups(plan.mesh), counter=counter)
-        results[label] = compiled_run(compiled, batch, STEPS)
-        results[label]["code"] = compiled.code()
-        results[label]["tp_calls"] = _tp_calls(counter, plan.mesh.tp)
-    return results
+    return run_lowered(rank, jobs, _tp_calls)
 
 
 def _run(jobs, fused_kinds=FUSED):
