@@ -27,14 +27,15 @@ import dataclasses
 import math
 from typing import Optional
 
-import sympy
 import torch
 
 from xirang.ir.errors import XirangError
+from xirang.ir.facts import evaluate
 from xirang.ir.meta_keys import FLOPS, TENSOR
 from xirang.ir.placement import Partial, Replicate, Shard
 from xirang.passes.planning.cost_collectives import collective_cost
 from xirang.passes.planning.cost_model import compute_time, exposed_prefetched_gathers
+from xirang.passes.planning.plan_splits_costs import FLOAT_BYTES
 
 LINEAR = torch.ops.aten.linear.default
 CHUNK_CHOICES = (2, 4, 8)
@@ -51,12 +52,6 @@ class FusedPair:
     matmul_seconds: float  # the forward matmul on one tp rank (of every linear reading one gather)
 
 
-def _value(expr, sizes: dict) -> float:
-    if not isinstance(expr, sympy.Basic):
-        return float(expr)
-    return float(expr.subs({symbol: sizes[symbol.name] for symbol in expr.free_symbols}))
-
-
 def _is_seq_shard(strategy) -> bool:
     return strategy is not None and strategy.strategy.startswith("seq ") and bool(strategy.outputs) \
         and isinstance(strategy.outputs[0].tp, Shard)
@@ -71,7 +66,9 @@ def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
 
     def matmul(node) -> float:
         flops = FLOPS.get(node, None)
-        return compute_time(_value(flops.forward, sizes) / plan.mesh.tp, 0.0, device, plan.precision) if flops else 0.0
+        if flops is None:
+            return 0.0
+        return compute_time(evaluate(flops.forward, sizes) / plan.mesh.tp, 0.0, device, plan.precision)
 
     def column_parallel(node) -> bool:
         strategy = plan.placements.get(node.name)
@@ -96,9 +93,7 @@ def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
 
 
 def _nbytes(node, sizes: dict, plan) -> float:
-    info = TENSOR.get(node)
-    itemsize = 4 if plan.precision == "fp32" else 2
-    return _value(info.numel, sizes) * itemsize
+    return evaluate(TENSOR.get(node).numel, sizes) * FLOAT_BYTES[plan.precision]
 
 
 def exposed_seconds(pair: FusedPair, chunks: int, group: tuple, world) -> tuple[float, float]:
