@@ -51,8 +51,8 @@ from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from xirang.ir.device import Efficiency, device_spec  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 from xirang.passes.planning.cost_collectives import collective_cost  # noqa: E402
-from xirang.passes.planning.cost_model import (blocking_1f1b_stage_ends, megatron_flops,  # noqa: E402
-                                               optimizer_step_seconds)
+from xirang.passes.planning.cost_model import (blocking_1f1b_stage_ends, compute_time,  # noqa: E402
+                                               megatron_flops, optimizer_step_seconds)
 from xirang.passes.planning.plan_splits import SplitPricer  # noqa: E402
 from xirang.reprice import stage_predictions  # noqa: E402
 
@@ -60,6 +60,13 @@ RUNS = Path(__file__).with_name("published_runs.json")
 GPUS_PER_NODE = 8  # DGX A100, DGX H100 and Grand Teton nodes alike
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # gradient elements per all-reduce (DeepSpeed MEMORY_OPT_ALLREDUCE_SIZE)
 GRAD_BYTES = 2  # 16-bit gradients all-reduced (DeepSpeed's default: allreduce_always_fp32 off)
+# allreduce_bucket's passes over each 16-bit gradient element besides the all-reduce: flattened into one
+# buffer (read + write), divided by dp in place (read + write), copied back to the gradients (read + write)
+DEEPSPEED_BUCKET_COPY_BYTES = 3 * 2 * GRAD_BYTES
+# Bytes through memory per byte PartitionedTensor.full() gathers, besides the all-gather: the flat buffer
+# zero-filled (1), the collective's flat output copied into the list of views it was given (read + write:
+# torch's NCCL all_gather of a tensor list), the result cloned (read + write)
+DEEPSPEED_FULL_COPY_FACTOR = 1 + 2 + 2
 
 
 def load_rows(path: Path = RUNS) -> list[dict]:
@@ -155,13 +162,21 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     units' compute and tp collectives, the backward with recompute). With tp > 1 the engine partitions
     what crosses a cut over the tp group (its ``is_pipe_partitioned`` / ``is_grad_partitioned``,
     PartitionedTensor): each tp rank sends 1/tp of the activation or gradient to its peer on the other
-    stage, and the receiver all-gathers it on its tp group before the forward or backward that reads it
-    (priced into that forward or backward). ``blocking_1f1b_stage_ends`` gives when each stage ends its
-    last backward; after it, one after another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
-    DeepSpeed's ReduceTiedGrads), the all-reduce of its 16-bit gradients on its dp group in buckets of
-    ``DEEPSPEED_BUCKET_ELEMENTS`` (ReduceGrads, not overlapped), and the Adam step over its parameters
-    (OptimizerStep). The step is the latest stage's end. Terms: compute and tp as the plan's; p2p the
-    schedule's end with transfers and gathers less without; dp the latest stage's tail; bubble the rest."""
+    stage, and the receiver all-gathers it on its tp group before the forward or backward that reads it;
+    the sender keeps only its 1/tp of the output it sent and all-gathers it back before that output's
+    backward (``_exec_backward_pass``: ``part_output.full()``). Each gather (``PartitionedTensor.full``)
+    also copies what it gathers ``DEEPSPEED_FULL_COPY_FACTOR`` times through memory; it is priced into
+    the forward or backward that waits for it. ``blocking_1f1b_stage_ends`` gives when each stage ends its last
+    backward; after it, one after another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
+    DeepSpeed's ReduceTiedGrads) and ReduceGrads: its 16-bit gradients in buckets of
+    ``DEEPSPEED_BUCKET_ELEMENTS``, each flattened into one buffer, divided by dp, all-reduced on the dp
+    group and copied back (``allreduce_bucket``: ``DEEPSPEED_BUCKET_COPY_BYTES`` per element through
+    memory). OptimizerStep then starts on every stage together: its overflow check and gradient norm
+    all-reduce one scalar each on the dp group and on the whole pipeline's model-parallel group (every
+    stage and tp rank of the replica: ``ds_model_proc_group``), so the slowest stage's ReduceGrads sets
+    their start; then the Adam step over the stage's parameters (``cost_model.optimizer_step_seconds``).
+    Terms: compute and tp as the plan's; p2p the schedule's end with transfers and gathers less without;
+    dp the tail after the latest stage's last backward; bubble the rest."""
     mesh, m = plan.mesh, plan.num_micro_batches
     split = SplitPricer(report.graph_module, world, precision=plan.precision).price(
         mesh.tp, tuple(range(mesh.tp)), plan.micro_batch, seq, sequence_parallel=bool(plan.sequence_parallel))
@@ -171,27 +186,35 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     transfer = [collective_cost("send", nbytes / mesh.tp, (leads[s], leads[s + 1]), world).seconds
                 for s, nbytes in enumerate(cut)]
     quiet = max(blocking_1f1b_stage_ends(forward, backward, [0.0] * len(transfer), m))
-    for s, nbytes in enumerate(cut):  # the receiver's all-gather of the partitioned activation / gradient
-        forward[s + 1] += collective_cost("all_gather", nbytes, mesh.group("tp", leads[s + 1]), world).seconds
-        backward[s] += collective_cost("all_gather", nbytes, mesh.group("tp", leads[s]), world).seconds
+    device = world.nodes[0].device
+
+    def full(nbytes: float, stage: int) -> float:  # PartitionedTensor.full(): the gather and its copies
+        return (collective_cost("all_gather", nbytes, mesh.group("tp", leads[stage]), world).seconds
+                + compute_time(0.0, nbytes * DEEPSPEED_FULL_COPY_FACTOR, device, "fp32", is_matmul=False))
+    for s, nbytes in enumerate(cut):  # the activation gathered by its receiver; the output and gradient by s
+        forward[s + 1] += full(nbytes, s + 1)
+        backward[s] += 2 * full(nbytes, s)
     ends = blocking_1f1b_stage_ends(forward, backward, transfer, m)
     tied = plan.predicted.breakdown.get("tied_sum", 0.0)
-    device = world.nodes[0].device
-    tails = []
+    reduced, steps = [], []
     for s, (start, stop) in enumerate(bounds):
         params = sum(u.params_local for u in split.units[start:stop])
         full, rest = divmod(params, DEEPSPEED_BUCKET_ELEMENTS)
         group = mesh.group("dp", leads[s])
         sync = full * collective_cost("all_reduce", DEEPSPEED_BUCKET_ELEMENTS * GRAD_BYTES, group, world).seconds + (
             collective_cost("all_reduce", rest * GRAD_BYTES, group, world).seconds if rest else 0.0)
-        tails.append((tied if s in (0, mesh.pp - 1) else 0.0) + sync + optimizer_step_seconds(params, device))
-    last = max(range(mesh.pp), key=lambda s: ends[s] + tails[s])
-    step = ends[last] + tails[last]
+        copies = compute_time(0.0, params * DEEPSPEED_BUCKET_COPY_BYTES, device, "fp32", is_matmul=False)
+        reduced.append(ends[s] + (tied if s in (0, mesh.pp - 1) else 0.0) + sync + copies)
+        steps.append(optimizer_step_seconds(params, device))
+    replica = tuple(mesh.rank_of(dp=0, pp=s, tp=t) for s in range(mesh.pp) for t in range(mesh.tp))
+    scalars = 2 * (collective_cost("all_reduce", 4, mesh.group("dp", leads[0]), world).seconds
+                   + collective_cost("all_reduce", 4, replica, world).seconds)
+    step = max(reduced) + scalars + max(steps)
     planned = plan.predicted.breakdown
     compute, tp = planned["compute"], planned["tp_comm"]
-    p2p = max(ends) - quiet
-    return {"step": step, "compute": compute, "tp_comm": tp, "pp_p2p": p2p, "dp_exposed": tails[last],
-            "pp_bubble": step - compute - tp - p2p - tails[last], "offload": 0.0}
+    p2p, tail = max(ends) - quiet, step - max(ends)
+    return {"step": step, "compute": compute, "tp_comm": tp, "pp_p2p": p2p, "dp_exposed": tail,
+            "pp_bubble": step - compute - tp - p2p - tail, "offload": 0.0}
 
 
 def describe(plan) -> str:

@@ -43,17 +43,20 @@ def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str, *,
                nbytes / (device.memory_bandwidth * efficiency.memory))
 
 
-# Bytes per parameter one mixed-precision Adam step moves through device memory, as DeepSpeed's fp16
-# optimizer runs it over flat buffers: 16-bit gradients read and written to fp32 (2 + 4), the gradient
-# norm read (4), fused Adam reading master weight, m, v and gradient and writing the first three
-# (16 + 12), the fp32 master copied to the 16-bit weights (4 + 2).
-ADAM_STEP_BYTES_PER_PARAM = 2 + 4 + 4 + 16 + 12 + 4 + 2
+# Bytes per parameter one mixed-precision Adam step moves through device memory, pass by pass as
+# DeepSpeed's FP16_Optimizer.step runs it (deepspeed/runtime/fp16/fused_optimizer.py, 2021): the overflow
+# check reads each 16-bit gradient, copies it to fp32 and sums that (CheckOverflow._has_inf_or_nan:
+# 2 + 4 + 4); the gradients are cast to fp32 and concatenated into one flat buffer (2 + 4, 4 + 4); the
+# gradient norm reads it (4); unscale-and-clip multiplies it in place (4 + 4); fused Adam reads master
+# weight, m, v and gradient and writes the first three (16 + 12); the fp32 master is copied to the
+# 16-bit weights (4 + 2).
+ADAM_STEP_BYTES_PER_PARAM = (2 + 4 + 4) + (2 + 4 + 4 + 4) + 4 + (4 + 4) + (16 + 12) + (4 + 2)
 
 
 def optimizer_step_seconds(params: float, device: DeviceSpec) -> float:
     """A memory-bound Adam step over ``params`` local parameters: ``ADAM_STEP_BYTES_PER_PARAM`` per
     parameter at the device's achievable memory bandwidth. 1.9e9 parameters on an A100-80GB
-    (2.039 TB/s x 0.35): 1.9e9 x 44 / 7.14e11 = 0.117 s."""
+    (2.039 TB/s x 0.35): 1.9e9 x 70 / 7.14e11 = 0.186 s."""
     return compute_time(0.0, params * ADAM_STEP_BYTES_PER_PARAM, device, "fp32", is_matmul=False)
 
 
