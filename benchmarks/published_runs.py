@@ -26,9 +26,13 @@ Framework: the planner prices Xirang's own runtime (non-blocking isend/irecv bet
 buckets all-reduced while the backward runs). A row with ``"framework": "deepspeed_pipe"`` ran
 DeepSpeed's PipelineEngine instead, which does neither: its step is priced from the plan's own stage
 times by ``deepspeed_pipe_step`` (module below): the engine's schedule with blocking, one-after-the-
-other sends (``cost_model.blocking_1f1b_stage_ends``), then on each stage the tied-embedding sum, the
-dp all-reduce of its gradients (DeepSpeed's buckets of 5e8 elements, after the last backward) and the
-Adam step (``cost_model.optimizer_step_seconds``), which the planner does not price for any row.
+other sends (``cost_model.blocking_1f1b_stage_ends``) and the tp all-gathers (with their copies) of what
+crosses a cut, then on each stage the tied-embedding sum and the dp all-reduce of its gradients
+(DeepSpeed's buckets of 5e8 elements, after the last backward, with the bucket's copies), then on every
+stage together the Adam step (``cost_model.optimizer_step_seconds``, the pass-by-pass bytes of
+DeepSpeed's FP16_Optimizer), which the planner does not price for any row. Read from the code of the
+time (microsoft/DeepSpeed 0457bb1c, September 2021: runtime/pipe/engine.py, fp16/fused_optimizer.py,
+utils.py; microsoft/Megatron-DeepSpeed ec166f1c: GPTModelPipe).
 
     python benchmarks/published_runs.py [--rows ID,ID] [--json out.json]
 """
