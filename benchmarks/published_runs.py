@@ -67,6 +67,10 @@ GRAD_BYTES = 2  # 16-bit gradients all-reduced (DeepSpeed's default: allreduce_a
 # allreduce_bucket's passes over each 16-bit gradient element besides the all-reduce: flattened into one
 # buffer (read + write), divided by dp in place (read + write), copied back to the gradients (read + write)
 DEEPSPEED_BUCKET_COPY_BYTES = 3 * 2 * GRAD_BYTES
+# Gradient accumulation over micro-batches: the engine leaves the 16-bit gradients in each parameter's
+# .grad until ReduceGrads, so every backward's weight gradient is added into it by autograd's
+# AccumulateGrad, in place: the old .grad and the new gradient read, the sum written, per parameter
+GRAD_ACCUMULATE_BYTES = 3 * GRAD_BYTES
 # Bytes through memory per byte PartitionedTensor.full() gathers, besides the all-gather: the flat buffer
 # zero-filled (1), the collective's flat output copied into the list of views it was given (read + write:
 # torch's NCCL all_gather of a tensor list), the result cloned (read + write)
@@ -170,8 +174,11 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     the sender keeps only its 1/tp of the output it sent and all-gathers it back before that output's
     backward (``_exec_backward_pass``: ``part_output.full()``). Each gather (``PartitionedTensor.full``)
     also copies what it gathers ``DEEPSPEED_FULL_COPY_FACTOR`` times through memory; it is priced into
-    the forward or backward that waits for it. ``blocking_1f1b_stage_ends`` gives when each stage ends its last
-    backward; after it, one after another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
+    the forward or backward that waits for it. Every backward also adds the stage's weight gradients into
+    their 16-bit ``.grad`` (``GRAD_ACCUMULATE_BYTES`` per parameter; the first micro-batch's backward,
+    which only stores them, is priced the same: one addition per stage, 16 ms on an MT-NLG stage).
+    ``blocking_1f1b_stage_ends`` gives when each stage ends its last backward; after it, one after
+    another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
     DeepSpeed's ReduceTiedGrads) and ReduceGrads: its 16-bit gradients in buckets of
     ``DEEPSPEED_BUCKET_ELEMENTS``, each flattened into one buffer, divided by dp, all-reduced on the dp
     group and copied back (``allreduce_bucket``: ``DEEPSPEED_BUCKET_COPY_BYTES`` per element through
@@ -189,8 +196,12 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     cut = [split.units[stop - 1].cut_bytes_after for _, stop in bounds[:-1]]
     transfer = [collective_cost("send", nbytes / mesh.tp, (leads[s], leads[s + 1]), world).seconds
                 for s, nbytes in enumerate(cut)]
-    quiet = max(blocking_1f1b_stage_ends(forward, backward, [0.0] * len(transfer), m))
     device = world.nodes[0].device
+    params = [sum(u.params_local for u in split.units[start:stop]) for start, stop in bounds]
+    accumulate = [compute_time(0.0, count * GRAD_ACCUMULATE_BYTES, device, "fp32", is_matmul=False)
+                  for count in params]  # autograd adding each backward's weight gradients into .grad
+    backward = [b + a for b, a in zip(backward, accumulate)]
+    quiet = max(blocking_1f1b_stage_ends(forward, backward, [0.0] * len(transfer), m))
 
     def full(nbytes: float, stage: int) -> float:  # PartitionedTensor.full(): the gather and its copies
         return (collective_cost("all_gather", nbytes, mesh.group("tp", leads[stage]), world).seconds
@@ -201,21 +212,20 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     ends = blocking_1f1b_stage_ends(forward, backward, transfer, m)
     tied = plan.predicted.breakdown.get("tied_sum", 0.0)
     reduced, steps = [], []
-    for s, (start, stop) in enumerate(bounds):
-        params = sum(u.params_local for u in split.units[start:stop])
-        full, rest = divmod(params, DEEPSPEED_BUCKET_ELEMENTS)
+    for s, count in enumerate(params):
+        buckets, rest = divmod(count, DEEPSPEED_BUCKET_ELEMENTS)
         group = mesh.group("dp", leads[s])
-        sync = full * collective_cost("all_reduce", DEEPSPEED_BUCKET_ELEMENTS * GRAD_BYTES, group, world).seconds + (
+        sync = buckets * collective_cost("all_reduce", DEEPSPEED_BUCKET_ELEMENTS * GRAD_BYTES, group, world).seconds + (
             collective_cost("all_reduce", rest * GRAD_BYTES, group, world).seconds if rest else 0.0)
-        copies = compute_time(0.0, params * DEEPSPEED_BUCKET_COPY_BYTES, device, "fp32", is_matmul=False)
+        copies = compute_time(0.0, count * DEEPSPEED_BUCKET_COPY_BYTES, device, "fp32", is_matmul=False)
         reduced.append(ends[s] + (tied if s in (0, mesh.pp - 1) else 0.0) + sync + copies)
-        steps.append(optimizer_step_seconds(params, device))
+        steps.append(optimizer_step_seconds(count, device))
     replica = tuple(mesh.rank_of(dp=0, pp=s, tp=t) for s in range(mesh.pp) for t in range(mesh.tp))
     scalars = 2 * (collective_cost("all_reduce", 4, mesh.group("dp", leads[0]), world).seconds
                    + collective_cost("all_reduce", 4, replica, world).seconds)
     step = max(reduced) + scalars + max(steps)
     planned = plan.predicted.breakdown
-    compute, tp = planned["compute"], planned["tp_comm"]
+    compute, tp = planned["compute"] + m * max(accumulate), planned["tp_comm"]
     p2p, tail = max(ends) - quiet, step - max(ends)
     return {"step": step, "compute": compute, "tp_comm": tp, "pp_p2p": p2p, "dp_exposed": tail,
             "pp_bubble": step - compute - tp - p2p - tail, "offload": 0.0}
