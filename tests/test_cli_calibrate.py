@@ -25,3 +25,8 @@ def test_calibrate_quick_on_two_ranks_writes_a_world_the_planner_reads(tmp_path,
     assert 0 < device.efficiency.other <= 1 and 0 < device.efficiency.attention <= 1
     assert world.calibration.raw["other_flops"]["samples"] and world.calibration.raw["attention"]["samples"]
     assert set(world.calibration.op_fixed_s) == {"matmul", "other", "attention"}
+    # CPU ranks share cores: both workloads were timed alone and together (calibrate_sharing)
+    sharing = world.calibration.raw["sharing"]
+    for timed in (sharing, sharing["training"]):
+        assert timed["alone_s"] > 0 and timed["together_s"] > 0
+    assert 0 < world.calibration.parallel_ranks <= 2

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.codegen.runtime.calibrate_op_classes import attention_samples, other_samples
+from xirang.codegen.runtime.calibrate_sharing import measure_sharing
 from xirang.codegen.runtime.calibrated_world import calibrated_world
 from xirang.ir.calibration import COLLECTIVE_KINDS
 from xirang.ir.errors import XirangError
@@ -168,61 +169,6 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
     return out
 
 
-def _sharing(device: str, quick: bool) -> dict:
-    """How many ranks run at full speed at once: a fixed training-like batch of work (matmuls and a
-    chain of tiny ops) timed on rank 0 alone (the others blocked in a barrier), then on every rank at
-    once (wall time between two barriers, less the median of an empty pair of barriers: on ranks
-    sharing cores a barrier's own latency is tens of milliseconds and varies from round to round, so
-    left in, it reads as ranks running slower together). N ranks sharing k cores take N/k times as long together,
-    so k = N · alone / together (k <= N). k may fall below 1: on a machine other processes load, or
-    where switching among more ranks than cores costs time of its own, N ranks together take longer
-    than N times one alone; k is then the effective share of a core the job gets."""
-    aten, rank = torch.ops.aten, dist.get_rank()
-    m, k, n = (QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES)[1]
-    a, b, tiny = torch.randn(m, k, device=device), torch.randn(k, n, device=device), torch.ones(8, device=device)
-
-    def work():
-        for _ in range(2 if quick else 16):
-            aten.mm.default(a, b)
-        z = tiny
-        for _ in range(TINY_OPS):
-            z = aten.mul.Tensor(z, 1.0001)
-        _sync(device)
-    work()  # warm-up
-    alone, together, empty, beside_waiters = [], [], [], []
-    token = torch.zeros(1, device=device)
-    for _ in range(2 if quick else 6):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.barrier()
-        empty.append(time.perf_counter() - start)
-        dist.barrier()
-        if rank == 0:
-            start = time.perf_counter()
-            work()
-            alone.append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        work()
-        dist.barrier()  # the last rank to finish ends the round
-        together.append(time.perf_counter() - start)
-        # rank 0 alone again, the others waiting in an irecv as a pipeline rank waits for its input
-        # (p2p.py): if waiting costs CPU, rank 0 is slowed (``waiting_share``)
-        dist.barrier()
-        if rank == 0:
-            start = time.perf_counter()
-            work()
-            beside_waiters.append(time.perf_counter() - start)
-            for peer in range(1, dist.get_world_size()):
-                dist.isend(token, dst=peer).wait()
-        else:
-            dist.irecv(token, src=0).wait()
-    together_s = max(statistics.median(together) - statistics.median(empty), 1e-9)
-    return {"alone_s": statistics.median(alone) if alone else 0.0, "together_s": together_s,
-            "barrier_s": statistics.median(empty),
-            "beside_waiters_s": statistics.median(beside_waiters) if beside_waiters else 0.0}
-
-
 def group_sizes(world_size: int) -> list[int]:
     """Group sizes measured: 2, 4, 8, ... dividing ``world_size``, and ``world_size`` itself."""
     sizes, size = [], 2
@@ -343,11 +289,11 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
         device = f"cuda:{torch.cuda.current_device()}"
     dist.barrier()
     # ranks sharing cores measure compute in lock-step (every rank busy, as in training; out of step
-    # the samples would mix phases of different load); ``_sharing`` says how the cores are shared
+    # the samples would mix phases of different load); ``measure_sharing`` says how the cores are shared
     shared = world_size > 1 and not device.startswith("cuda")
     compute = _compute_samples(device, quick, lockstep=shared)
     dist.barrier()
-    sharing = _sharing(device, quick) if shared else None
+    sharing = measure_sharing(device, quick, lambda: _sync(device)) if shared else None
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
     collectives = _collective_samples(device, quick, in_context=sharing is not None) if world_size > 1 else {}
     return {"rank": rank, "threads": torch.get_num_threads(), "compute": compute, "sharing": sharing,

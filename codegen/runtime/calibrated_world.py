@@ -7,9 +7,11 @@
   derating. Non-matmul FLOPs and fused attention were timed too: their efficiencies are their
   measured rates over the matmul's (a CPU core runs gelu or a layer norm at a few percent of its
   matmul rate, and its flash-attention kernel at about half), files written before had none.
-- Ranks sharing cores: ``parallel_ranks`` k = N · alone / together (how many ranks compute at full
-  speed at once), ``waiting_share`` where between "a waiting rank costs nothing" and "as much as a busy
-  one" the pipeline's waiting ranks are.
+- Ranks sharing cores: ``parallel_ranks`` k = N · alone / together of a training-like workload (how
+  many ranks compute at full speed at once; ``calibrate_sharing``), ``waiting_share`` where between "a
+  waiting rank costs nothing" and "as much as a busy one" the pipeline's waiting ranks are. Ranks that
+  train share cores worse than the lock-step microbenchmarks (small working sets) show, so every
+  compute rate and fixed cost is slowed by k_micro / k_training where that exceeds 1.
 - Collectives: one alpha-beta line per kind and group size (``CollectiveFit``), from the slowest rank
   of each sample back to back, or from the mean rank where each call followed a chunk of work (the
   compute price already puts that work at the mean rank's).
@@ -56,11 +58,20 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     ranks = len(results)
     raw: dict = {"threads_per_rank": results[0]["threads"], "cpu_count": os.cpu_count()}
     compute, sharing = results[0]["compute"], results[0]["sharing"]
-    # N ranks on k cores (``_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
-    parallel, waiting = float(ranks), 0.0
+    # N ranks on k cores (``calibrate_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
+    parallel, waiting, slowdown = float(ranks), 0.0, 1.0
     if sharing is not None and sharing["together_s"] > 0:
-        parallel = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
+        micro = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
+        parallel = micro
         raw["sharing"] = dict(sharing)
+        training = sharing.get("training")
+        if training and training["together_s"] > 0 and training["alone_s"] > 0:
+            # ranks that train share the cores worse than the lock-step microbenchmarks show (their
+            # working sets evict each other's); the rates are slowed to what training gets, never sped up
+            parallel = min(float(ranks), ranks * training["alone_s"] / training["together_s"])
+            slowdown = max(1.0, micro / parallel)
+            raw["training_slowdown"] = slowdown
+            sharing = training
         # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and
         # "as much as a busy one" (as slow as with every rank busy) the pipeline's waiting ranks are
         spread = sharing["together_s"] - sharing["alone_s"]
@@ -87,6 +98,10 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         rate, raw["attention"] = _rate(compute["attention"], "fused attention")
         attention = min(1.0, rate / peaks["float32"])
         fixed["attention"] = max(0.0, raw["attention"]["intercept_s"] - op_forward - 3 * op_backward)
+    if slowdown > 1.0:  # every compute figure at what ranks that train get (the classes' ratios stay)
+        peaks = {dtype: rate / slowdown for dtype, rate in peaks.items()}
+        bandwidth, op_forward, op_backward = bandwidth / slowdown, op_forward * slowdown, op_backward * slowdown
+        fixed = {name: seconds * slowdown for name, seconds in fixed.items()}
     raw["collectives_in_context"] = sharing is not None
     raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
                    "share cores)")

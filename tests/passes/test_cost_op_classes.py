@@ -132,3 +132,40 @@ def test_calibrated_world_takes_each_class_rate_and_fixed_cost_from_its_line():
     assert fixed["matmul"] == pytest.approx(1e-3 - 3e-5)  # less three products' dispatch
     assert fixed["other"] == pytest.approx(2e-4 - 1e-5 - 2e-5)  # a third of it, less one op forward and backward
     assert fixed["attention"] == pytest.approx(2e-3 - 1e-5 - 3 * 2e-5)
+
+
+def _shared(training: dict | None, ranks: int = 8) -> list:
+    """Made-up results of ranks sharing cores: the micro workload gives k = 8 · 1 / 4 = 2 cores."""
+    micro = {"alone_s": 0.1, "together_s": 0.4, "beside_waiters_s": 0.1, "barrier_s": 0.01}
+    sharing = {**micro, "training": training} if training is not None else micro
+    return [{**result, "sharing": sharing} for result in _results(ranks)]
+
+
+def test_ranks_that_train_share_cores_worse_and_every_compute_figure_follows():
+    # training work together takes 5x one alone: k = 8 / 5 = 1.6 cores, 2 / 1.6 = 1.25x slower than lock-step
+    world = calibrated_world(_shared({"alone_s": 0.2, "together_s": 1.0, "beside_waiters_s": 0.2}),
+                             backend="gloo", device="cpu")
+    device, calibration = world.nodes[0].device, world.calibration
+    assert calibration.parallel_ranks == pytest.approx(1.6)
+    assert calibration.raw["training_slowdown"] == pytest.approx(1.25)
+    assert device.peak("fp32") == pytest.approx(1e10 / 1.25)
+    assert device.memory_bandwidth == pytest.approx(1e9 / 1.25)
+    assert device.op_overhead_s == pytest.approx(1e-5 * 1.25)
+    assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 1.25)
+    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 3e-5) * 1.25)
+    assert device.efficiency.other == pytest.approx(0.05)  # the classes' ratios are unchanged
+    assert calibration.waiting_share == pytest.approx(0.0)
+
+
+def test_training_that_shares_cores_better_than_the_microbenchmarks_never_speeds_the_rates_up():
+    world = calibrated_world(_shared({"alone_s": 0.2, "together_s": 0.5, "beside_waiters_s": 0.2}),
+                             backend="gloo", device="cpu")
+    assert world.calibration.parallel_ranks == pytest.approx(3.2)
+    assert world.nodes[0].device.peak("fp32") == pytest.approx(1e10)
+
+
+def test_a_calibration_without_the_training_workload_keeps_the_micro_sharing():
+    world = calibrated_world(_shared(None), backend="gloo", device="cpu")
+    assert world.calibration.parallel_ranks == pytest.approx(2.0)
+    assert "training_slowdown" not in world.calibration.raw
+    assert world.nodes[0].device.peak("fp32") == pytest.approx(1e10)

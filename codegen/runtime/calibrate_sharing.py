@@ -1,0 +1,123 @@
+"""How N local ranks share the machine's cores (``xirang calibrate`` on CPU ranks): each workload timed
+on rank 0 alone (the others blocked in a barrier), then on every rank at once, then on rank 0 again
+beside ranks waiting in an ``irecv`` as a pipeline rank waits for its input.
+
+Two workloads, because they share cores differently:
+
+- **micro**: the lock-step microbenchmarks' kind of work (a few matmuls and a chain of tiny ops on
+  small tensors). N ranks on k cores take N/k times as long together as one alone, so
+  k_micro = N · alone / together says what the lock-step rates already hold.
+- **training**: a stack of transformer-like blocks (layer norm, the MLP's two matmuls, gelu, a
+  residual add) forward and backward through autograd, with a training-sized working set (weights,
+  their gradients and activations: tens of MB per rank, together well beyond the last-level cache).
+  Ranks that train evict each other's data and switch more: measured on the 2-core development box,
+  8 independent processes training a small GPT each took 1.03-1.21x the CPU per step of one alone,
+  which the micro workload does not show. k_training = N · alone / together is what training gets.
+
+``calibrated_world`` takes ``parallel_ranks`` = k_training and slows the lock-step rates by
+k_training / k_micro (never speeds them up), so the compute prices are those of ranks that train.
+Each together-window is measured less the median latency of an empty pair of barriers: on ranks
+sharing cores a barrier's own latency is tens of milliseconds and varies from round to round, so
+left in, it reads as ranks running slower together. k may fall below 1 on a machine other processes
+load; it is then the effective share of a core the job gets.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+MICRO_TINY_OPS = 200  # ops of the micro workload's chain of tiny ops
+MICRO_MATMUL = (256, 256, 1024)
+# (rows, hidden, blocks) of the training workload: a micro-batch of 2 x 128 tokens through four blocks
+# of a hidden-256 model, ~20 MB of weights, gradients and activations per rank
+TRAINING_SHAPE, QUICK_TRAINING_SHAPE = (256, 256, 4), (64, 64, 2)
+
+
+def _micro_workload(device: str, quick: bool) -> Callable[[], None]:
+    aten = torch.ops.aten
+    m, k, n = (128, 128, 128) if quick else MICRO_MATMUL
+    a, b, tiny = torch.randn(m, k, device=device), torch.randn(k, n, device=device), torch.ones(8, device=device)
+
+    def work():
+        for _ in range(2 if quick else 16):
+            aten.mm.default(a, b)
+        z = tiny
+        for _ in range(MICRO_TINY_OPS):
+            z = aten.mul.Tensor(z, 1.0001)
+    return work
+
+
+def _training_workload(device: str, quick: bool) -> Callable[[], None]:
+    rows, hidden, blocks = QUICK_TRAINING_SHAPE if quick else TRAINING_SHAPE
+    weights = [(torch.randn(4 * hidden, hidden, device=device) * hidden ** -0.5,
+                torch.randn(hidden, 4 * hidden, device=device) * (4 * hidden) ** -0.5) for _ in range(blocks)]
+    for up, down in weights:
+        up.requires_grad_(True)
+        down.requires_grad_(True)
+    x = torch.randn(rows, hidden, device=device)
+
+    def work():
+        for up, down in weights:  # a fresh gradient each time, as after optimizer.zero_grad
+            up.grad = down.grad = None
+        h = x
+        for up, down in weights:
+            h = h + F.linear(F.gelu(F.linear(F.layer_norm(h, (hidden,)), up)), down)
+        h.sum().backward()
+    return work
+
+
+def _alone_together(work: Callable[[], None], sync: Callable[[], None], rounds: int, empty_s: float,
+                    token: torch.Tensor) -> dict:
+    rank = dist.get_rank()
+    work()  # warm-up
+    sync()
+    alone, together, beside_waiters = [], [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            work()
+            sync()
+            alone.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        sync()
+        dist.barrier()  # the last rank to finish ends the round
+        together.append(time.perf_counter() - start)
+        # rank 0 alone again, the others waiting in an irecv as a pipeline rank waits for its input
+        # (p2p.py): if waiting costs CPU, rank 0 is slowed (``waiting_share``)
+        dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            work()
+            sync()
+            beside_waiters.append(time.perf_counter() - start)
+            for peer in range(1, dist.get_world_size()):
+                dist.isend(token, dst=peer).wait()
+        else:
+            dist.irecv(token, src=0).wait()
+    return {"alone_s": statistics.median(alone) if alone else 0.0,
+            "together_s": max(statistics.median(together) - empty_s, 1e-9),
+            "beside_waiters_s": statistics.median(beside_waiters) if beside_waiters else 0.0}
+
+
+def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
+    """Alone / together / beside-waiters seconds of the micro workload (top level, as files written
+    before had them) and of the training workload (``"training"``), and the empty barrier pair's."""
+    empty = []
+    for _ in range(2 if quick else 6):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.barrier()
+        empty.append(time.perf_counter() - start)
+    empty_s, rounds = statistics.median(empty), 2 if quick else 6
+    token = torch.zeros(1, device=device)
+    micro = _alone_together(_micro_workload(device, quick), sync, rounds, empty_s, token)
+    training = _alone_together(_training_workload(device, quick), sync, rounds, empty_s, token)
+    return {**micro, "barrier_s": empty_s, "training": training}
