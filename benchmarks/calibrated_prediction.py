@@ -5,7 +5,9 @@
    local gloo ranks, train a few steps and take the median step (``train_step``: forward, backward and
    every collective; the optimizer step is not part of the planner's step time, so it is not timed).
 3. Print predicted vs measured per mesh, their ratio, and whether the planner's order of the meshes
-   equals the measured one.
+   equals the measured one; and which pairs were measured closer than either one's step-to-step
+   spread (slowest - fastest step), whose measured order this machine's noise decides, and whether
+   the order matches apart from those pairs (both verdicts are printed).
 4. Re-priced: each mesh's plan re-priced from its own timed steps (``xirang.reprice`` on the medians of
    ``compiled.measured_costs()``, xirang_compile/reprice.py): its step under the corrected cost model,
    against the measured step, and the mesh that corrected model would pick instead.
@@ -76,12 +78,26 @@ def _train(rank, world_size, plan, world, steps, warmup):
 
 def measure(plan, world: World, steps: int, warmup: int) -> tuple:
     """(median over steps of the slowest rank's train_step seconds, the steps' median MeasuredCosts,
-    median over steps of the CPU seconds summed over ranks)."""
+    median over steps of the CPU seconds summed over ranks, the steps' spread: slowest - fastest)."""
     # 8 ranks on a few busy cores: a rank can be starved for long stretches; it is not frozen
     per_rank = launch(_train, RANKS, (plan, world, steps, warmup), timeout_s=1800, heartbeat_s=300)
-    seconds = statistics.median(max(step) for step in zip(*(times for times, _, _ in per_rank)))
+    steps_s = [max(step) for step in zip(*(times for times, _, _ in per_rank))]
     cpu = statistics.median(sum(step) for step in zip(*(cpu for _, _, cpu in per_rank)))
-    return seconds, xirang.MeasuredCosts.median(per_rank[0][1]), cpu
+    return statistics.median(steps_s), xirang.MeasuredCosts.median(per_rank[0][1]), cpu, max(steps_s) - min(steps_s)
+
+
+def noise_ties(measured: dict, spread: dict) -> list:
+    """Pairs of meshes whose measured steps differ by less than either one's own step-to-step spread:
+    their measured order is within this machine's noise, so no prediction can be said to get it wrong."""
+    names = list(measured)
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if abs(measured[a] - measured[b]) <= max(spread[a], spread[b])]
+
+
+def order_matches_up_to_ties(predicted: dict, measured: dict, ties: list) -> bool:
+    tied = {frozenset(pair) for pair in ties}
+    return all((predicted[a] < predicted[b]) == (measured[a] < measured[b])
+               for i, a in enumerate(predicted) for b in list(predicted)[i + 1:] if frozenset((a, b)) not in tied)
 
 
 def _order(times: dict) -> list:
@@ -109,7 +125,7 @@ def main(argv=None) -> int:
     print(describe_calibration(world))
     print(f"\nGPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {SEQ}, vocab {CONFIG.vocab_size}, "
           f"global batch {GLOBAL_BATCH}, fp32, {RANKS} gloo ranks on {os.cpu_count()} cores")
-    predicted, measured, causes, repriced, picks = {}, {}, {}, {}, {}
+    predicted, measured, causes, repriced, picks, spread = {}, {}, {}, {}, {}, {}
     for name, pins in MESHES.items():
         if args.only and name not in args.only:
             continue
@@ -120,7 +136,7 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
             print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
             continue
-        measured[name], costs, cpu = measure(plan, world, args.steps, args.warmup)
+        measured[name], costs, cpu, spread[name] = measure(plan, world, args.steps, args.warmup)
         report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=_batch(2))
         repriced[name], picks[name] = report.repriced_current, report.best if report.another_wins else "itself"
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
@@ -141,6 +157,10 @@ def main(argv=None) -> int:
     print(f"predicted order: {_order(predicted)}")
     print(f"measured order:  {_order(measured)}")
     print(f"ranking matches: {_order(predicted) == _order(measured)}")
+    ties = noise_ties(measured, spread)
+    close = ", ".join(f"{a} / {b} ({measured[a] * 1e3:.0f} vs {measured[b] * 1e3:.0f} ms)" for a, b in ties)
+    print(f"measured within each other's step-to-step spread: {close or 'none'}")
+    print(f"ranking matches apart from those: {order_matches_up_to_ties(predicted, measured, ties)}")
     return 0
 
 

@@ -12,10 +12,14 @@ Two workloads, because they share cores differently:
   their gradients and activations: tens of MB per rank, together well beyond the last-level cache).
   Ranks that train evict each other's data and switch more: measured on the 2-core development box,
   8 independent processes training a small GPT each took 1.03-1.21x the CPU per step of one alone,
-  which the micro workload does not show. k_training = N · alone / together is what training gets.
+  which the micro workload does not show.
 
-``calibrated_world`` takes ``parallel_ranks`` = k_training and slows the lock-step rates by
-k_training / k_micro (never speeds them up), so the compute prices are those of ranks that train.
+Each workload's CPU seconds are timed too (``time.process_time`` around the work alone, and on every
+rank around its own share of the together-window, before it waits for the others): together / alone
+CPU is how much more CPU the same work takes beside the other ranks, free of scheduling waits and
+the barriers' latency. ``calibrated_world`` slows the lock-step rates by the training workload's
+ratio over the micro workload's (never speeds them up) and takes ``parallel_ranks`` = k_micro over
+that slowdown, so the compute prices are those of ranks that train.
 Each together-window is measured less the median latency of an empty pair of barriers: on ranks
 sharing cores a barrier's own latency is tens of milliseconds and varies from round to round, so
 left in, it reads as ranks running slower together. k may fall below 1 on a machine other processes
@@ -76,18 +80,20 @@ def _alone_together(work: Callable[[], None], sync: Callable[[], None], rounds: 
     rank = dist.get_rank()
     work()  # warm-up
     sync()
-    alone, together, beside_waiters = [], [], []
+    alone, together, beside_waiters, alone_cpu, together_cpu = [], [], [], [], []
     for _ in range(rounds):
         dist.barrier()
         if rank == 0:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             work()
             sync()
             alone.append(time.perf_counter() - start)
+            alone_cpu.append(time.process_time() - cpu)
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         work()
         sync()
+        together_cpu.append(time.process_time() - cpu)  # this rank's own CPU, before it waits for the others
         dist.barrier()  # the last rank to finish ends the round
         together.append(time.perf_counter() - start)
         # rank 0 alone again, the others waiting in an irecv as a pipeline rank waits for its input
@@ -102,9 +108,13 @@ def _alone_together(work: Callable[[], None], sync: Callable[[], None], rounds: 
                 dist.isend(token, dst=peer).wait()
         else:
             dist.irecv(token, src=0).wait()
+    mean_together_cpu = torch.tensor([statistics.median(together_cpu)], dtype=torch.float64, device=token.device)
+    dist.all_reduce(mean_together_cpu)  # gloo: a CPU tensor; the mean rank's CPU seconds of the work together
     return {"alone_s": statistics.median(alone) if alone else 0.0,
             "together_s": max(statistics.median(together) - empty_s, 1e-9),
-            "beside_waiters_s": statistics.median(beside_waiters) if beside_waiters else 0.0}
+            "beside_waiters_s": statistics.median(beside_waiters) if beside_waiters else 0.0,
+            "alone_cpu_s": statistics.median(alone_cpu) if alone_cpu else 0.0,
+            "together_cpu_s": mean_together_cpu.item() / dist.get_world_size()}
 
 
 def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
@@ -116,7 +126,7 @@ def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
         start = time.perf_counter()
         dist.barrier()
         empty.append(time.perf_counter() - start)
-    empty_s, rounds = statistics.median(empty), 2 if quick else 6
+    empty_s, rounds = statistics.median(empty), 2 if quick else 10
     token = torch.zeros(1, device=device)
     micro = _alone_together(_micro_workload(device, quick), sync, rounds, empty_s, token)
     training = _alone_together(_training_workload(device, quick), sync, rounds, empty_s, token)

@@ -7,11 +7,12 @@
   derating. Non-matmul FLOPs and fused attention were timed too: their efficiencies are their
   measured rates over the matmul's (a CPU core runs gelu or a layer norm at a few percent of its
   matmul rate, and its flash-attention kernel at about half), files written before had none.
-- Ranks sharing cores: ``parallel_ranks`` k = N · alone / together of a training-like workload (how
-  many ranks compute at full speed at once; ``calibrate_sharing``), ``waiting_share`` where between "a
-  waiting rank costs nothing" and "as much as a busy one" the pipeline's waiting ranks are. Ranks that
-  train share cores worse than the lock-step microbenchmarks (small working sets) show, so every
-  compute rate and fixed cost is slowed by k_micro / k_training where that exceeds 1.
+- Ranks sharing cores: ``parallel_ranks`` k = N · alone / together (how many ranks compute at full
+  speed at once; ``calibrate_sharing``), ``waiting_share`` where between "a waiting rank costs nothing"
+  and "as much as a busy one" the pipeline's waiting ranks are. Ranks that train take more CPU for
+  the same work beside each other than the lock-step microbenchmarks' small working sets show: where
+  the training workload's together / alone CPU exceeds the micro workload's, every compute rate and
+  fixed cost is slowed by the ratio of the two and k divided by it.
 - Collectives: one alpha-beta line per kind and group size (``CollectiveFit``), from the slowest rank
   of each sample back to back, or from the mean rank where each call followed a chunk of work (the
   compute price already puts that work at the mean rank's).
@@ -65,11 +66,13 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         parallel = micro
         raw["sharing"] = dict(sharing)
         training = sharing.get("training")
-        if training and training["together_s"] > 0 and training["alone_s"] > 0:
-            # ranks that train share the cores worse than the lock-step microbenchmarks show (their
-            # working sets evict each other's); the rates are slowed to what training gets, never sped up
-            parallel = min(float(ranks), ranks * training["alone_s"] / training["together_s"])
-            slowdown = max(1.0, micro / parallel)
+        if training and min(training.get("alone_cpu_s", 0.0), sharing.get("alone_cpu_s", 0.0)) > 0:
+            # ranks that train take more CPU for the same work beside each other than the lock-step
+            # microbenchmarks' work does (their working sets evict each other's): the rates are slowed
+            # to what training gets, never sped up, and fewer ranks' worth of training runs at once
+            slowdown = max(1.0, (training["together_cpu_s"] / training["alone_cpu_s"])
+                           / (sharing["together_cpu_s"] / sharing["alone_cpu_s"]))
+            parallel = micro / slowdown
             raw["training_slowdown"] = slowdown
             sharing = training
         # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and

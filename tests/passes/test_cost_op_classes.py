@@ -135,16 +135,22 @@ def test_calibrated_world_takes_each_class_rate_and_fixed_cost_from_its_line():
 
 
 def _shared(training: dict | None, ranks: int = 8) -> list:
-    """Made-up results of ranks sharing cores: the micro workload gives k = 8 · 1 / 4 = 2 cores."""
-    micro = {"alone_s": 0.1, "together_s": 0.4, "beside_waiters_s": 0.1, "barrier_s": 0.01}
+    """Made-up results of ranks sharing cores: the micro workload gives k = 8 · 0.1 / 0.4 = 2 cores and
+    takes the same CPU together as alone."""
+    micro = {"alone_s": 0.1, "together_s": 0.4, "beside_waiters_s": 0.1, "barrier_s": 0.01,
+             "alone_cpu_s": 0.1, "together_cpu_s": 0.1}
     sharing = {**micro, "training": training} if training is not None else micro
     return [{**result, "sharing": sharing} for result in _results(ranks)]
 
 
+def _training(together_cpu_s: float) -> dict:
+    return {"alone_s": 0.2, "together_s": 0.9, "beside_waiters_s": 0.2, "alone_cpu_s": 0.2,
+            "together_cpu_s": together_cpu_s}
+
+
 def test_ranks_that_train_share_cores_worse_and_every_compute_figure_follows():
-    # training work together takes 5x one alone: k = 8 / 5 = 1.6 cores, 2 / 1.6 = 1.25x slower than lock-step
-    world = calibrated_world(_shared({"alone_s": 0.2, "together_s": 1.0, "beside_waiters_s": 0.2}),
-                             backend="gloo", device="cpu")
+    # the training work takes 1.25x the CPU beside the other ranks: k = 2 / 1.25 = 1.6, rates 1.25x slower
+    world = calibrated_world(_shared(_training(0.25)), backend="gloo", device="cpu")
     device, calibration = world.nodes[0].device, world.calibration
     assert calibration.parallel_ranks == pytest.approx(1.6)
     assert calibration.raw["training_slowdown"] == pytest.approx(1.25)
@@ -158,9 +164,9 @@ def test_ranks_that_train_share_cores_worse_and_every_compute_figure_follows():
 
 
 def test_training_that_shares_cores_better_than_the_microbenchmarks_never_speeds_the_rates_up():
-    world = calibrated_world(_shared({"alone_s": 0.2, "together_s": 0.5, "beside_waiters_s": 0.2}),
-                             backend="gloo", device="cpu")
-    assert world.calibration.parallel_ranks == pytest.approx(3.2)
+    world = calibrated_world(_shared(_training(0.18)), backend="gloo", device="cpu")
+    assert world.calibration.parallel_ranks == pytest.approx(2.0)
+    assert world.calibration.raw["training_slowdown"] == pytest.approx(1.0)
     assert world.nodes[0].device.peak("fp32") == pytest.approx(1e10)
 
 
