@@ -3,8 +3,9 @@
 Every benchmark runs on all N local ranks at once, as training does, so what ranks sharing cores
 (or a PCIe switch, or a NIC) take from each other is in the figures:
 
-- compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the forward
-  product and its two gradient products, in the layouts autograd issues them), an elementwise add
+- compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
+  the emitted program calls, forward and backward through autograd: the forward product, both
+  gradient products and the bias gradient, with the composite op's own dispatches), an elementwise add
   (memory-bound), the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, forward and
   backward: the roofline's ``Efficiency.other``, at the FLOPs the analysis counts for them), fused
   attention forward and backward (``Efficiency.attention``, at the analysis's attention FLOPs), a tiny
@@ -130,15 +131,18 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
         shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
         # bf16 matmuls on CPUs without AMX run 10-30x slower than fp32: the small shapes suffice
         for m, k, n in (shapes if dtype == torch.float32 or device.startswith("cuda") else QUICK_MATMUL_SHAPES):
-            a = torch.randn(m, k, device=device, dtype=dtype)
-            b = torch.randn(k, n, device=device, dtype=dtype)
+            x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+            weight = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+            bias = torch.randn(n, device=device, dtype=dtype, requires_grad=True)
             dy = torch.randn(m, n, device=device, dtype=dtype)
 
-            def training_products(a=a, b=b, dy=dy):  # y = a·b, then dA = dY·bᵀ and dB = aᵀ·dY
-                aten.mm.default(a, b)
-                aten.mm.default(dy, b.t())
-                aten.mm.default(a.t(), dy)
-            rows.append([3 * 2.0 * m * k * n, timed(training_products, device, iters)])
+            def linear_forward_and_backward(x=x, weight=weight, bias=bias, dy=dy):
+                # as the emitted program runs a linear node: the composite op with its views and
+                # transposes, its autograd node and the three gradients (dX = dY·W, dW = dYᵀ·X, db),
+                # each stored afresh as in a step's first micro-batch
+                x.grad = weight.grad = bias.grad = None
+                torch.autograd.backward(aten.linear.default(x, weight, bias), dy)
+            rows.append([3 * 2.0 * m * k * n, timed(linear_forward_and_backward, device, iters)])
         out["matmul"][str(dtype).removeprefix("torch.")] = rows
     for count in (QUICK_ELEMENTWISE_SIZES if quick else ELEMENTWISE_SIZES):
         x, y = torch.randn(count, device=device), torch.randn(count, device=device)

@@ -89,9 +89,9 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     bandwidth, raw["elementwise"] = _rate(compute["elementwise"], "elementwise add")
     op_forward, op_backward = compute["op_forward_s"], compute["op_backward_s"]
     # each class's intercept less the dispatches the per-op costs already price (Calibration.op_fixed_s):
-    # a training matmul sample is three plain products; an attention sample one op whose backward
-    # gives three gradients; an "other" sample three ops, each with one gradient
-    fixed = {"matmul": max(0.0, raw["matmul_float32"]["intercept_s"] - 3 * op_forward)}
+    # a matmul sample is one linear op whose backward gives three gradients, as is an attention
+    # sample; an "other" sample three ops, each with one gradient
+    fixed = {"matmul": max(0.0, raw["matmul_float32"]["intercept_s"] - op_forward - 3 * op_backward)}
     other, attention = 1.0, None  # a calibration without these samples: as every rank's matmul rate
     if compute.get("other"):
         rate, raw["other_flops"] = _rate(compute["other"], "gelu, layer norm, log-softmax")

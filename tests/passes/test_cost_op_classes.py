@@ -129,7 +129,7 @@ def test_calibrated_world_takes_each_class_rate_and_fixed_cost_from_its_line():
     assert device.peak("fp32") == pytest.approx(1e10)
     assert device.efficiency.other == pytest.approx(0.05) and device.efficiency.attention == pytest.approx(0.25)
     fixed = world.calibration.op_fixed_s
-    assert fixed["matmul"] == pytest.approx(1e-3 - 3e-5)  # less three products' dispatch
+    assert fixed["matmul"] == pytest.approx(1e-3 - 1e-5 - 3 * 2e-5)  # less the linear's dispatch and its 3 gradients
     assert fixed["other"] == pytest.approx(2e-4 - 1e-5 - 2e-5)  # a third of it, less one op forward and backward
     assert fixed["attention"] == pytest.approx(2e-3 - 1e-5 - 3 * 2e-5)
 
@@ -158,7 +158,7 @@ def test_ranks_that_train_share_cores_worse_and_every_compute_figure_follows():
     assert device.memory_bandwidth == pytest.approx(1e9 / 1.25)
     assert device.op_overhead_s == pytest.approx(1e-5 * 1.25)
     assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 1.25)
-    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 3e-5) * 1.25)
+    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * 1.25)
     assert device.efficiency.other == pytest.approx(0.05)  # the classes' ratios are unchanged
     assert calibration.waiting_share == pytest.approx(0.0)
 
