@@ -35,7 +35,8 @@ import math
 import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter, itemgetter
 from typing import Callable, Optional
 
 from xirang.ir.errors import XirangError
@@ -188,7 +189,12 @@ class _ByLayout:
         return (c.tp, c.micro_batch) in self.of(c).splits
 
     def __getattr__(self, name: str):
-        return lambda c, *args, **kwargs: getattr(self.of(c), name)(c, *args, **kwargs)
+        off, on = getattr(self.off, name), getattr(self.on, name)
+
+        def method(c, *args, **kwargs):
+            return (on if c.sequence_parallel else off)(c, *args, **kwargs)
+        setattr(self, name, method)  # made once per name: the fast pass calls these ~10^5 times
+        return method
 
 
 def _first_tp(world: World, pinned) -> int:
@@ -222,7 +228,8 @@ def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
     skipped: list[tuple[float, Candidate]] = []
     everything: list[Priced] = []  # every fitting candidate priced
     threshold, priced = math.inf, 0
-    for bound, c in sorted((pricer.lower_bound(c), c) for c in todo):
+    # by bound, ties in the candidates' order (their fields compared as one tuple, in C)
+    for bound, _, c in sorted(((pricer.lower_bound(c), _FIELDS(c), c) for c in todo), key=itemgetter(0, 1)):
         if bound >= threshold:
             break
         if pricer.memory_lower_bound(c) > max(pricer.usable(c)):
@@ -309,13 +316,23 @@ def _sequence_parallel_twins(clock: _Clock, pricer: _ByLayout, top: list[Priced]
     seeds += [p.candidate for p in failing if p.candidate.tp > 1 and p.step_seconds < step][:2]
     seeds += [c for bound, c in sorted(skipped, key=lambda s: pricer.memory_lower_bound(s[1]))
               if c.tp > 1 and bound < step][:2]
-    def same_but_recompute(c: Candidate) -> Candidate:
-        return replace(c, recompute="none", sequence_parallel=False)
     wanted = {same_but_recompute(c) for c in seeds}
     twins = [replace(c, sequence_parallel=True) for c in shardable if same_but_recompute(c) in wanted]
     clock.split_all([_split_key(c) for c in twins])
     fast = [_fast_price(pricer.of(c), c) for c in twins]
     return [_exact(pricer.of(p.candidate), p) for p in fast if p.fits]
+
+
+_FIELDS = attrgetter(*(f.name for f in fields(Candidate)))  # the tuple Candidate's order compares
+# every field of a Candidate but these two, read in one C call: ``same_but_recompute`` runs once per
+# tp > 1 candidate (tens of thousands), where building a Candidate with ``replace`` cost ~0.1 s
+_ALL_BUT_RECOMPUTE_AND_LAYOUT = attrgetter(*(f.name for f in fields(Candidate)
+                                             if f.name not in ("recompute", "sequence_parallel")))
+
+
+def same_but_recompute(c: Candidate) -> tuple:
+    """What ``c`` is, recompute mode and split layout aside: candidates equal here are twins in step 4."""
+    return _ALL_BUT_RECOMPUTE_AND_LAYOUT(c)
 
 
 SOLVERS = {"cbc": "an ILP (CBC)", "dp": "dynamic programming", "single-stage": "no cut: one stage"}

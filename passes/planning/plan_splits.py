@@ -44,6 +44,7 @@ from xirang.passes.planning.plan_splits_graph import ExprTable, SplitGraph, tens
 from xirang.passes.planning.plan_splits_problem import TpProblem
 from xirang.passes.planning.plan_splits_result import Assembly
 from xirang.passes.planning.sharding_rules import ops_without_sharding_rule
+from xirang.passes.planning.sharding_rules_views import remembering
 from xirang.passes.planning.solve_splits import SplitEdge, SplitNode, SplitProblem, Strategy, solve_splits
 from xirang.ir.errors import InvalidValue
 
@@ -89,6 +90,7 @@ class SplitPricer:
             PARAM_COUNT.get(n, 0) * self.float_bytes for n in self.graph.nodes
             if n.op == "placeholder" and self.graph.owner.get(n) is None and ROLE.get(n, None) == "parameter"))
         self._problems: dict[int, TpProblem] = {}
+        self._rules_memo: dict = {}  # sharding_rules' walks and rows of this graph, shared by the problems
         self._facts: dict = {}
         self._solutions: dict[tuple, TensorSplit] = {}
         self._choices: dict[tuple, dict] = {}  # the same key -> option index per decision
@@ -116,7 +118,8 @@ class SplitPricer:
     def _problem(self, tp: int, sequence_parallel: bool = False) -> TpProblem:
         key = (tp, sequence_parallel)
         if key not in self._problems:
-            problem = TpProblem(self.graph, self.table, tp, self.float_bytes, sequence_parallel=sequence_parallel)
+            with remembering(self._rules_memo):  # each tp and layout asks the same rules of the same graph
+                problem = TpProblem(self.graph, self.table, tp, self.float_bytes, sequence_parallel=sequence_parallel)
             seq_known = "seq" in self.graph.symbol_names
             for decision in problem.decisions:
                 if decision.node is not None and decision.node not in self._facts:

@@ -164,6 +164,7 @@ class TpProblem:
     def _terms(self, link: Link, pick, direction: str, tensor: tuple[int, float], unit, label) -> None:
         """Add to each entry the collectives ``pick(i, j) -> (src, dst)`` needs."""
         count, size = tensor
+        made: dict[tuple[str, ...], tuple[Term, ...]] = {}  # most cells need the same few transitions
         for i in range(len(link.rows.options)):
             for j in range(len(link.cols.options)):
                 if link.terms[i][j] is None:
@@ -172,8 +173,10 @@ class TpProblem:
                 if kinds is None:
                     link.terms[i][j] = None
                     continue
-                link.terms[i][j] += tuple(Term(direction, kind, count, size / self.tp if kind == "all_to_all" else size,
-                                               unit, label) for kind in kinds)
+                if kinds not in made:
+                    made[kinds] = tuple(Term(direction, kind, count, size / self.tp if kind == "all_to_all" else size,
+                                             unit, label) for kind in kinds)
+                link.terms[i][j] += made[kinds]
 
     def _build(self, group: Group) -> None:
         """Decisions of one group's nodes, links for every tensor they read, boundaries, gradients."""

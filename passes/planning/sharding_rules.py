@@ -55,8 +55,8 @@ from xirang.passes.planning.sharding_rules_fused import (chunked_follows, fused_
                                                          reaches_vocab_loss, split_follows)
 from xirang.passes.planning.sharding_rules_sequence import sequence_follows
 from xirang.passes.planning.sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides,
-                                                         floating, info, is_tensor, padded, same, shape,
-                                                         shard_fraction, shardable)
+                                                         floating, info, is_tensor, padded, remembered, same,
+                                                         shape, shard_fraction, shardable)
 from xirang.ir.errors import InvalidValue
 
 aten = torch.ops.aten
@@ -295,6 +295,11 @@ def strategies_for(node: Node, tp: int, sequence_parallel: bool = False) -> list
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise InvalidValue(f"tp must be a positive int, got {tp!r}")
+    return list(remembered(("strategies", node, tp, sequence_parallel),
+                           lambda: tuple(_strategies(node, tp, sequence_parallel))))
+
+
+def _strategies(node: Node, tp: int, sequence_parallel: bool) -> list[Strategy]:
     if node.op in ("placeholder", "get_attr"):
         if tp == 1:
             return [Strategy("replicate", (), R, 1.0)]
@@ -305,7 +310,7 @@ def strategies_for(node: Node, tp: int, sequence_parallel: bool = False) -> list
     if tp == 1:  # one rank: every placement is the whole tensor
         return found
     rule = RULES.get(op_packet(node)) if node.op == "call_function" and is_tensor(node) else None
-    candidates = list(rule(node, tp)) if rule else []
+    candidates = list(remembered(("rule rows", node, tp), lambda: tuple(rule(node, tp)))) if rule else []
     if sequence_parallel and rule:
         candidates += [make(node, "seq " + ", ".join(str(p) for _, p in f.inputs) + " -> " + str(f.output),
                             f.inputs, f.output, 1 / tp) for f in sequence_follows(node, tp)]

@@ -33,7 +33,7 @@ from xirang.passes.analysis.op_tables import op_packet
 from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, PERMUTE_OPS, POINTWISE_OPS,
                                                          RESHAPE_OPS, SPLIT_OPS, Follow, R, divides, first_tensor,
                                                          info, is_tensor, norm_dim, padded, permutation_of,
-                                                         reshape_groups, same, shape)
+                                                         remembered, reshape_groups, same, shape)
 
 aten = torch.ops.aten
 
@@ -49,14 +49,20 @@ def _split_dim(node: Node) -> int:
 
 def equal_pieces(node: Node, tp: int) -> int | None:
     """k when ``node`` splits its input into k > 1 equal pieces that tp divides, else None."""
+    found = _pieces(node)
+    return found[0] if found is not None and divides(tp, found[1]) else None
+
+
+def _pieces(node: Node) -> tuple[int, object] | None:
+    """(k, size of a piece) when ``node`` splits its input into k > 1 equal pieces, else None."""
     if op_packet(node) not in SPLIT_OPS or not isinstance(info(node), tuple):
         return None
     dim = _split_dim(node)
     sizes = {piece.shape[dim] for piece in info(node)}
     count = len(info(node))
-    if count < 2 or len(sizes) != 1 or not divides(tp, next(iter(sizes))):
+    if count < 2 or len(sizes) != 1:
         return None
-    return count
+    return count, next(iter(sizes))
 
 
 def carried_dim(user: Node, value: Node, dim: int) -> int | None:
@@ -80,23 +86,32 @@ def carried_dim(user: Node, value: Node, dim: int) -> int | None:
 
 def fused_chunks(node: Node, dim: int, tp: int) -> tuple[int, ...]:
     """Piece counts k of the equal splits that dim ``dim`` of ``node``'s output reaches through
-    carrying ops (at most ``SEARCH_DEPTH`` of them), in increasing order."""
-    found, frontier = set(), [(node, dim)]
-    for _ in range(SEARCH_DEPTH):
-        reached = []
-        for value, d in frontier:
-            for user in value.users:
-                pieces = equal_pieces(user, tp)
-                if pieces is not None and first_tensor(user) is value and _split_dim(user) == d:
-                    found.add(pieces)
-                    continue
-                kept = carried_dim(user, value, d)
-                if kept is not None:
-                    reached.append((user, kept))
-        if not reached:
-            break
-        frontier = reached
-    return tuple(sorted(found))
+    carrying ops (at most ``SEARCH_DEPTH`` of them), in increasing order, where tp divides a piece."""
+    return tuple(sorted({count for count, size in _reached_splits(node, dim) if divides(tp, size)}))
+
+
+def _reached_splits(node: Node, dim: int) -> tuple[tuple[int, object], ...]:
+    """(k, piece size) of every equal split along the dim that dim ``dim`` of ``node``'s output
+    reaches (a split is no carrier, so the walk stops there whatever tp is): the same walk for
+    every tp, so the split pricer's problems share it (``remembered``)."""
+    def walk():
+        found, frontier = [], [(node, dim)]
+        for _ in range(SEARCH_DEPTH):
+            reached = []
+            for value, d in frontier:
+                for user in value.users:
+                    pieces = _pieces(user)
+                    if pieces is not None and first_tensor(user) is value and _split_dim(user) == d:
+                        found.append(pieces)
+                        continue
+                    kept = carried_dim(user, value, d)
+                    if kept is not None:
+                        reached.append((user, kept))
+            if not reached:
+                break
+            frontier = reached
+        return tuple(found)
+    return remembered(("reached splits", node, dim), walk)
 
 
 def _plain_shard(placement) -> bool:

@@ -23,10 +23,17 @@ Conventions shared with ``sharding_rules``:
   projection does not hold a shard of each chunk. The chunked layout ``Shard(dim, chunks=k)`` does
   (Megatron's layout of the fused weight); ``sharding_rules_fused`` offers it where it leads to such
   a split, from the op groups named below.
+
+Rules are pure functions of an unchanging analysed graph, and the split pricer asks the same ones
+again for every tp degree and layout it builds a problem for. Within ``remembering(memo)`` (one
+thread; the caller owns ``memo``, one per graph, and keeps the graph unchanged) ``remembered`` keeps
+each answer, so a walk or a node's rows is derived once per plan; outside it nothing is kept.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 from typing import Callable, NamedTuple
 
 import sympy
@@ -48,6 +55,30 @@ class Follow(NamedTuple):
 
     inputs: tuple[tuple[Node, Placement], ...]
     output: Placement | tuple[Placement, ...]
+
+
+_memo = threading.local()  # .table: the memo of the innermost ``remembering`` block in this thread
+
+
+@contextlib.contextmanager
+def remembering(memo: dict):
+    """Within the block, in this thread, ``remembered`` answers are kept in ``memo`` (see module doc)."""
+    outer = getattr(_memo, "table", None)
+    _memo.table = memo
+    try:
+        yield
+    finally:
+        _memo.table = outer
+
+
+def remembered(key: tuple, derive: Callable[[], object]):
+    """``derive()``, kept under ``key`` inside a ``remembering`` block; derived afresh outside one."""
+    table = getattr(_memo, "table", None)
+    if table is None:
+        return derive()
+    if key not in table:
+        table[key] = derive()
+    return table[key]
 
 
 # --- shapes -----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from xirang.ir.pass_spec import CompileContext
 from xirang.ir.placement import Partial, Replicate, Shard
 from xirang.pass_manager import PassManager
 from xirang.passes.planning.sharding_rules import gradient_placements, ops_without_sharding_rule, strategies_for
-from xirang.passes.planning.sharding_rules_views import info, reshape_groups
+from xirang.passes.planning.sharding_rules_views import info, remembering, reshape_groups
 from xirang.passes.analysis.tensors import annotate_tensors
 from xirang.passes.analysis.trace import trace_model
 
@@ -451,3 +451,22 @@ def test_chunked_shard_follows_views_to_the_split():
     assert ((Shard(1, 3),), Shard(2, 3)) in {(s.inputs[:1], s.output) for s in strategies_for(view, tp=2)}
     # ops that do not reach a split are not offered chunked shards
     assert all(getattr(s.output, "chunks", 1) == 1 for s in strategies_for(only(gm, "add"), tp=2))
+
+
+def test_remembered_rules_answer_as_fresh_ones_for_every_tp_and_layout():
+    """The split pricer keeps the rules' walks and rows per graph (``remembering``): one walk serves
+    every tp (tp=16 after tp=2 must still lose the 3-chunk column), and nothing is kept outside."""
+    gm = analysed(FusedProjection(conv1d=True), {}, x=torch.randn(2, 3, 8))
+    nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
+    keys = [(tp, sp) for tp in (2, 16, 4, 2) for sp in (False, True)]
+    fresh = {key: [strategies_for(n, *key) for n in nodes] for key in keys}
+    memo: dict = {}
+    with remembering(memo):
+        kept = {key: [strategies_for(n, *key) for n in nodes] for key in keys}
+    assert kept == fresh
+    assert any(key[0] == "reached splits" for key in memo) and any(key[0] == "rule rows" for key in memo)
+    assert "column (3 chunks)" in by_name(only(gm, "addmm"), tp=2)
+    assert "column (3 chunks)" not in by_name(only(gm, "addmm"), tp=16)  # 8-wide pieces on 16 ranks
+    size = len(memo)
+    strategies_for(only(gm, "addmm"), tp=8)  # outside the block: derived afresh, nothing kept
+    assert len(memo) == size
