@@ -24,14 +24,15 @@ def graph_fingerprint(gm) -> str:
     """Hex digest of ``gm``'s structure (needs ``xr_tensor``; ``xr_role``/``xr_param_name`` if set)."""
     position = {node: index for index, node in enumerate(gm.graph.nodes)}
     shape_texts: dict[int, str] = {}  # id(facts) -> repr: stamped layers share their template's facts
+    target_texts: dict = {}  # target -> its text: a few dozen ops name thousands of nodes
     digest = hashlib.sha256()
     for node in gm.graph.nodes:
-        digest.update(repr(_entry(node, position, shape_texts)).encode())
+        digest.update(repr(_entry(node, position, shape_texts, target_texts)).encode())
         digest.update(b"\n")
     return digest.hexdigest()[:FINGERPRINT_CHARS]
 
 
-def _entry(node, position: dict, shape_texts: dict[int, str]) -> tuple:
+def _entry(node, position: dict, shape_texts: dict[int, str], target_texts: dict) -> tuple:
     facts = TENSOR.get(node, None)  # held by the node for the whole call, so its id stays its own
     shape = shape_texts.get(id(facts))
     if shape is None:
@@ -40,7 +41,13 @@ def _entry(node, position: dict, shape_texts: dict[int, str]) -> tuple:
         # parameters by FQN (tied weights by all their names); user inputs by argument name
         name = PARAM_NAME.get(node, None) or str(node.target)
         return ("placeholder", ROLE.get(node, ""), name, PARAM_ALIASES.get(node, ()), shape)
-    return (node.op, _target_text(node.target), _wiring((node.args, node.kwargs), position), shape)
+    try:
+        target = target_texts.get(node.target)
+        if target is None:
+            target = target_texts[node.target] = _target_text(node.target)
+    except TypeError:  # an unhashable callable: its text each time
+        target = _target_text(node.target)
+    return (node.op, target, _wiring((node.args, node.kwargs), position), shape)
 
 
 def _target_text(target) -> str:
