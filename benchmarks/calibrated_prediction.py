@@ -47,7 +47,7 @@ MESHES = {
 }
 
 
-def _batch(size=GLOBAL_BATCH) -> dict:
+def token_batch(size=GLOBAL_BATCH) -> dict:
     generator = torch.Generator().manual_seed(0)
     return {"input_ids": torch.randint(0, CONFIG.vocab_size, (size, SEQ), generator=generator),
             "labels": torch.randint(0, CONFIG.vocab_size, (size, SEQ), generator=generator)}
@@ -55,14 +55,14 @@ def _batch(size=GLOBAL_BATCH) -> dict:
 
 def _plan(world: World, pins: dict):
     model = build_gpt(CONFIG)  # on CPU, as the ranks build it: the plan must match their trace
-    return xirang.plan(model, world=world, example_kwargs=_batch(2), global_batch=GLOBAL_BATCH,
+    return xirang.plan(model, world=world, example_kwargs=token_batch(2), global_batch=GLOBAL_BATCH,
                        precision="fp32", **pins)
 
 
 def _train(rank, world_size, plan, world, steps, warmup):
     torch.manual_seed(0)
-    compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=_batch(2))
-    batch = _batch()
+    compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=token_batch(2))
+    batch = token_batch()
     times, cpu, costs = [], [], []
     for _ in range(warmup + steps):
         for param in compiled.parameters():  # what optimizer.zero_grad does between steps (untimed)
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
             print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
             continue
         measured[name], costs, cpu, spread[name] = measure(plan, world, args.steps, args.warmup)
-        report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=_batch(2))
+        report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=token_batch(2))
         repriced[name], picks[name] = report.repriced_current, report.best if report.another_wins else "itself"
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
         print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  measured {measured[name] * 1e3:8.1f} ms  "

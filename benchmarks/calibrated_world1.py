@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # calibrated_prediction: the same model and batches
 
 import xirang  # noqa: E402
-from calibrated_prediction import CONFIG, _batch, build_gpt  # noqa: E402
+from calibrated_prediction import CONFIG, build_gpt, token_batch  # noqa: E402
 from xirang.codegen.runtime.calibrate import calibrate  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 
@@ -40,12 +40,12 @@ def main(argv=None) -> int:
         world = calibrate(1)
         world.save(args.out)
     torch.set_num_threads(world.calibration.raw["threads_per_rank"])  # train as the calibration measured
-    batch = _batch(SAMPLES)
+    batch = token_batch(SAMPLES)
     for micro_batch in (1, 2, 4, 16):
-        plan = xirang.plan(build_gpt(CONFIG), world=world, example_kwargs=_batch(2), global_batch=SAMPLES,
+        plan = xirang.plan(build_gpt(CONFIG), world=world, example_kwargs=token_batch(2), global_batch=SAMPLES,
                            precision="fp32", dp=1, tp=1, pp=1, micro_batch=micro_batch)
         torch.manual_seed(0)
-        compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=_batch(2))
+        compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=token_batch(2))
         walls, cpus = [], []
         for _ in range(2 + args.steps):
             for param in compiled.parameters():
