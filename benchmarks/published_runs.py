@@ -34,7 +34,11 @@ DeepSpeed's FP16_Optimizer), which the planner does not price for any row. Read 
 time (microsoft/DeepSpeed 0457bb1c, September 2021: runtime/pipe/engine.py, fp16/fused_optimizer.py,
 utils.py; microsoft/Megatron-DeepSpeed ec166f1c: GPTModelPipe).
 
-    python benchmarks/published_runs.py [--rows ID,ID] [--json out.json]
+    python benchmarks/published_runs.py [--rows ID,ID] [--json out.json] [--pin NAME=VALUE ...]
+
+``--pin`` replaces one of a row's pins for every row priced (``micro_batch=2``, ``zero_stage=1``): what a
+configuration the sources leave unstated would change, printed beside the published figures, never
+written back to the JSON.
 """
 from __future__ import annotations
 
@@ -132,6 +136,17 @@ def world_of(row: dict, efficiency: Efficiency | None = None) -> World:
     if efficiency is not None:
         device = replace(device, efficiency=efficiency)
     return World.uniform(row["gpus"] // GPUS_PER_NODE, GPUS_PER_NODE, device)
+
+
+def parse_pin(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` of ``--pin``: the value as JSON where it parses (2, false, null), else the text ("full")."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--pin takes NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def price_row(row: dict, report, *, world: World | None = None, **overrides) -> dict:
@@ -252,7 +267,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--efficiency", help="matmul,other,memory for every device instead of each preset's own "
                                              "(e.g. 0.7,0.1,0.35: the A100's, fitted to 2021 runs)")
+    parser.add_argument("--pin", action="append", type=parse_pin, default=[], metavar="NAME=VALUE",
+                        help="replace this pin in every row priced (e.g. micro_batch=2); repeatable")
     options = parser.parse_args(argv)
+    overrides = dict(options.pin)
     efficiency = Efficiency(*map(float, options.efficiency.split(","))) if options.efficiency else None
     rows = load_rows()
     if options.rows:
@@ -262,11 +280,14 @@ def main(argv=None) -> int:
               f"{'paper':>6} {'priced':>7} {'err':>7} | {'step s':>7} {'priced':>7} | "
               f"{'compute':>7} {'tp':>6} {'bubble':>6} {'p2p':>6} {'dp':>6}")
     print("TFLOP/s per GPU as each source counts them; err = priced / paper - 1; terms: seconds per step")
+    if overrides:
+        print("not the published configurations: pins replaced in every row: "
+              + ", ".join(f"{name}={value!r}" for name, value in overrides.items()))
     print(header)
     print("-" * len(header))
     cache, results = {}, []
     for row in rows:
-        outcome = price_row(row, analyse(row, cache), world=world_of(row, efficiency))
+        outcome = price_row(row, analyse(row, cache), world=world_of(row, efficiency), **overrides)
         b = outcome["breakdown"]
         plan_text = outcome["plan"] + (" ds" if row.get("framework") == "deepspeed_pipe" else "")
         print(f"{row['id']:<16} {row['device']:<9} {row['gpus']:>5} | {plan_text:<44} | "
