@@ -60,7 +60,8 @@ from xirang.ir.device import Efficiency, device_spec  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 from xirang.passes.planning.cost_collectives import collective_cost  # noqa: E402
 from xirang.passes.planning.cost_model import (blocking_1f1b_stage_ends, compute_time,  # noqa: E402
-                                               megatron_flops, optimizer_step_seconds)
+                                               gradient_accumulation_seconds, megatron_flops,
+                                               optimizer_step_seconds)
 from xirang.passes.planning.plan_splits import SplitPricer  # noqa: E402
 from xirang.reprice import stage_predictions  # noqa: E402
 
@@ -71,10 +72,6 @@ GRAD_BYTES = 2  # 16-bit gradients all-reduced (DeepSpeed's default: allreduce_a
 # allreduce_bucket's passes over each 16-bit gradient element besides the all-reduce: flattened into one
 # buffer (read + write), divided by dp in place (read + write), copied back to the gradients (read + write)
 DEEPSPEED_BUCKET_COPY_BYTES = 3 * 2 * GRAD_BYTES
-# Gradient accumulation over micro-batches: the engine leaves the 16-bit gradients in each parameter's
-# .grad until ReduceGrads, so every backward's weight gradient is added into it by autograd's
-# AccumulateGrad, in place: the old .grad and the new gradient read, the sum written, per parameter
-GRAD_ACCUMULATE_BYTES = 3 * GRAD_BYTES
 # Bytes through memory per byte PartitionedTensor.full() gathers, besides the all-gather: the flat buffer
 # zero-filled (1), the collective's flat output copied into the list of views it was given (read + write:
 # torch's NCCL all_gather of a tensor list), the result cloned (read + write)
@@ -190,7 +187,7 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
     backward (``_exec_backward_pass``: ``part_output.full()``). Each gather (``PartitionedTensor.full``)
     also copies what it gathers ``DEEPSPEED_FULL_COPY_FACTOR`` times through memory; it is priced into
     the forward or backward that waits for it. Every backward also adds the stage's weight gradients into
-    their 16-bit ``.grad`` (``GRAD_ACCUMULATE_BYTES`` per parameter; the first micro-batch's backward,
+    their 16-bit ``.grad`` (``cost_model.gradient_accumulation_seconds``; the first micro-batch's backward,
     which only stores them, is priced the same: one addition per stage, 16 ms on an MT-NLG stage).
     ``blocking_1f1b_stage_ends`` gives when each stage ends its last backward; after it, one after
     another on that stage: the tied-embedding sum (the plan's ``tied_sum``;
@@ -213,8 +210,8 @@ def deepspeed_pipe_step(plan, report, world: World, seq: int) -> dict:
                 for s, nbytes in enumerate(cut)]
     device = world.nodes[0].device
     params = [sum(u.params_local for u in split.units[start:stop]) for start, stop in bounds]
-    accumulate = [compute_time(0.0, count * GRAD_ACCUMULATE_BYTES, device, "fp32", is_matmul=False)
-                  for count in params]  # autograd adding each backward's weight gradients into .grad
+    # the engine leaves the 16-bit gradients in .grad until ReduceGrads: each backward adds into them
+    accumulate = [gradient_accumulation_seconds(count, GRAD_BYTES, device) for count in params]
     backward = [b + a for b, a in zip(backward, accumulate)]
     quiet = max(blocking_1f1b_stage_ends(forward, backward, [0.0] * len(transfer), m))
 

@@ -60,6 +60,15 @@ def optimizer_step_seconds(params: float, device: DeviceSpec) -> float:
     return compute_time(0.0, params * ADAM_STEP_BYTES_PER_PARAM, device, "fp32", is_matmul=False)
 
 
+def gradient_accumulation_seconds(params: float, grad_bytes: float, device: DeviceSpec) -> float:
+    """One backward's weight gradients added into ``.grad`` in place (autograd's AccumulateGrad, over the
+    micro-batches of a step): the old gradient and the new one read, the sum written, ``3 x grad_bytes``
+    per local parameter at the device's achievable memory bandwidth. Runtimes that fuse the addition into
+    the weight-gradient GEMM (Megatron-LM's gradient_accumulation_fusion, 2022) do not pay it.
+    1.888e9 16-bit gradients on an A100-80GB (2.039 TB/s x 0.35): 1.888e9 x 6 / 7.14e11 = 15.9 ms."""
+    return compute_time(0.0, params * 3 * grad_bytes, device, "fp32", is_matmul=False)
+
+
 # --- pipeline schedules --------------------------------------------------------------------------
 # p stages, m micro-batches per step, v model chunks per device (interleaved only). Times are those
 # of one device's whole share of the layers for one micro-batch, forward plus backward. The closed

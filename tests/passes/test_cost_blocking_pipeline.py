@@ -1,5 +1,6 @@
 """cost_model.blocking_1f1b_stage_ends (DeepSpeed's PipelineEngine schedule with blocking, one-after-the-
-other sends) and optimizer_step_seconds, against timelines and arithmetic worked out by hand here."""
+other sends), optimizer_step_seconds and gradient_accumulation_seconds, against timelines and arithmetic
+worked out by hand here."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 from xirang.ir.device import DEVICE_PRESETS
 from xirang.ir.errors import InvalidValue
 from xirang.passes.planning.cost_model import (ADAM_STEP_BYTES_PER_PARAM, blocking_1f1b_stage_ends,
-                                               optimizer_step_seconds, pipeline_step_time)
+                                               gradient_accumulation_seconds, optimizer_step_seconds,
+                                               pipeline_step_time)
 
 
 def test_two_stages_one_micro_batch_by_hand():
@@ -55,3 +57,16 @@ def test_optimizer_step_by_hand():
     # 1.9e9 parameters x 70 B over 2.039 TB/s x 0.35 (the preset's memory efficiency) = 0.186 s
     assert optimizer_step_seconds(1.9e9, a100) == pytest.approx(1.9e9 * 70 / (2.039e12 * 0.35))
     assert optimizer_step_seconds(1.9e9, a100) == pytest.approx(0.1864, abs=1e-4)
+
+
+def test_gradient_accumulation_by_hand():
+    a100, h100 = DEVICE_PRESETS["a100-80g"], DEVICE_PRESETS["h100-80g"]
+    # an MT-NLG stage's 1.888e9 16-bit gradients: 2 B read + 2 B read + 2 B written each, over
+    # 2.039 TB/s x 0.35 = 15.9 ms; fp32 gradients (Xirang's own .grad) move twice the bytes
+    assert gradient_accumulation_seconds(1.888e9, 2, a100) == pytest.approx(1.888e9 * 6 / (2.039e12 * 0.35))
+    assert gradient_accumulation_seconds(1.888e9, 2, a100) == pytest.approx(0.0159, abs=1e-4)
+    assert gradient_accumulation_seconds(1e9, 4, a100) == pytest.approx(2 * gradient_accumulation_seconds(1e9, 2, a100))
+    # the device's own memory rate: the H100 preset's bandwidth and efficiency, not the A100's
+    assert gradient_accumulation_seconds(1e9, 2, h100) == pytest.approx(
+        6e9 / (h100.memory_bandwidth * h100.efficiency.memory))
+    assert gradient_accumulation_seconds(0, 2, a100) == 0.0
