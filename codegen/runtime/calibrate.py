@@ -28,6 +28,7 @@ with device "cuda" and nccl; the timings synchronise the device around each time
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -81,12 +82,23 @@ LOCKSTEP_WINDOW_S = 0.2  # each lock-step window holds at least this much work, 
 QUICK_LOCKSTEP_WINDOW_S = 0.005  # --quick: rough figures in seconds
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity where the OS tells, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _lockstep_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 1,
                    window_s: float = LOCKSTEP_WINDOW_S) -> float:
-    """Median seconds of ``fn`` with every rank running it at once: each window of ``reps`` calls
-    between two barriers, less the median of an empty pair of barriers (what the barriers cost on
-    their own), over ``reps``. ``reps`` (the same on every rank: the largest any rank asks for) makes
-    a window at least ``LOCKSTEP_WINDOW_S`` of work. This is what training sees: every rank busy."""
+    """Seconds of ``fn`` on one of N ranks sharing C cores, every rank running it at once: each window
+    of ``reps`` calls runs between two barriers on every rank, and this rank's CPU seconds over the
+    calls (``time.process_time``: what it took of the cores, contention included, scheduling waits and
+    the barriers' latency not) are what the N ranks together need C cores for, so a call takes
+    CPU · N / C of wall time with every rank busy (the median window, over ``reps``). ``reps`` (the
+    same on every rank: the largest any rank asks for) makes a window at least ``LOCKSTEP_WINDOW_S``
+    of work. This is what training sees: every rank busy."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -96,20 +108,19 @@ def _lockstep_time(fn: Callable[[], None], device: str, iters: int, warmup: int 
     reps = torch.tensor([max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-7)))])
     dist.all_reduce(reps, op=dist.ReduceOp.MAX)
     reps = int(reps.item())
+    ranks = dist.get_world_size()
+    cores = min(ranks * torch.get_num_threads(), usable_cores())
 
-    def repeated():
+    def window() -> float:
+        dist.barrier()
+        start = time.process_time()
         for _ in range(reps):
             fn()
-
-    def window(body) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        body()
         _sync(device)
+        used = time.process_time() - start
         dist.barrier()
-        return time.perf_counter() - start
-    empty = statistics.median(window(lambda: None) for _ in range(iters))
-    return max(1e-9, statistics.median(window(repeated) for _ in range(iters)) - empty) / reps
+        return used
+    return max(1e-9, statistics.median(window() for _ in range(iters))) * ranks / cores / reps
 
 
 def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
@@ -300,7 +311,8 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
     sharing = measure_sharing(device, quick, lambda: _sync(device)) if shared else None
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
     collectives = _collective_samples(device, quick, in_context=sharing is not None) if world_size > 1 else {}
-    return {"rank": rank, "threads": torch.get_num_threads(), "compute": compute, "sharing": sharing,
+    return {"rank": rank, "threads": torch.get_num_threads(), "cores": usable_cores(), "compute": compute,
+            "sharing": sharing,
             "collectives": collectives}
 
 

@@ -2,25 +2,28 @@
 on rank 0 alone (the others blocked in a barrier), then on every rank at once, then on rank 0 again
 beside ranks waiting in an ``irecv`` as a pipeline rank waits for its input.
 
-Two workloads, because they share cores differently:
+Three workloads, because they share cores differently:
 
 - **micro**: the lock-step microbenchmarks' kind of work (a few matmuls and a chain of tiny ops on
   small tensors). N ranks on k cores take N/k times as long together as one alone, so
   k_micro = N · alone / together says what the lock-step rates already hold.
-- **training**: a stack of transformer-like blocks (layer norm, the MLP's two matmuls, gelu, a
-  residual add) forward and backward through autograd, with a training-sized working set (weights,
-  their gradients and activations: tens of MB per rank, together well beyond the last-level cache).
-  Ranks that train may evict each other's data and switch more: on the 2-core development box, 8
-  independent processes training a small GPT each took 1.03-1.21x the CPU per step of one alone. There
-  the two workloads measured alike (together / alone CPU 1.08-1.10 training, 1.10-1.12 micro), so
-  the slowdown below came out 1.00; it is kept for machines where training contends harder.
+- **training**, at two sizes: a stack of transformer-like blocks (layer norm, the MLP's two matmuls,
+  gelu, a residual add) forward and backward through autograd, once with 1024 rows (its CPU mostly
+  FLOPs) and once with 16 rows, repeated (its CPU mostly the per-op cost: dispatch, autograd nodes,
+  allocation). Ranks that train evict each other's caches and predictors at every switch, and that
+  costs the small ops' fixed costs far more than the FLOPs: on the 2-core development box (Intel
+  Xeon, 8 processes) the 16-row stack took 1.5x the CPU together that it took alone, the 1024-row one
+  1.12x, while the lock-step microbenchmarks, repeating one hot op, showed 1.05x. Lock-step rates
+  and fixed costs therefore both understate what training ranks get, by different factors.
 
 Each workload's CPU seconds are timed too (``time.process_time`` around the work alone, and on every
 rank around its own share of the together-window, before it waits for the others): together / alone
 CPU is how much more CPU the same work takes beside the other ranks, free of scheduling waits and
-the barriers' latency. ``calibrated_world`` slows the lock-step rates by the training workload's
-ratio over the micro workload's (never speeds them up) and takes ``parallel_ranks`` = k_micro over
-that slowdown, so the compute prices are those of ranks that train.
+the barriers' latency. ``calibrated_world`` splits each training size's CPU into a per-call part
+and a per-row part (two sizes, two unknowns), slows the lock-step FLOP rates by the per-row part's
+together / alone ratio over the micro workload's and the per-op fixed costs by the per-call part's
+(never speeding either up), and takes ``parallel_ranks`` = k_micro over the FLOP slowdown, so the
+compute prices are those of ranks that train.
 Each together-window is measured less the median latency of an empty pair of barriers: on ranks
 sharing cores a barrier's own latency is tens of milliseconds and varies from round to round, so
 left in, it reads as ranks running slower together. k may fall below 1 on a machine other processes
@@ -38,9 +41,11 @@ import torch.nn.functional as F
 
 MICRO_TINY_OPS = 200  # ops of the micro workload's chain of tiny ops
 MICRO_MATMUL = (256, 256, 1024)
-# (rows, hidden, blocks) of the training workload: a micro-batch of 2 x 128 tokens through four blocks
-# of a hidden-256 model, ~20 MB of weights, gradients and activations per rank
-TRAINING_SHAPE, QUICK_TRAINING_SHAPE = (256, 256, 4), (64, 64, 2)
+# (rows, hidden, blocks, repeats) of the training workload at its two sizes: rows of tokens through
+# four blocks of a hidden-256 model (~20 MB of weights, gradients and activations per rank at 1024
+# rows); the small one repeated so that its window holds as much work as a scheduler slice or more
+TRAINING_SHAPES = {"training": (1024, 256, 4, 1), "training_small": (16, 256, 4, 16)}
+QUICK_TRAINING_SHAPES = {"training": (64, 64, 2, 1), "training_small": (4, 64, 2, 2)}
 
 
 def _micro_workload(device: str, quick: bool) -> Callable[[], None]:
@@ -57,8 +62,8 @@ def _micro_workload(device: str, quick: bool) -> Callable[[], None]:
     return work
 
 
-def _training_workload(device: str, quick: bool) -> Callable[[], None]:
-    rows, hidden, blocks = QUICK_TRAINING_SHAPE if quick else TRAINING_SHAPE
+def _training_workload(device: str, shape: tuple) -> Callable[[], None]:
+    rows, hidden, blocks, repeats = shape
     weights = [(torch.randn(4 * hidden, hidden, device=device) * hidden ** -0.5,
                 torch.randn(hidden, 4 * hidden, device=device) * (4 * hidden) ** -0.5) for _ in range(blocks)]
     for up, down in weights:
@@ -67,12 +72,13 @@ def _training_workload(device: str, quick: bool) -> Callable[[], None]:
     x = torch.randn(rows, hidden, device=device)
 
     def work():
-        for up, down in weights:  # a fresh gradient each time, as after optimizer.zero_grad
-            up.grad = down.grad = None
-        h = x
-        for up, down in weights:
-            h = h + F.linear(F.gelu(F.linear(F.layer_norm(h, (hidden,)), up)), down)
-        h.sum().backward()
+        for _ in range(repeats):
+            for up, down in weights:  # a fresh gradient each time, as after optimizer.zero_grad
+                up.grad = down.grad = None
+            h = x
+            for up, down in weights:
+                h = h + F.linear(F.gelu(F.linear(F.layer_norm(h, (hidden,)), up)), down)
+            h.sum().backward()
     return work
 
 
@@ -120,7 +126,8 @@ def _alone_together(work: Callable[[], None], sync: Callable[[], None], rounds: 
 
 def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
     """Alone / together / beside-waiters seconds of the micro workload (top level, as files written
-    before had them) and of the training workload (``"training"``), and the empty barrier pair's."""
+    before had them) and of the training workload at each size (``"training"``, ``"training_small"``,
+    each with its ``rows`` and ``repeats``), and the empty barrier pair's."""
     empty = []
     for _ in range(2 if quick else 6):
         dist.barrier()
@@ -130,5 +137,8 @@ def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
     empty_s, rounds = statistics.median(empty), 2 if quick else 10
     token = torch.zeros(1, device=device)
     micro = _alone_together(_micro_workload(device, quick), sync, rounds, empty_s, token)
-    training = _alone_together(_training_workload(device, quick), sync, rounds, empty_s, token)
-    return {**micro, "barrier_s": empty_s, "training": training}
+    timed = {"barrier_s": empty_s}
+    for name, shape in (QUICK_TRAINING_SHAPES if quick else TRAINING_SHAPES).items():
+        timed[name] = {**_alone_together(_training_workload(device, shape), sync, rounds, empty_s, token),
+                       "rows": shape[0], "repeats": shape[3]}
+    return {**micro, **timed}

@@ -7,12 +7,16 @@
   derating. Non-matmul FLOPs and fused attention were timed too: their efficiencies are their
   measured rates over the matmul's (a CPU core runs gelu or a layer norm at a few percent of its
   matmul rate, and its flash-attention kernel at about half), files written before had none.
-- Ranks sharing cores: ``parallel_ranks`` k = N · alone / together (how many ranks compute at full
-  speed at once; ``calibrate_sharing``), ``waiting_share`` where between "a waiting rank costs nothing"
+- Ranks sharing cores: ``parallel_ranks`` k = C cores / (together / alone CPU of the micro work), how
+  many ranks compute at full speed at once (``calibrate_sharing``; files without the cores: N · alone
+  / together of the wall clock), ``waiting_share`` where between "a waiting rank costs nothing"
   and "as much as a busy one" the pipeline's waiting ranks are. Ranks that train take more CPU for
   the same work beside each other than the lock-step microbenchmarks' small working sets show: where
-  the training workload's together / alone CPU exceeds the micro workload's, every compute rate and
-  fixed cost is slowed by the ratio of the two and k divided by it.
+  the training workload's together / alone CPU exceeds the micro workload's, the compute figures are
+  slowed by the ratio of the two and k divided by it. Timed at two sizes, the training workload's CPU
+  splits into a per-call part and a per-row part (``training_slowdowns``): the FLOP rates take the
+  per-row part's ratio, the per-op fixed costs the per-call part's (time slicing costs small ops far
+  more than FLOPs); a file with the one size slows both alike.
 - Collectives: one alpha-beta line per kind and group size (``CollectiveFit``), from the slowest rank
   of each sample back to back, or from the mean rank where each call followed a chunk of work (the
   compute price already puts that work at the mean rank's).
@@ -54,27 +58,58 @@ def _rate(samples: Sequence[Sequence[float]], what: str) -> tuple[float, dict]:
     return 1.0 / per_unit, {**fit, "rate": 1.0 / per_unit}
 
 
+def _per_call_and_row(small: dict, large: dict, key: str) -> tuple[float, float]:
+    """(seconds per call, seconds per row) of the training workload from its two sizes' ``key`` CPU
+    seconds: each timed call is ``repeats`` passes of ``fixed + rows · per_row``."""
+    a_small, a_large = small[key] / small["repeats"], large[key] / large["repeats"]
+    per_row = (a_large - a_small) / (large["rows"] - small["rows"])
+    return a_small - small["rows"] * per_row, per_row
+
+
+def training_slowdowns(sharing: dict) -> tuple[float, float] | None:
+    """(FLOP slowdown, fixed-cost slowdown) of ranks that train over the lock-step microbenchmarks:
+    each part's together / alone CPU over the micro workload's, never below 1; None without the
+    training workload. With one size only (files written before), both are its whole ratio."""
+    training, small = sharing.get("training"), sharing.get("training_small")
+    if not training or min(training.get("alone_cpu_s", 0.0), sharing.get("alone_cpu_s", 0.0)) <= 0:
+        return None
+    micro = sharing["together_cpu_s"] / sharing["alone_cpu_s"]
+    whole = max(1.0, training["together_cpu_s"] / training["alone_cpu_s"] / micro)
+    if not small or small.get("rows") is None or training.get("rows", 0) <= small["rows"]:
+        return whole, whole
+    fixed_alone, row_alone = _per_call_and_row(small, training, "alone_cpu_s")
+    fixed_together, row_together = _per_call_and_row(small, training, "together_cpu_s")
+    if min(fixed_alone, row_alone, fixed_together, row_together) <= 0:  # noise swamped one part
+        return whole, whole
+    return max(1.0, row_together / row_alone / micro), max(1.0, fixed_together / fixed_alone / micro)
+
+
 def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
     """The World of one node of ``len(results)`` devices, every figure measured (see module doc)."""
     ranks = len(results)
     raw: dict = {"threads_per_rank": results[0]["threads"], "cpu_count": os.cpu_count()}
     compute, sharing = results[0]["compute"], results[0]["sharing"]
     # N ranks on k cores (``calibrate_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
-    parallel, waiting, slowdown = float(ranks), 0.0, 1.0
+    parallel, waiting, slowdown, fixed_slowdown = float(ranks), 0.0, 1.0, 1.0
     if sharing is not None and sharing["together_s"] > 0:
-        micro = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
+        cores = results[0].get("cores")
+        if cores and sharing.get("alone_cpu_s", 0.0) > 0:
+            # the cores over what the micro work's CPU grows by beside the other ranks: CPU seconds,
+            # which neither the barriers' latency nor the scheduler's order of the ranks touch
+            micro = min(float(ranks), cores / max(1.0, sharing["together_cpu_s"] / sharing["alone_cpu_s"]))
+        else:  # files written before the cores were recorded: the wall clock's ratio
+            micro = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
         parallel = micro
         raw["sharing"] = dict(sharing)
-        training = sharing.get("training")
-        if training and min(training.get("alone_cpu_s", 0.0), sharing.get("alone_cpu_s", 0.0)) > 0:
+        slowdowns = training_slowdowns(sharing)
+        if slowdowns is not None:
             # ranks that train take more CPU for the same work beside each other than the lock-step
             # microbenchmarks' work does (their working sets evict each other's): the rates are slowed
             # to what training gets, never sped up, and fewer ranks' worth of training runs at once
-            slowdown = max(1.0, (training["together_cpu_s"] / training["alone_cpu_s"])
-                           / (sharing["together_cpu_s"] / sharing["alone_cpu_s"]))
+            slowdown, fixed_slowdown = slowdowns
             parallel = micro / slowdown
-            raw["training_slowdown"] = slowdown
-            sharing = training
+            raw["training_slowdown"], raw["fixed_cost_slowdown"] = slowdown, fixed_slowdown
+            sharing = sharing["training"]
         # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and
         # "as much as a busy one" (as slow as with every rank busy) the pipeline's waiting ranks are
         spread = sharing["together_s"] - sharing["alone_s"]
@@ -101,10 +136,11 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         rate, raw["attention"] = _rate(compute["attention"], "fused attention")
         attention = min(1.0, rate / peaks["float32"])
         fixed["attention"] = max(0.0, raw["attention"]["intercept_s"] - op_forward - 3 * op_backward)
-    if slowdown > 1.0:  # every compute figure at what ranks that train get (the classes' ratios stay)
-        peaks = {dtype: rate / slowdown for dtype, rate in peaks.items()}
-        bandwidth, op_forward, op_backward = bandwidth / slowdown, op_forward * slowdown, op_backward * slowdown
-        fixed = {name: seconds * slowdown for name, seconds in fixed.items()}
+    # every compute figure at what ranks that train get (the classes' rate ratios stay)
+    peaks = {dtype: rate / slowdown for dtype, rate in peaks.items()}
+    bandwidth = bandwidth / slowdown
+    op_forward, op_backward = op_forward * fixed_slowdown, op_backward * fixed_slowdown
+    fixed = {name: seconds * fixed_slowdown for name, seconds in fixed.items()}
     raw["collectives_in_context"] = sharing is not None
     raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
                    "share cores)")

@@ -175,3 +175,21 @@ def test_a_calibration_without_the_training_workload_keeps_the_micro_sharing():
     assert world.calibration.parallel_ranks == pytest.approx(2.0)
     assert "training_slowdown" not in world.calibration.raw
     assert world.nodes[0].device.peak("fp32") == pytest.approx(1e10)
+
+
+def test_two_training_sizes_slow_the_flop_rates_and_the_fixed_costs_apart():
+    # per pass: 2 ms + 0.1 ms per row alone; beside the other ranks 3 ms (1.5x) + 0.11 ms per row (1.1x)
+    def timed(rows, repeats):
+        return {"alone_s": 1.0, "together_s": 4.0, "beside_waiters_s": 1.0, "rows": rows, "repeats": repeats,
+                "alone_cpu_s": repeats * (2e-3 + rows * 1e-4), "together_cpu_s": repeats * (3e-3 + rows * 1.1e-4)}
+    results = _shared(timed(1024, 1))
+    sharing = {**results[0]["sharing"], "training_small": timed(16, 4)}
+    world = calibrated_world([{**r, "sharing": sharing} for r in results], backend="gloo", device="cpu")
+    device, calibration = world.nodes[0].device, world.calibration
+    assert calibration.raw["training_slowdown"] == pytest.approx(1.1)
+    assert calibration.raw["fixed_cost_slowdown"] == pytest.approx(1.5)
+    assert calibration.parallel_ranks == pytest.approx(2.0 / 1.1)
+    assert device.peak("fp32") == pytest.approx(1e10 / 1.1)
+    assert device.op_overhead_s == pytest.approx(1e-5 * 1.5)
+    assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 1.5)
+    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * 1.5)
