@@ -185,8 +185,7 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
 
         for template in ops[2]:
             with graph.inserting_after(anchor_op):
-                node = graph.node_copy(template, remap)
-            node.meta = dict(template.meta)
+                node = _copy_node(graph, template, remap)
             NN_MODULE_STACK.set(node, {rename(k): (rename(fqn), cls)
                                        for k, (fqn, cls) in NN_MODULE_STACK.get(template).items()})
             anchor_op = node
@@ -197,6 +196,18 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
     for node in outside:
         if any(a in last_layer_nodes for a in node.all_input_nodes):
             node.args, node.kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: final.get(a, a))
+
+
+def _copy_node(graph, template, remap):
+    """``graph.node_copy(template, remap)`` with its own copy of the meta dict, without the check
+    ``create_node`` makes of new arguments for raw SymInts (a pytree walk of every argument, ~60% of
+    stamping 77 layers): these arguments are the template's, already in the graph, with nodes swapped
+    for nodes. Arguments set after creation are recorded (uses, users) exactly as at creation."""
+    node = graph.create_node(template.op, template.target, name=template.name, type_expr=template.type)
+    node.args = torch.fx.map_arg(template.args, remap)
+    node.kwargs = torch.fx.map_arg(template.kwargs, remap)
+    node.meta = dict(template.meta)
+    return node
 
 
 def _pattern(node, layer: int, position, param_position):

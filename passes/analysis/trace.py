@@ -8,9 +8,13 @@ then torch.fx.symbolic_trace followed by export; the method used and every fallb
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
+import traceback
 
 import torch
+import torch.fx.proxy as fx_proxy
 from torch.export.graph_signature import InputKind
 
 from xirang.ir.errors import TraceError
@@ -97,7 +101,7 @@ def _export_with_fallbacks(model, named, symbolic_dims, info):
         inputs = widen_unit_dims(named, dims)
         tracker = ModuleCallTracker(model)
         try:
-            with quiet_torch_logs(), tracker.watching(), _uncached_fake_dispatch():
+            with quiet_torch_logs(), tracker.watching(), _uncached_fake_dispatch(), forward_frames_only():
                 exported = torch.export.export(model, (), inputs, strict=False,
                                                dynamic_shapes=export_dynamic_shapes(inputs, dims) if dims else None)
             info["method"] = method
@@ -131,6 +135,49 @@ def _uncached_fake_dispatch():
     each hit rebuild the output's sizes and strides as SymInts (~40% of exporting three Llama layers
     went there; ~20% of the export is saved without it). The graph is the same either way."""
     return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
+
+
+class ForwardFrames:
+    """What ``torch.fx.proxy`` asks of ``CapturedTraceback`` (``extract().summary()``), keeping only the
+    frames export's tracer keeps: those of a ``forward``, of torch/__init__.py, or of a registered
+    anchor (its ``_record_forward_stack_traces_only`` filter). torch symbolised and looked up the source
+    line of every frame of a ~100-frame stack for each node (~10% of exporting three Llama layers) only
+    to drop all but a few; walking the frames here gives the same kept frames, so the same
+    ``stack_trace`` text, at a fraction of the cost."""
+
+    def __init__(self, frames: list[tuple[str, int, str]]):
+        self.frames = frames  # (file, line, function), innermost first
+
+    @staticmethod
+    def extract(*, script=False, cpp=False, skip=0):
+        anchors = getattr(fx_proxy, "_STACK_TRACE_ANCHORS", ())
+        kept, frame = [], sys._getframe(1 + skip)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "forward" or code.co_filename.endswith("torch/__init__.py") \
+                    or (code.co_filename, code.co_name) in anchors:
+                kept.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        return ForwardFrames(kept)
+
+    def summary(self) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([traceback.FrameSummary(file, line, name)
+                                                 for file, line, name in reversed(self.frames)])
+
+
+@contextlib.contextmanager
+def forward_frames_only():
+    """Within the block, export's tracer captures each node's stack with ``ForwardFrames``; if a
+    torch release no longer reads ``CapturedTraceback`` there, nothing changes but the speed."""
+    original = getattr(fx_proxy, "CapturedTraceback", None)
+    if original is None:
+        yield
+        return
+    fx_proxy.CapturedTraceback = ForwardFrames
+    try:
+        yield
+    finally:
+        fx_proxy.CapturedTraceback = original
 
 
 def _first_line(exc) -> str:

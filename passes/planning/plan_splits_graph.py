@@ -155,6 +155,10 @@ class SplitGraph:
         outside = [n for n in self.nodes if BLOCK.get(n, None) is None and self._decides(n, "segments")]
         if outside:
             self.groups.append(Group("segments", None, 1, outside, None))
+        # every node's name with the node whose strategy it shares, in graph order: each split's
+        # placements (one per node, ~6000 for Llama-2-70B) are read off its representatives
+        self.named_reps = [(node.name, self.rep_of.get(node, node)) for node in self.nodes]
+        self.representatives = list(dict.fromkeys(rep for _, rep in self.named_reps))
 
     def _owner_of(self, placeholder: Node) -> str | None:
         """The one place that reads a placeholder, if it is also the placeholder's own place (a block's

@@ -96,14 +96,8 @@ class Assembly:
 
     def placements(self) -> dict[str, NodeStrategy]:
         """Every node in graph order; a block's nodes share their representative's NodeStrategy."""
-        own = {}
-        found = {}
-        for node in self.graph.nodes:
-            rep = self.graph.rep_of.get(node, node)
-            if rep not in own:
-                own[rep] = self.node_strategy(rep)
-            found[node.name] = own[rep]
-        return found
+        own = {rep: self.node_strategy(rep) for rep in self.graph.representatives}
+        return {name: own[rep] for name, rep in self.graph.named_reps}
 
     # --- costs -----------------------------------------------------------------------------------
 

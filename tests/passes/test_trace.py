@@ -2,6 +2,8 @@
 layer folding (folded == full trace, node by node), and errors that name module, line and remedy."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from xirang.ir.meta_keys import (MODULE_PATH, PARAM_ALIASES, PARAM_NAME, ROLE, S
 from xirang.ir.pass_spec import CompileContext
 from xirang.pass_manager import PassManager
 from xirang.passes.analysis.tensors import annotate_tensors
+from xirang.passes.analysis import trace as trace_module
 from xirang.passes.analysis.trace import trace_model
 
 
@@ -50,6 +53,16 @@ def test_ops_keep_module_path_and_user_source_line():
     source = SOURCE.get(q_proj)
     assert source.file.endswith("modeling_llama.py")
     assert "q_proj" in source.code  # the line in LlamaAttention.forward, not torch's Linear.forward
+
+
+@pytest.mark.parametrize("build", [hf_llama, hf_gpt2], ids=["llama", "gpt2"])
+def test_forward_frames_give_torchs_own_stack_traces(build, monkeypatch):
+    """Export's stack capture through ``ForwardFrames`` writes the text torch's own capture writes."""
+    ours = [n.meta.get("stack_trace") for n in traced(build()).graph.nodes]
+    monkeypatch.setattr(trace_module, "forward_frames_only", contextlib.nullcontext)
+    torchs = [n.meta.get("stack_trace") for n in traced(build()).graph.nodes]
+    assert sum(map(bool, torchs)) > len(torchs) // 2  # most nodes have one: the comparison says something
+    assert ours == torchs
 
 
 def test_unit_batch_is_traced_symbolically():
