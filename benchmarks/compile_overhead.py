@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -56,7 +57,23 @@ def single_rank(name: str) -> tuple[float, float]:
         eager.zero_grad(set_to_none=True)
         eager(**batch).backward()
     compiled = xirang.compile(_model(name), world=1, example_kwargs=batch, global_batch=BATCH, device="cpu")
-    return _timed(eager_step), _timed(lambda: _fresh_step(compiled, batch))
+    return _alternated(eager_step, lambda: _fresh_step(compiled, batch))
+
+
+def _alternated(step_a, step_b, rounds: int = 5 * STEPS) -> tuple[float, float]:
+    """Median seconds of each of two steps run alternately (a, b, a, b, ...): a drift of the machine's
+    speed during the run (other load, frequency) falls on both alike, which two back-to-back means
+    do not give on a shared box (world=1 ratios of one model swung 1.01-1.13 between runs)."""
+    for _ in range(WARMUP):
+        step_a()
+        step_b()
+    times_a, times_b = [], []
+    for _ in range(rounds):
+        for step, times in ((step_a, times_a), (step_b, times_b)):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times_a), statistics.median(times_b)
 
 
 def _fresh_step(compiled, batch):
@@ -83,7 +100,8 @@ def _dp_rank(rank, world, name):
 
 def main():
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"batch {BATCH} x seq {SEQ}, mean of {STEPS} steps after {WARMUP} warm-up")
+    print(f"batch {BATCH} x seq {SEQ}; world=1: medians of {5 * STEPS} eager and compiled steps run alternately "
+          f"after {WARMUP} warm-up each; dp=4: mean of {STEPS} steps after {WARMUP} warm-up")
     for name in MODELS:
         eager_s, compiled_s = single_rank(name)
         print(f"world=1 {name:7s} eager {eager_s * 1e3:8.1f} ms  compiled {compiled_s * 1e3:8.1f} ms  "
