@@ -144,6 +144,11 @@ class Calibration:
       cost): the intercept of the class's measured line ``seconds = c + FLOPs / rate`` at training
       sizes (packing, blocking and threading set-up that does not shrink with the work). It weighs
       at small micro-batches: a CPU's matmul of 128 rows spends about a third of its time there.
+    - ``recompute_saved_s``: what a recomputed region costs per tensor its ops save for the backward,
+      beyond running its forward again (``torch.utils.checkpoint``'s saved-tensor hooks: a handle
+      packed in the forward, the recompute found and its value unpacked in the backward; measured as
+      a block stack's checkpointed step less its plain step and one more forward, over the tensors
+      saved). 0: not measured (a full recompute then costs one more forward, as on the presets).
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -157,6 +162,7 @@ class Calibration:
     parallel_ranks: Optional[float] = None
     waiting_share: float = 0.0
     op_fixed_s: Mapping[str, float] = field(default_factory=dict)
+    recompute_saved_s: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -171,6 +177,8 @@ class Calibration:
         object.__setattr__(self, "backward_op_overhead_s",
                            _number(self.backward_op_overhead_s, "Calibration backward_op_overhead_s"))
         object.__setattr__(self, "raw", MappingProxyType(dict(self.raw)))
+        object.__setattr__(self, "recompute_saved_s",
+                           _number(self.recompute_saved_s, "Calibration recompute_saved_s"))
         share = _number(self.waiting_share, "Calibration waiting_share")
         if share > 1:
             raise InvalidValue(f"Calibration waiting_share must be a fraction in [0, 1], got {share!r}")
@@ -193,7 +201,7 @@ class Calibration:
     def __hash__(self) -> int:
         return hash((self.ranks, self.backend, self.device_kind, self.collectives,
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
-                     self.waiting_share, tuple(sorted(self.op_fixed_s.items()))))
+                     self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -201,7 +209,8 @@ class Calibration:
     def __reduce__(self):
         return (Calibration, (self.ranks, self.backend, self.device_kind, self.collectives,
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
-                              self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s)))
+                              self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s),
+                              self.recompute_saved_s))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
@@ -209,7 +218,7 @@ class Calibration:
                 "backward_op_overhead_s": self.backward_op_overhead_s,
                 "comm_overlaps_compute": self.comm_overlaps_compute, "parallel_ranks": self.parallel_ranks,
                 "waiting_share": self.waiting_share, "op_fixed_s": dict(self.op_fixed_s),
-                "raw": _plain(self.raw)}
+                "recompute_saved_s": self.recompute_saved_s, "raw": _plain(self.raw)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
@@ -224,7 +233,7 @@ class Calibration:
                    tuple(CollectiveFit.from_json(f) for f in data["collectives"]),
                    data.get("backward_op_overhead_s", 0.0), bool(data.get("comm_overlaps_compute", True)),
                    data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0),
-                   data.get("op_fixed_s", {}))
+                   data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0))
 
 
 def _plain(value):

@@ -126,6 +126,7 @@ def scaled_split(split: TensorSplit, compute: float, tp: float) -> TensorSplit:
     def scaled(u: UnitCost) -> UnitCost:
         return replace(u, forward_seconds=u.forward_seconds * compute, backward_seconds=u.backward_seconds * compute,
                        selective_recompute_seconds=u.selective_recompute_seconds * compute,
+                       full_recompute_seconds=u.full_recompute_seconds * compute,
                        tp_comm_forward_seconds=u.tp_comm_forward_seconds * tp,
                        tp_comm_backward_seconds=u.tp_comm_backward_seconds * tp)
     return replace(split, units=tuple(scaled(u) for u in split.units))

@@ -10,7 +10,8 @@ Every benchmark runs on all N local ranks at once, as training does, so what ran
   backward: the roofline's ``Efficiency.other``, at the FLOPs the analysis counts for them), fused
   attention forward and backward (``Efficiency.attention``, at the analysis's attention FLOPs), a tiny
   op's dispatch (the fixed per-op cost: eager dispatch on CPU, a kernel launch on GPU) and the
-  backward's per-op cost (an autograd node and its gradient op on a tiny tensor). Each op is called
+  backward's per-op cost (an autograd node and its gradient op on a tiny tensor), and a block stack
+  with and without ``torch.utils.checkpoint`` (what a recomputed region costs beyond its forward). Each op is called
   the way emitted programs call it (``torch.ops.aten``).
 - collectives: every kind the runtime issues, on every group size 2, 4, ... N that divides N (all
   groups of that size running at once, as the dp or tp groups of a mesh do), with the calls the
@@ -36,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.calibrate_op_classes import attention_samples, other_samples
+from xirang.codegen.runtime.calibrate_op_classes import attention_samples, other_samples, recompute_sample
 from xirang.codegen.runtime.calibrate_sharing import measure_sharing
 from xirang.codegen.runtime.calibrated_world import calibrated_world
 from xirang.ir.calibration import COLLECTIVE_KINDS
@@ -161,6 +162,7 @@ def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
         out["elementwise"].append([12.0 * count, timed(lambda x=x, y=y: aten.add.Tensor(x, y), device, iters)])
     out["other"] = other_samples(device, quick, timed, iters)
     out["attention"] = attention_samples(device, quick, timed, iters)
+    out["recompute"] = recompute_sample(device, quick, timed, iters)
     tiny = torch.ones(8, device=device)
 
     def forward_chain():

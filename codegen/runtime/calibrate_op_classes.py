@@ -51,3 +51,45 @@ def attention_samples(device: str, quick: bool, timed, iters: int) -> list:
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
         samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters)])
     return samples
+
+
+# (rows, hidden, blocks) of the recompute sample: few rows, so the checkpoint's own cost is not lost
+# in the FLOPs' noise
+RECOMPUTE_SHAPE, QUICK_RECOMPUTE_SHAPE = (16, 256, 4), (4, 64, 2)
+
+
+def recompute_sample(device: str, quick: bool, timed, iters: int) -> dict:
+    """Seconds of a stack of transformer-like blocks (layer norm, linear, gelu, linear, residual add)
+    forward and backward plain, with every block under ``torch.utils.checkpoint`` (non-reentrant, as
+    the emitted program's recompute regions run: passes/lowering/regions.py), and forward alone
+    with autograd recording (what the recompute runs again); and the tensors the plain forward saves
+    for the backward. ``calibrated_world`` prices a recomputed region's extra cost per saved tensor
+    from these: (checkpointed - plain - forward) / saved."""
+    from torch.utils.checkpoint import checkpoint
+
+    rows, hidden, blocks = QUICK_RECOMPUTE_SHAPE if quick else RECOMPUTE_SHAPE
+    weights = [(torch.randn(4 * hidden, hidden, device=device, requires_grad=True),
+                torch.randn(hidden, 4 * hidden, device=device, requires_grad=True)) for _ in range(blocks)]
+    x = torch.randn(rows, hidden, device=device, requires_grad=True)
+
+    def block(h, up, down):
+        return h + torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(
+            torch.nn.functional.layer_norm(h, (hidden,)), up)), down)
+
+    def forward(checkpointed: bool):
+        h = x
+        for up, down in weights:
+            h = checkpoint(block, h, up, down, use_reentrant=False) if checkpointed else block(h, up, down)
+        return h
+
+    def step(checkpointed: bool):
+        for up, down in weights:  # a fresh gradient each time, as after optimizer.zero_grad
+            up.grad = down.grad = None
+        x.grad = None
+        forward(checkpointed).sum().backward()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+        forward(False)
+    return {"plain_s": timed(lambda: step(False), device, iters),
+            "checkpointed_s": timed(lambda: step(True), device, iters),
+            "forward_s": timed(lambda: forward(False), device, iters), "saved_tensors": len(saved)}

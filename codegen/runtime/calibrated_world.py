@@ -17,6 +17,9 @@
   splits into a per-call part and a per-row part (``training_slowdowns``): the FLOP rates take the
   per-row part's ratio, the per-op fixed costs the per-call part's (time slicing costs small ops far
   more than FLOPs); a file with the one size slows both alike.
+- Recompute: a block stack's step with every block checkpointed, less its plain step and one more
+  forward, over the tensors its forward saves (``Calibration.recompute_saved_s``): the non-reentrant
+  checkpoint's hooks cost per saved tensor, beyond the forward that a full recompute runs again.
 - Collectives: one alpha-beta line per kind and group size (``CollectiveFit``), from the slowest rank
   of each sample back to back, or from the mean rank where each call followed a chunk of work (the
   compute price already puts that work at the mean rank's).
@@ -136,11 +139,18 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         rate, raw["attention"] = _rate(compute["attention"], "fused attention")
         attention = min(1.0, rate / peaks["float32"])
         fixed["attention"] = max(0.0, raw["attention"]["intercept_s"] - op_forward - 3 * op_backward)
+    recompute_saved = 0.0  # checkpoint's cost per saved tensor beyond the forward it runs again
+    sample = compute.get("recompute")
+    if sample and sample.get("saved_tensors"):
+        extra = sample["checkpointed_s"] - sample["plain_s"] - sample["forward_s"]
+        raw["recompute"] = dict(sample)
+        recompute_saved = max(0.0, extra) / sample["saved_tensors"]
     # every compute figure at what ranks that train get (the classes' rate ratios stay)
     peaks = {dtype: rate / slowdown for dtype, rate in peaks.items()}
     bandwidth = bandwidth / slowdown
     op_forward, op_backward = op_forward * fixed_slowdown, op_backward * fixed_slowdown
     fixed = {name: seconds * fixed_slowdown for name, seconds in fixed.items()}
+    recompute_saved *= fixed_slowdown  # hooks and bookkeeping: a per-call cost, as the fixed ones
     raw["collectives_in_context"] = sharing is not None
     raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
                    "share cores)")
@@ -175,5 +185,5 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     calibration = Calibration(ranks, backend, "cuda" if on_gpu else "cpu", tuple(fits), op_backward,
                               # gloo's communication threads run on the cores the ranks compute on
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
-                              waiting_share=waiting, op_fixed_s=fixed)
+                              waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

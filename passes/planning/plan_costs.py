@@ -123,9 +123,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     moved = [offload != "none" and u.name.startswith("block:") for u in units]
     if any(moved) and not host_link:
         raise InvalidValue(f"offload={offload!r} needs the devices' host link (DeviceSpec.host_link_bytes_per_s)")
-    compute = [u.forward_seconds + u.backward_seconds
-               + {"none": 0.0, "selective": u.selective_recompute_seconds, "full": u.forward_seconds}[mode]
-               for u, mode in zip(units, modes)]
+    compute = [u.forward_seconds + u.backward_seconds + u.recompute_seconds(mode) for u, mode in zip(units, modes)]
     tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds
                for u, mode in zip(units, modes)]
     kept = [u.activation_bytes(m) for u, m in zip(units, modes)]

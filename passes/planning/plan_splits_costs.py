@@ -134,6 +134,8 @@ class Pricing:
         self._collectives: dict = {}
         self.backward_op_s = device.op_overhead_s if calibration is None else calibration.backward_op_overhead_s
         self.op_fixed = dict(calibration.op_fixed_s) if calibration is not None else {}
+        # a recomputed region's checkpoint cost per tensor it saves, beyond the forward it runs again
+        self.recompute_saved_s = calibration.recompute_saved_s if calibration is not None else 0.0
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)

@@ -43,6 +43,7 @@ class _Sums:
     saved: dict = field(default_factory=dict)  # storage -> bytes on one rank, kept with no recompute
     selective: dict = field(default_factory=dict)  # the same with the attention core recomputed
     recompute: float = 0.0
+    saved_tensors: int = 0  # tensors the unit's ops save for the backward (a checkpoint hooks each)
 
 
 class Assembly:
@@ -123,6 +124,7 @@ class Assembly:
                     collectives.append(CollectiveChoice(decision.name, "tp", kind, cost.algorithm,
                                                         round(cost.nbytes)))
             in_core = decision.node in core
+            unit.saved_tensors += len(facts.saved)
             for kept in facts.saved:
                 nbytes = self.kept_bytes(decision.node, kept, strategy)
                 _keep(unit.saved, kept.storage, nbytes)
@@ -188,6 +190,7 @@ class Assembly:
                 params_local=own.params + shared.get(unit, 0), saved_bytes=sum(own.saved.values()),
                 selective_saved_bytes=sum(own.selective.values()),
                 selective_recompute_seconds=own.recompute,
+                full_recompute_seconds=own.forward + own.saved_tensors * self.pricing.recompute_saved_s,
                 input_bytes=sum(self.local_bytes(*tensor) for tensor in entering.get(unit, ())),
                 cut_bytes_after=cut[i] if i < len(graph.units) - 1 else 0.0,
                 model_flops=values[total_flops], model_forward_flops=values[forward_flops],

@@ -57,6 +57,7 @@ class UnitCost:
     model_flops: float
     model_forward_flops: float
     buffer_bytes: float = 0.0
+    full_recompute_seconds: float | None = None  # None: one more forward (its compute)
 
     def __post_init__(self):
         for name in ("forward_seconds", "backward_seconds", "tp_comm_forward_seconds",
@@ -67,6 +68,11 @@ class UnitCost:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidValue(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")
             object.__setattr__(self, name, float(value))
+        if self.full_recompute_seconds is None:
+            object.__setattr__(self, "full_recompute_seconds", self.forward_seconds)
+        elif not isinstance(self.full_recompute_seconds, (int, float)) or self.full_recompute_seconds < 0:
+            raise InvalidValue(f"UnitCost {self.name!r}: full_recompute_seconds must be a non-negative number, "
+                               f"got {self.full_recompute_seconds!r}")
         if isinstance(self.params_local, bool) or not isinstance(self.params_local, int) or self.params_local < 0:
             raise InvalidValue(f"UnitCost {self.name!r}: params_local must be a non-negative int, "
                              f"got {self.params_local!r}")
@@ -76,13 +82,19 @@ class UnitCost:
         return {"none": self.saved_bytes, "selective": self.selective_saved_bytes,
                 "full": self.input_bytes}[recompute]
 
+    def recompute_seconds(self, recompute: str) -> float:
+        """Compute the recompute mode adds to one micro-batch's backward, its collectives apart (full:
+        the forward again, plus a calibrated World's checkpoint cost per saved tensor)."""
+        return {"none": 0.0, "selective": self.selective_recompute_seconds,
+                "full": self.full_recompute_seconds}[recompute]
+
     def seconds(self, recompute: str) -> float:
         """Forward + backward of one micro-batch, communication included, with the recompute the
         mode adds (full: the forward and its collectives once more before the backward)."""
         forward = self.forward_seconds + self.tp_comm_forward_seconds
         backward = self.backward_seconds + self.tp_comm_backward_seconds
-        extra = {"none": 0.0, "selective": self.selective_recompute_seconds, "full": forward}[recompute]
-        return forward + backward + extra
+        comm = self.tp_comm_forward_seconds if recompute == "full" else 0.0
+        return forward + backward + self.recompute_seconds(recompute) + comm
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,41 @@ def test_two_training_sizes_slow_the_flop_rates_and_the_fixed_costs_apart():
     assert device.op_overhead_s == pytest.approx(1e-5 * 1.5)
     assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 1.5)
     assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * 1.5)
+
+
+def test_a_checkpointed_block_stack_prices_recompute_per_saved_tensor_and_full_recompute_pays_it():
+    # checkpointed 30 ms = plain 20 ms + one more forward 6 ms + 4 ms of hooks over 40 saved tensors
+    results = _results()
+    sample = {"plain_s": 0.020, "checkpointed_s": 0.030, "forward_s": 0.006, "saved_tensors": 40}
+    results = [{**r, "compute": {**r["compute"], "recompute": sample}} for r in results]
+    calibration = calibrated_world(results, backend="gloo", device="cpu").calibration
+    assert calibration.recompute_saved_s == pytest.approx(1e-4)
+    assert Calibration.from_json(calibration.to_json()).recompute_saved_s == pytest.approx(1e-4)
+    # a unit whose forward saves 10 tensors: full recompute adds its forward and 10 hooks
+    unit = UnitCost("block:a", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.1,
+                    tp_comm_backward_seconds=0.0, params_local=1, saved_bytes=1.0, selective_saved_bytes=1.0,
+                    selective_recompute_seconds=0.05, input_bytes=1.0, cut_bytes_after=0.0, model_flops=1.0,
+                    model_forward_flops=1.0, full_recompute_seconds=0.4 + 10 * 1e-4)
+    assert unit.seconds("none") == pytest.approx(1.1)
+    assert unit.seconds("selective") == pytest.approx(1.15)
+    assert unit.seconds("full") == pytest.approx(1.1 + 0.4 + 1e-3 + 0.1)  # its tp collectives run again too
+    preset = UnitCost("block:a", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
+                      tp_comm_backward_seconds=0.0, params_local=1, saved_bytes=1.0, selective_saved_bytes=1.0,
+                      selective_recompute_seconds=0.0, input_bytes=1.0, cut_bytes_after=0.0, model_flops=1.0,
+                      model_forward_flops=1.0)
+    assert preset.seconds("full") == pytest.approx(1.4)  # uncalibrated: one more forward
+
+
+def test_the_split_counts_the_tensors_a_block_saves_into_its_full_recompute():
+    import torch
+    config = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=2)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)}
+    plain = _world(Calibration(1, "gloo", "cpu"), devices=1)
+    hooked = _world(Calibration(1, "gloo", "cpu", recompute_saved_s=1e-3), devices=1)
+    prices = {}
+    for name, world in (("plain", plain), ("hooked", hooked)):
+        plan = xirang.plan(build_gpt(config), world=world, example_kwargs=batch, global_batch=2, precision="fp32",
+                           dp=1, tp=1, pp=1, micro_batch=2, recompute="full")
+        prices[name] = plan.predicted.step_seconds
+    # each block's forward saves tens of tensors, each priced 1 ms more under full recompute
+    assert prices["hooked"] - prices["plain"] > 2 * 10 * 1e-3
