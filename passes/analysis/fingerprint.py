@@ -60,18 +60,30 @@ def _target_text(target) -> str:
     return f"{module}.{name}" if name else _ADDRESS.sub("", repr(target))
 
 
+_PLAIN = (bool, int, float, str, type(None))  # written as their repr
+
+
 def _wiring(value, position: dict):
+    kind = type(value)  # the common exact types first, one lookup each (~6,000 nodes, ~30,000 values)
+    if kind is torch.fx.Node:
+        return ("%", position[value])
+    if kind is tuple:
+        return tuple([_wiring(v, position) for v in value])
+    if kind in _PLAIN:
+        return repr(value)
     if isinstance(value, torch.fx.Node):
         return ("%", position[value])
     if isinstance(value, (list, tuple)):
-        return tuple(_wiring(v, position) for v in value)
-    if isinstance(value, dict):
+        return tuple([_wiring(v, position) for v in value])
+    if isinstance(value, dict):  # every node's kwargs, nearly always empty
+        if not value:
+            return ()
         return tuple((str(k), _wiring(v, position)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
     if isinstance(value, torch.device):
         return "<device>"
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"<{type(value).__name__}>"  # torch's symbol names ("s72") vary between traces
-    if isinstance(value, (bool, int, float, str, type(None))):
+    if isinstance(value, _PLAIN):
         return repr(value)
     if callable(value):
         return _target_text(value)
