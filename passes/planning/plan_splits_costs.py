@@ -13,6 +13,8 @@ costs, what each link's collectives cost, and the per-node facts both read.
   it once in the forward, whatever its share of the work; an op that needs a gradient pays the
   backward's per-op cost once per input that takes a gradient (one autograd node, one gradient op
   each), at ``World.calibration.backward_op_overhead_s`` where measured, else the forward's figure.
+  Each trainable parameter pays it once more per micro-batch: autograd's AccumulateGrad node, which
+  stores or adds the parameter's gradient into ``.grad`` (a hundred of them per GPT step here).
 - Bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
 - Collectives: ``cost_collectives.collective_cost`` on the tp group (alpha-beta, cheapest algorithm).
 - Saved activations, by liveness: the storages the ops of a unit keep for the backward (each

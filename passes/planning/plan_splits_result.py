@@ -137,6 +137,8 @@ class Assembly:
                         _keep(unit.selective, kept.storage, self.kept_bytes(decision.node, kept, strategy))
             if facts.params:
                 unit.params += facts.params // tp if isinstance(strategy.output, Shard) else facts.params
+                if facts.needs_grad:  # a trainable one: its AccumulateGrad node, every micro-batch
+                    unit.backward += pricing.backward_op_s
         for (rows, cols), link in self.problem.links.items():
             for term in link.terms[self.choice[rows]][self.choice[cols]]:
                 cost = pricing.term(term)

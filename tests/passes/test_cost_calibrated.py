@@ -107,3 +107,22 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble():
     assert two.step_seconds == pytest.approx(4.0)
     assert _priced(_world(Calibration(4, "gloo", "cpu", FITS, parallel_ranks=3.0)), c, units,
                    bounds).step_seconds == pytest.approx(7.0 * 3 / 4)
+
+
+def test_the_backward_pays_an_autograd_node_per_gradient_op_and_per_trainable_parameter():
+    from xirang.ir.meta_keys import REQUIRES_GRAD, ROLE
+    gm, per_node = _gm(), 1e-3
+    calibrated = lambda seconds: _world(calibration=Calibration(2, "gloo", "cpu", backward_op_overhead_s=seconds))  # noqa: E731
+    plain = SplitPricer(gm, calibrated(0.0), precision="fp32").price(1, (0,), 2, 16)
+    taxed = SplitPricer(gm, calibrated(per_node), precision="fp32").price(1, (0,), 2, 16)
+    # a node's fixed costs are split between its forward and backward like its FLOPs: count both
+    added = sum(t.forward_seconds + t.backward_seconds - p.forward_seconds - p.backward_seconds
+                for t, p in zip(taxed.units, plain.units))
+    nodes = list(gm.graph.nodes)
+    gradient_ops = sum(max(1, sum(bool(REQUIRES_GRAD.get(i, False)) for i in n.all_input_nodes)) for n in nodes
+                       if n.op == "call_function" and "getitem" not in str(n.target) and REQUIRES_GRAD.get(n, False))
+    # autograd's AccumulateGrad: one node per trainable parameter, every micro-batch
+    parameters = sum(1 for n in nodes if n.op == "placeholder" and ROLE.get(n, None) == "parameter"
+                     and REQUIRES_GRAD.get(n, False))
+    assert parameters >= 10
+    assert added == pytest.approx((gradient_ops + parameters) * per_node)
