@@ -1,7 +1,10 @@
 """Microbenchmarks that calibrate the cost model on the machine at hand (``xirang calibrate``).
 
-Every benchmark runs on all N local ranks at once, as training does, so what ranks sharing cores
-(or a PCIe switch, or a NIC) take from each other is in the figures:
+Collectives run on all N local ranks at once, as training runs them, so what ranks sharing cores
+(or a PCIe switch, or a NIC) take from each other is in their figures. Compute is timed on each
+rank's own device; where the ranks share the host's cores, on rank 0 alone (the others waiting),
+and ``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to
+scale it by:
 
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
   the emitted program calls, forward and backward through autograd: the forward product, both
@@ -28,7 +31,6 @@ with device "cuda" and nccl; the timings synchronise the device around each time
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -79,10 +81,6 @@ def _median_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 
     return statistics.median(times)
 
 
-LOCKSTEP_WINDOW_S = 0.2  # each lock-step window holds at least this much work, well above the barriers' noise
-QUICK_LOCKSTEP_WINDOW_S = 0.005  # --quick: rough figures in seconds
-
-
 def usable_cores() -> int:
     """Cores this process may run on (its affinity where the OS tells, else the machine's count)."""
     try:
@@ -91,51 +89,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _lockstep_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 1,
-                   window_s: float = LOCKSTEP_WINDOW_S) -> float:
-    """Seconds of ``fn`` on one of N ranks sharing C cores, every rank running it at once: each window
-    of ``reps`` calls runs between two barriers on every rank, and this rank's CPU seconds over the
-    calls (``time.process_time``: what it took of the cores, contention included, scheduling waits and
-    the barriers' latency not) are what the N ranks together need C cores for, so a call takes
-    CPU · N / C of wall time with every rank busy (the median window, over ``reps``). ``reps`` (the
-    same on every rank: the largest any rank asks for) makes a window at least ``LOCKSTEP_WINDOW_S``
-    of work. This is what training sees: every rank busy."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    reps = torch.tensor([max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-7)))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MAX)
-    reps = int(reps.item())
-    ranks = dist.get_world_size()
-    cores = min(ranks * torch.get_num_threads(), usable_cores())
-
-    def window() -> float:
-        dist.barrier()
-        start = time.process_time()
-        for _ in range(reps):
-            fn()
-        _sync(device)
-        used = time.process_time() - start
-        dist.barrier()
-        return used
-    return max(1e-9, statistics.median(window() for _ in range(iters))) * ranks / cores / reps
-
-
-def _compute_samples(device: str, quick: bool, lockstep: bool) -> dict:
-    """Compute measurements: with ``lockstep`` (ranks sharing cores) every rank runs each one at once
-    between barriers (``_lockstep_time``), so the figures are those of a rank among N busy ones;
-    else each rank on its own device."""
-    aten, iters = torch.ops.aten, 3 if quick else 7
-    if lockstep:
-        window = QUICK_LOCKSTEP_WINDOW_S if quick else LOCKSTEP_WINDOW_S
-
-        def timed(fn, device, iters):
-            return _lockstep_time(fn, device, iters, window_s=window)
-    else:
-        timed = _median_time
+def _compute_samples(device: str, quick: bool) -> dict:
+    """Compute measurements of one rank on its own (its device, or the host's cores with the other
+    ranks waiting): median seconds of single calls."""
+    aten, iters, timed = torch.ops.aten, 3 if quick else 7, _median_time
     out: dict = {"matmul": {}, "elementwise": [], "other": [], "attention": [], "op_forward_s": 0.0,
                  "op_backward_s": 0.0}
     for dtype in (torch.float32, torch.bfloat16):
@@ -305,10 +262,15 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     dist.barrier()
-    # ranks sharing cores measure compute in lock-step (every rank busy, as in training; out of step
-    # the samples would mix phases of different load); ``measure_sharing`` says how the cores are shared
+    # ranks sharing cores: rank 0 times the ops alone while the others wait in a barrier, and
+    # ``measure_sharing`` times what training ranks take of each other (``calibrated_world`` scales the
+    # one by the other). Timed in lock-step instead, a hot loop of one small op ran 10-30% under its
+    # time alone on the development box, while training's mixed ops ran 20-80% over it.
     shared = world_size > 1 and not device.startswith("cuda")
-    compute = _compute_samples(device, quick, lockstep=shared)
+    if shared:
+        compute = {**_compute_samples(device, quick), "alone": True} if rank == 0 else None
+    else:
+        compute = _compute_samples(device, quick)
     dist.barrier()
     sharing = measure_sharing(device, quick, lambda: _sync(device)) if shared else None
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back

@@ -2,21 +2,21 @@
 (``codegen/runtime/calibrate.py`` runs them).
 
 - Compute: each rate is the slope of ``seconds = c + work / rate`` over the timed sizes (least squares,
-  ``ir/calibration.fit_line``); the intercept c is the op's fixed cost there. Rates are one rank's
-  with every rank busy, so the matmul and memory efficiencies are 1: nothing is left for a datasheet
-  derating. Non-matmul FLOPs and fused attention were timed too: their efficiencies are their
-  measured rates over the matmul's (a CPU core runs gelu or a layer norm at a few percent of its
-  matmul rate, and its flash-attention kernel at about half), files written before had none.
-- Ranks sharing cores: ``parallel_ranks`` k = C cores / (together / alone CPU of the micro work), how
-  many ranks compute at full speed at once (``calibrate_sharing``; files without the cores: N · alone
-  / together of the wall clock), ``waiting_share`` where between "a waiting rank costs nothing"
-  and "as much as a busy one" the pipeline's waiting ranks are. Ranks that train take more CPU for
-  the same work beside each other than the lock-step microbenchmarks' small working sets show: where
-  the training workload's together / alone CPU exceeds the micro workload's, the compute figures are
-  slowed by the ratio of the two and k divided by it. Timed at two sizes, the training workload's CPU
-  splits into a per-call part and a per-row part (``training_slowdowns``): the FLOP rates take the
-  per-row part's ratio, the per-op fixed costs the per-call part's (time slicing costs small ops far
-  more than FLOPs); a file with the one size slows both alike.
+  ``ir/calibration.fit_line``); the intercept c is the op's fixed cost there. The matmul and memory
+  efficiencies are 1: nothing is left for a datasheet derating. Non-matmul FLOPs and fused attention
+  were timed too: their efficiencies are their measured rates over the matmul's (a CPU core runs
+  gelu or a layer norm at a few percent of its matmul rate, and its flash-attention kernel at about
+  half), files written before had none.
+- Ranks sharing cores (N ranks on C cores): compute is timed on rank 0 alone, and every figure is
+  brought to every rank busy: seconds times N / C (each rank gets C / N of a core) times what the
+  same work's CPU grows by beside the other ranks. That growth is the training workload's together
+  / alone CPU (``calibrate_sharing``), split by its two sizes into a per-row part, which slows the
+  FLOP rates, and a per-call part, which slows the per-op fixed costs (``training_slowdowns``: time
+  slicing costs small ops far more than FLOPs). ``parallel_ranks`` k = C over the FLOP part: how many
+  ranks compute at full speed at once. ``waiting_share``: where between "a waiting rank costs
+  nothing" and "as much as a busy one" the pipeline's waiting ranks are. Files written before timed
+  compute in lock-step with every rank busy; they keep that reading (k from the micro workload, the
+  training workload's growth over the micro one's).
 - Recompute: a block stack's step with every block checkpointed, less its plain step and one more
   forward, over the tensors its forward saves (``Calibration.recompute_saved_s``): the non-reentrant
   checkpoint's hooks cost per saved tensor, beyond the forward that a full recompute runs again.
@@ -69,14 +69,15 @@ def _per_call_and_row(small: dict, large: dict, key: str) -> tuple[float, float]
     return a_small - small["rows"] * per_row, per_row
 
 
-def training_slowdowns(sharing: dict) -> tuple[float, float] | None:
-    """(FLOP slowdown, fixed-cost slowdown) of ranks that train over the lock-step microbenchmarks:
-    each part's together / alone CPU over the micro workload's, never below 1; None without the
-    training workload. With one size only (files written before), both are its whole ratio."""
+def training_slowdowns(sharing: dict, *, over_micro: bool = True) -> tuple[float, float] | None:
+    """(FLOP slowdown, fixed-cost slowdown) of ranks that train: each part's together / alone CPU,
+    over the micro workload's where ``over_micro`` (the lock-step microbenchmarks of files written
+    before already held that much), never below 1; None without the training workload. With one
+    size only (files written before), both are its whole ratio."""
     training, small = sharing.get("training"), sharing.get("training_small")
     if not training or min(training.get("alone_cpu_s", 0.0), sharing.get("alone_cpu_s", 0.0)) <= 0:
         return None
-    micro = sharing["together_cpu_s"] / sharing["alone_cpu_s"]
+    micro = sharing["together_cpu_s"] / sharing["alone_cpu_s"] if over_micro else 1.0
     whole = max(1.0, training["together_cpu_s"] / training["alone_cpu_s"] / micro)
     if not small or small.get("rows") is None or training.get("rows", 0) <= small["rows"]:
         return whole, whole
@@ -94,7 +95,19 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     compute, sharing = results[0]["compute"], results[0]["sharing"]
     # N ranks on k cores (``calibrate_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
     parallel, waiting, slowdown, fixed_slowdown = float(ranks), 0.0, 1.0, 1.0
-    if sharing is not None and sharing["together_s"] > 0:
+    alone = bool(compute.get("alone"))  # timed on rank 0 alone: scaled below to every rank busy
+    if sharing is not None and sharing["together_s"] > 0 and alone:
+        # N ranks on C cores, every rank busy: each gets C / N of a core, and its work takes more CPU
+        # beside the others (the training workload's together / alone CPU, its per-row part for FLOPs,
+        # its per-call part for fixed costs): seconds alone times N / C times that
+        cores = results[0].get("cores") or os.cpu_count() or 1
+        raw["sharing"], busy = dict(sharing), ranks / min(cores, ranks)
+        flops_ratio, fixed_ratio = training_slowdowns(sharing, over_micro=False) or (1.0, 1.0)
+        slowdown, fixed_slowdown = busy * flops_ratio, busy * fixed_ratio
+        parallel = min(float(ranks), min(cores, ranks) / flops_ratio)
+        raw["training_slowdown"], raw["fixed_cost_slowdown"] = flops_ratio, fixed_ratio
+        sharing = sharing.get("training") or sharing
+    elif sharing is not None and sharing["together_s"] > 0:  # files written before: lock-step compute
         cores = results[0].get("cores")
         if cores and sharing.get("alone_cpu_s", 0.0) > 0:
             # the cores over what the micro work's CPU grows by beside the other ranks: CPU seconds,
@@ -113,12 +126,13 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
             parallel = micro / slowdown
             raw["training_slowdown"], raw["fixed_cost_slowdown"] = slowdown, fixed_slowdown
             sharing = sharing["training"]
+    if sharing is not None and sharing["together_s"] > 0:
         # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and
         # "as much as a busy one" (as slow as with every rank busy) the pipeline's waiting ranks are
         spread = sharing["together_s"] - sharing["alone_s"]
         waiting = (sharing["beside_waiters_s"] - sharing["alone_s"]) / spread if spread > 0 else 0.0
         waiting = min(1.0, max(0.0, waiting))
-    peaks = {}  # rates of one rank with every rank busy (measured in lock-step where cores are shared)
+    peaks = {}  # rates of one rank on its own; slowed below to every rank busy where cores are shared
     for dtype, samples in compute["matmul"].items():
         peaks[dtype], raw[f"matmul_{dtype}"] = _rate(samples, f"{dtype} matmul")
     # fp16 is not timed: priced at the bf16 rate, the other 16-bit path (CPUs without fp16 units
