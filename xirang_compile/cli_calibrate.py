@@ -49,9 +49,9 @@ def describe_calibration(world) -> str:
              f"{device.peak('fp32') * (device.efficiency.attention or device.efficiency.matmul) / 1e9:9.2f} GFLOP/s",
              f"  ranks   {calibration.parallel_ranks or calibration.ranks:.2f} of {calibration.ranks} run at full "
              f"speed at once while training; a waiting rank costs {calibration.waiting_share:.2f} of a busy one"
-             + (f"; FLOP rates slowed {calibration.raw['training_slowdown']:.2f}x and per-op fixed costs "
-                f"{calibration.raw.get('fixed_cost_slowdown', calibration.raw['training_slowdown']):.2f}x from the "
-                f"lock-step microbenchmarks to what training ranks get"
+             + (f"; training ranks beside each other take {calibration.raw['training_slowdown']:.2f}x the CPU "
+                f"for FLOPs and {calibration.raw.get('fixed_cost_slowdown', calibration.raw['training_slowdown']):.2f}"
+                f"x for per-op fixed costs"
                 if calibration.raw.get("training_slowdown") else ""),
              f"  per op  forward {device.op_overhead_s * 1e6:7.1f} us, backward "
              f"{calibration.backward_op_overhead_s * 1e6:7.1f} us",

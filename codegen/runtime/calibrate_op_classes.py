@@ -2,8 +2,8 @@
 the non-matmul FLOPs of a transformer and fused attention, each forward and backward, with the FLOPs
 the analysis counts for them (``passes/analysis/flops.py``), so the fitted rates (``Efficiency.other``,
 ``Efficiency.attention``) and fixed costs (``Calibration.op_fixed_s``) price those ops as the planner
-sees them. ``codegen/runtime/calibrate.py`` runs them on every rank with its timer (``timed``: lock-step
-on ranks sharing cores) and ``calibrated_world`` fits them.
+sees them. ``codegen/runtime/calibrate.py`` runs them with its timer (``timed``: single calls, on rank 0
+alone where ranks share cores) and ``calibrated_world`` fits them.
 """
 from __future__ import annotations
 

@@ -4,30 +4,29 @@ beside ranks waiting in an ``irecv`` as a pipeline rank waits for its input.
 
 Three workloads, because they share cores differently:
 
-- **micro**: the lock-step microbenchmarks' kind of work (a few matmuls and a chain of tiny ops on
-  small tensors). N ranks on k cores take N/k times as long together as one alone, so
-  k_micro = N · alone / together says what the lock-step rates already hold.
+- **micro**: a few matmuls and a chain of tiny ops on small tensors, one op repeated in a hot loop.
+  Kept in the file for comparison (and for files written before, whose compute was timed in
+  lock-step: N ranks on k cores take N/k times as long together as one alone, so k_micro =
+  N · alone / together said what those rates already held).
 - **training**, at two sizes: a stack of transformer-like blocks (layer norm, the MLP's two matmuls,
   gelu, a residual add) forward and backward through autograd, once with 1024 rows (its CPU mostly
   FLOPs) and once with 16 rows, repeated (its CPU mostly the per-op cost: dispatch, autograd nodes,
   allocation). Ranks that train evict each other's caches and predictors at every switch, and that
   costs the small ops' fixed costs far more than the FLOPs: on the 2-core development box (Intel
   Xeon, 8 processes) the 16-row stack took 1.5x the CPU together that it took alone, the 1024-row one
-  1.12x, while the lock-step microbenchmarks, repeating one hot op, showed 1.05x. Lock-step rates
-  and fixed costs therefore both understate what training ranks get, by different factors.
+  1.12x, while the micro workload, repeating one hot op, showed 1.05x.
 
 Each workload's CPU seconds are timed too (``time.process_time`` around the work alone, and on every
 rank around its own share of the together-window, before it waits for the others): together / alone
 CPU is how much more CPU the same work takes beside the other ranks, free of scheduling waits and
 the barriers' latency. ``calibrated_world`` splits each training size's CPU into a per-call part
-and a per-row part (two sizes, two unknowns), slows the lock-step FLOP rates by the per-row part's
-together / alone ratio over the micro workload's and the per-op fixed costs by the per-call part's
-(never speeding either up), and takes ``parallel_ranks`` = k_micro over the FLOP slowdown, so the
-compute prices are those of ranks that train.
+and a per-row part (two sizes, two unknowns), and brings the compute figures rank 0 timed alone to
+every rank busy: N / C times the per-row part's together / alone CPU for the FLOP rates, N / C times
+the per-call part's for the per-op fixed costs; ``parallel_ranks`` = C over the per-row part's.
 Each together-window is measured less the median latency of an empty pair of barriers: on ranks
 sharing cores a barrier's own latency is tens of milliseconds and varies from round to round, so
-left in, it reads as ranks running slower together. k may fall below 1 on a machine other processes
-load; it is then the effective share of a core the job gets.
+left in, it reads as ranks running slower together. CPU seconds do not see other processes loading
+the machine: a calibration taken beside them prices the job as if it had the C cores to itself.
 """
 from __future__ import annotations
 

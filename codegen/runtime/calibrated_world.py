@@ -166,8 +166,8 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     fixed = {name: seconds * fixed_slowdown for name, seconds in fixed.items()}
     recompute_saved *= fixed_slowdown  # hooks and bookkeeping: a per-call cost, as the fixed ones
     raw["collectives_in_context"] = sharing is not None
-    raw["note"] = ("rates and per-op costs are one rank's with every rank busy (lock-step where ranks "
-                   "share cores)")
+    raw["note"] = ("rates and per-op costs are one rank's with every rank busy (where ranks share cores: "
+                   "timed alone, slowed by N / C and the training workload's growth)")
     fits = []
     for key in results[0]["collectives"]:
         kind, size = key.split("/")

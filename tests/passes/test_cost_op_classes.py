@@ -231,3 +231,25 @@ def test_the_split_counts_the_tensors_a_block_saves_into_its_full_recompute():
         prices[name] = plan.predicted.step_seconds
     # each block's forward saves tens of tensors, each priced 1 ms more under full recompute
     assert prices["hooked"] - prices["plain"] > 2 * 10 * 1e-3
+
+
+def test_compute_timed_alone_is_brought_to_every_rank_busy_on_shared_cores():
+    # 8 ranks on 2 cores: each gets a quarter of a core; beside the others the training work's
+    # per-row CPU grows 1.1x and its per-call CPU 1.5x (per pass: 2 ms + 0.1 ms a row alone)
+    def timed(rows, repeats):
+        return {"alone_s": 1.0, "together_s": 4.0, "beside_waiters_s": 1.0, "rows": rows, "repeats": repeats,
+                "alone_cpu_s": repeats * (2e-3 + rows * 1e-4), "together_cpu_s": repeats * (3e-3 + rows * 1.1e-4)}
+    results = _shared(timed(1024, 1), ranks=8)
+    sharing = {**results[0]["sharing"], "training_small": timed(16, 4)}
+    results = [{**r, "compute": {**r["compute"], "alone": True}, "sharing": sharing, "cores": 2} for r in results]
+    world = calibrated_world(results, backend="gloo", device="cpu")
+    device, calibration = world.nodes[0].device, world.calibration
+    assert calibration.raw["training_slowdown"] == pytest.approx(1.1)  # not over the micro work's: alone
+    assert calibration.raw["fixed_cost_slowdown"] == pytest.approx(1.5)
+    assert calibration.parallel_ranks == pytest.approx(2 / 1.1)
+    assert device.peak("fp32") == pytest.approx(1e10 / (4 * 1.1))
+    assert device.memory_bandwidth == pytest.approx(1e9 / (4 * 1.1))
+    assert device.op_overhead_s == pytest.approx(1e-5 * 4 * 1.5)
+    assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 4 * 1.5)
+    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * 4 * 1.5)
+    assert device.efficiency.other == pytest.approx(0.05)  # the classes' ratios are unchanged
