@@ -1,9 +1,9 @@
 """Microbenchmarks that calibrate the cost model on the machine at hand (``xirang calibrate``).
 
 Collectives run on all N local ranks at once, as training runs them, so what ranks sharing cores
-(or a PCIe switch, or a NIC) take from each other is in their figures. Compute is timed on each
-rank's own device; where the ranks share the host's cores, on rank 0 alone (the others waiting),
-and ``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to
+(or a PCIe switch, or a NIC) take from each other is in their figures. Compute is timed by rank 0
+alone on its device (the others waiting); where the ranks share the host's cores,
+``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to
 scale it by:
 
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
@@ -262,22 +262,19 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     dist.barrier()
-    # ranks sharing cores: rank 0 times the ops alone while the others wait in a barrier, and
-    # ``measure_sharing`` times what training ranks take of each other (``calibrated_world`` scales the
-    # one by the other). Timed in lock-step instead, a hot loop of one small op ran 10-30% under its
-    # time alone on the development box, while training's mixed ops ran 20-80% over it.
+    # rank 0 times the ops while the others wait in a barrier (only its figures are fitted); on ranks
+    # sharing cores ``measure_sharing`` then times what training ranks take of each other, and
+    # ``calibrated_world`` scales the one by the other. Timed in lock-step instead, a hot loop of one
+    # small op ran 10-30% under its time alone on the development box, while training's mixed ops ran
+    # 20-80% over it.
     shared = world_size > 1 and not device.startswith("cuda")
-    if shared:
-        compute = {**_compute_samples(device, quick), "alone": True} if rank == 0 else None
-    else:
-        compute = _compute_samples(device, quick)
+    compute = _compute_samples(device, quick) if rank == 0 else None
     dist.barrier()
     sharing = measure_sharing(device, quick, lambda: _sync(device)) if shared else None
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
     collectives = _collective_samples(device, quick, in_context=sharing is not None) if world_size > 1 else {}
     return {"rank": rank, "threads": torch.get_num_threads(), "cores": usable_cores(), "compute": compute,
-            "sharing": sharing,
-            "collectives": collectives}
+            "sharing": sharing, "collectives": collectives}
 
 
 def calibrate(nprocs: int, *, device: str = "cpu", backend: str | None = None, quick: bool = False,

@@ -8,6 +8,7 @@ alone where ranks share cores) and ``calibrated_world`` fits them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from xirang.passes.analysis.flops import PER_ELEMENT
 
@@ -48,7 +49,7 @@ def attention_samples(device: str, quick: bool, timed, iters: int) -> list:
         grad = torch.randn(batch, heads, seq, dim, device=device)
 
         def forward_and_backward(q=q, k=k, v=v, grad=grad):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
         samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters)])
     return samples
 
@@ -73,8 +74,7 @@ def recompute_sample(device: str, quick: bool, timed, iters: int) -> dict:
     x = torch.randn(rows, hidden, device=device, requires_grad=True)
 
     def block(h, up, down):
-        return h + torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(
-            torch.nn.functional.layer_norm(h, (hidden,)), up)), down)
+        return h + F.linear(F.gelu(F.linear(F.layer_norm(h, (hidden,)), up)), down)
 
     def forward(checkpointed: bool):
         h = x

@@ -5,9 +5,7 @@ beside ranks waiting in an ``irecv`` as a pipeline rank waits for its input.
 Three workloads, because they share cores differently:
 
 - **micro**: a few matmuls and a chain of tiny ops on small tensors, one op repeated in a hot loop.
-  Kept in the file for comparison (and for files written before, whose compute was timed in
-  lock-step: N ranks on k cores take N/k times as long together as one alone, so k_micro =
-  N · alone / together said what those rates already held).
+  Kept in the file's raw figures, to compare with the training workload (nothing is priced from it).
 - **training**, at two sizes: a stack of transformer-like blocks (layer norm, the MLP's two matmuls,
   gelu, a residual add) forward and backward through autograd, once with 1024 rows (its CPU mostly
   FLOPs) and once with 16 rows, repeated (its CPU mostly the per-op cost: dispatch, autograd nodes,

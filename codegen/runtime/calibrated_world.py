@@ -14,9 +14,7 @@
   FLOP rates, and a per-call part, which slows the per-op fixed costs (``training_slowdowns``: time
   slicing costs small ops far more than FLOPs). ``parallel_ranks`` k = C over the FLOP part: how many
   ranks compute at full speed at once. ``waiting_share``: where between "a waiting rank costs
-  nothing" and "as much as a busy one" the pipeline's waiting ranks are. Files written before timed
-  compute in lock-step with every rank busy; they keep that reading (k from the micro workload, the
-  training workload's growth over the micro one's).
+  nothing" and "as much as a busy one" the pipeline's waiting ranks are.
 - Recompute: a block stack's step with every block checkpointed, less its plain step and one more
   forward, over the tensors its forward saves (``Calibration.recompute_saved_s``): the non-reentrant
   checkpoint's hooks cost per saved tensor, beyond the forward that a full recompute runs again.
@@ -69,23 +67,20 @@ def _per_call_and_row(small: dict, large: dict, key: str) -> tuple[float, float]
     return a_small - small["rows"] * per_row, per_row
 
 
-def training_slowdowns(sharing: dict, *, over_micro: bool = True) -> tuple[float, float] | None:
+def training_slowdowns(sharing: dict) -> tuple[float, float] | None:
     """(FLOP slowdown, fixed-cost slowdown) of ranks that train: each part's together / alone CPU,
-    over the micro workload's where ``over_micro`` (the lock-step microbenchmarks of files written
-    before already held that much), never below 1; None without the training workload. With one
-    size only (files written before), both are its whole ratio."""
+    never below 1; None without the training workload. With one size only, both are its whole ratio."""
     training, small = sharing.get("training"), sharing.get("training_small")
-    if not training or min(training.get("alone_cpu_s", 0.0), sharing.get("alone_cpu_s", 0.0)) <= 0:
+    if not training or training.get("alone_cpu_s", 0.0) <= 0:
         return None
-    micro = sharing["together_cpu_s"] / sharing["alone_cpu_s"] if over_micro else 1.0
-    whole = max(1.0, training["together_cpu_s"] / training["alone_cpu_s"] / micro)
+    whole = max(1.0, training["together_cpu_s"] / training["alone_cpu_s"])
     if not small or small.get("rows") is None or training.get("rows", 0) <= small["rows"]:
         return whole, whole
     fixed_alone, row_alone = _per_call_and_row(small, training, "alone_cpu_s")
     fixed_together, row_together = _per_call_and_row(small, training, "together_cpu_s")
     if min(fixed_alone, row_alone, fixed_together, row_together) <= 0:  # noise swamped one part
         return whole, whole
-    return max(1.0, row_together / row_alone / micro), max(1.0, fixed_together / fixed_alone / micro)
+    return max(1.0, row_together / row_alone), max(1.0, fixed_together / fixed_alone)
 
 
 def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
@@ -95,38 +90,20 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     compute, sharing = results[0]["compute"], results[0]["sharing"]
     # N ranks on k cores (``calibrate_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
     parallel, waiting, slowdown, fixed_slowdown = float(ranks), 0.0, 1.0, 1.0
-    alone = bool(compute.get("alone"))  # timed on rank 0 alone: scaled below to every rank busy
-    if sharing is not None and sharing["together_s"] > 0 and alone:
+    if sharing is not None and sharing["together_s"] > 0:
         # N ranks on C cores, every rank busy: each gets C / N of a core, and its work takes more CPU
         # beside the others (the training workload's together / alone CPU, its per-row part for FLOPs,
         # its per-call part for fixed costs): seconds alone times N / C times that
-        cores = results[0].get("cores") or os.cpu_count() or 1
-        raw["sharing"], busy = dict(sharing), ranks / min(cores, ranks)
-        flops_ratio, fixed_ratio = training_slowdowns(sharing, over_micro=False) or (1.0, 1.0)
-        slowdown, fixed_slowdown = busy * flops_ratio, busy * fixed_ratio
-        parallel = min(float(ranks), min(cores, ranks) / flops_ratio)
-        raw["training_slowdown"], raw["fixed_cost_slowdown"] = flops_ratio, fixed_ratio
-        sharing = sharing.get("training") or sharing
-    elif sharing is not None and sharing["together_s"] > 0:  # files written before: lock-step compute
-        cores = results[0].get("cores")
-        if cores and sharing.get("alone_cpu_s", 0.0) > 0:
-            # the cores over what the micro work's CPU grows by beside the other ranks: CPU seconds,
-            # which neither the barriers' latency nor the scheduler's order of the ranks touch
-            micro = min(float(ranks), cores / max(1.0, sharing["together_cpu_s"] / sharing["alone_cpu_s"]))
-        else:  # files written before the cores were recorded: the wall clock's ratio
-            micro = min(float(ranks), ranks * sharing["alone_s"] / sharing["together_s"])
-        parallel = micro
+        cores = min(results[0].get("cores") or os.cpu_count() or 1, ranks)
         raw["sharing"] = dict(sharing)
+        flops_ratio, fixed_ratio = 1.0, 1.0
         slowdowns = training_slowdowns(sharing)
         if slowdowns is not None:
-            # ranks that train take more CPU for the same work beside each other than the lock-step
-            # microbenchmarks' work does (their working sets evict each other's): the rates are slowed
-            # to what training gets, never sped up, and fewer ranks' worth of training runs at once
-            slowdown, fixed_slowdown = slowdowns
-            parallel = micro / slowdown
-            raw["training_slowdown"], raw["fixed_cost_slowdown"] = slowdown, fixed_slowdown
+            flops_ratio, fixed_ratio = slowdowns
+            raw["training_slowdown"], raw["fixed_cost_slowdown"] = slowdowns
             sharing = sharing["training"]
-    if sharing is not None and sharing["together_s"] > 0:
+        slowdown, fixed_slowdown = ranks / cores * flops_ratio, ranks / cores * fixed_ratio
+        parallel = cores / flops_ratio
         # where between "a waiting rank costs nothing" (rank 0 beside waiters as fast as alone) and
         # "as much as a busy one" (as slow as with every rank busy) the pipeline's waiting ranks are
         spread = sharing["together_s"] - sharing["alone_s"]

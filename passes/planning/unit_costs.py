@@ -60,19 +60,16 @@ class UnitCost:
     full_recompute_seconds: float | None = None  # None: one more forward (its compute)
 
     def __post_init__(self):
+        if self.full_recompute_seconds is None:
+            object.__setattr__(self, "full_recompute_seconds", self.forward_seconds)
         for name in ("forward_seconds", "backward_seconds", "tp_comm_forward_seconds",
                      "tp_comm_backward_seconds", "saved_bytes", "selective_saved_bytes",
                      "selective_recompute_seconds", "input_bytes", "cut_bytes_after", "model_flops",
-                     "model_forward_flops", "buffer_bytes"):
+                     "model_forward_flops", "buffer_bytes", "full_recompute_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidValue(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if self.full_recompute_seconds is None:
-            object.__setattr__(self, "full_recompute_seconds", self.forward_seconds)
-        elif not isinstance(self.full_recompute_seconds, (int, float)) or self.full_recompute_seconds < 0:
-            raise InvalidValue(f"UnitCost {self.name!r}: full_recompute_seconds must be a non-negative number, "
-                               f"got {self.full_recompute_seconds!r}")
         if isinstance(self.params_local, bool) or not isinstance(self.params_local, int) or self.params_local < 0:
             raise InvalidValue(f"UnitCost {self.name!r}: params_local must be a non-negative int, "
                              f"got {self.params_local!r}")
