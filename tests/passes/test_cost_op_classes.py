@@ -148,20 +148,26 @@ def _training(together_cpu_s: float) -> dict:
             "together_cpu_s": together_cpu_s}
 
 
+def _assert_scaled(world, flops: float, fixed: float) -> None:
+    """Every figure of ``_results`` timed alone: FLOP rates and bandwidth ``flops`` times slower, per-op
+    fixed costs ``fixed`` times dearer; the classes' rate ratios unchanged."""
+    device, calibration = world.nodes[0].device, world.calibration
+    assert device.peak("fp32") == pytest.approx(1e10 / flops)
+    assert device.memory_bandwidth == pytest.approx(1e9 / flops)
+    assert device.op_overhead_s == pytest.approx(1e-5 * fixed)
+    assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * fixed)
+    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * fixed)
+    assert device.efficiency.other == pytest.approx(0.05)
+
+
 def test_ranks_that_train_share_cores_worse_and_every_compute_figure_follows():
     # the training work takes 1.25x the CPU beside the other ranks: k = 2 / 1.25 = 1.6, and every
     # figure timed alone is 4 (8 ranks on 2 cores) x 1.25 slower with every rank busy
     world = calibrated_world(_shared(_training(0.25)), backend="gloo", device="cpu")
-    device, calibration = world.nodes[0].device, world.calibration
-    assert calibration.parallel_ranks == pytest.approx(1.6)
-    assert calibration.raw["training_slowdown"] == pytest.approx(1.25)
-    assert device.peak("fp32") == pytest.approx(1e10 / (4 * 1.25))
-    assert device.memory_bandwidth == pytest.approx(1e9 / (4 * 1.25))
-    assert device.op_overhead_s == pytest.approx(1e-5 * 4 * 1.25)
-    assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 4 * 1.25)
-    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * 4 * 1.25)
-    assert device.efficiency.other == pytest.approx(0.05)  # the classes' ratios are unchanged
-    assert calibration.waiting_share == pytest.approx(0.0)
+    assert world.calibration.parallel_ranks == pytest.approx(1.6)
+    assert world.calibration.raw["training_slowdown"] == pytest.approx(1.25)
+    _assert_scaled(world, 4 * 1.25, 4 * 1.25)
+    assert world.calibration.waiting_share == pytest.approx(0.0)
 
 
 def test_training_that_takes_less_cpu_together_never_speeds_the_rates_up():
@@ -187,16 +193,10 @@ def test_two_training_sizes_slow_the_flop_rates_and_the_fixed_costs_apart():
     results = _shared(timed(1024, 1))
     sharing = {**results[0]["sharing"], "training_small": timed(16, 4)}
     world = calibrated_world([{**r, "sharing": sharing} for r in results], backend="gloo", device="cpu")
-    device, calibration = world.nodes[0].device, world.calibration
-    assert calibration.raw["training_slowdown"] == pytest.approx(1.1)
-    assert calibration.raw["fixed_cost_slowdown"] == pytest.approx(1.5)
-    assert calibration.parallel_ranks == pytest.approx(2 / 1.1)
-    assert device.peak("fp32") == pytest.approx(1e10 / (4 * 1.1))
-    assert device.memory_bandwidth == pytest.approx(1e9 / (4 * 1.1))
-    assert device.op_overhead_s == pytest.approx(1e-5 * 4 * 1.5)
-    assert calibration.backward_op_overhead_s == pytest.approx(2e-5 * 4 * 1.5)
-    assert calibration.op_fixed_s["matmul"] == pytest.approx((1e-3 - 1e-5 - 3 * 2e-5) * 4 * 1.5)
-    assert device.efficiency.other == pytest.approx(0.05)  # the classes' ratios are unchanged
+    assert world.calibration.raw["training_slowdown"] == pytest.approx(1.1)
+    assert world.calibration.raw["fixed_cost_slowdown"] == pytest.approx(1.5)
+    assert world.calibration.parallel_ranks == pytest.approx(2 / 1.1)
+    _assert_scaled(world, 4 * 1.1, 4 * 1.5)
 
 
 def test_a_checkpointed_block_stack_prices_recompute_per_saved_tensor_and_full_recompute_pays_it():
