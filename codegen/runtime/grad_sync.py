@@ -87,6 +87,8 @@ class _Bucket:
     algorithm: str = "flat"
     label: str = ""
     ready: set = field(default_factory=set)  # id() of params whose gradient arrived this step
+    offsets: dict = field(default_factory=dict)  # id(param) -> where its gradient starts in the buffer
+    count: int = 0                           # elements of all its gradients (the buffer before padding)
     buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients (a view of ``storage``)
     storage: Optional[torch.Tensor] = None   # the bucket's flat buffer, kept from step to step
     shard: Optional[torch.Tensor] = None     # hierarchical: this rank's 1/k of the buffer
@@ -137,6 +139,12 @@ class GradientBuckets:
         self._next = 0  # the next bucket to launch; buckets go out in index order only
         self.shard_sink = None  # ZeRO-1: (bucket index, this rank's averaged slice) -> None
         self._callback_queued = False
+        for bucket in self.buckets:
+            offset = 0
+            for param in bucket.params:
+                bucket.offsets[id(param)] = offset
+                offset += param.numel()
+            bucket.count = offset
         self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(bucket))
                        for bucket in self.buckets for param in bucket.params]
 
@@ -189,6 +197,7 @@ class GradientBuckets:
                 hint="call wait() after each synchronised backward, and run the backward of "
                      "earlier micro-batches inside no_sync()")
         bucket.ready.add(id(param))
+        self._stage_gradient(bucket, param)
         self._queue_backward_done()
         while self._next < len(self.buckets):
             nxt = self.buckets[self._next]
@@ -216,15 +225,61 @@ class GradientBuckets:
             self.buckets[index].scatter = True
         self.shard_sink = sink
 
+    def _shard_count(self, bucket: _Bucket) -> int:
+        """How many equal shards the bucket's buffer is padded to: the in-node group of a hierarchical
+        all-reduce, the dp group of a ZeRO reduce-scatter, else 1."""
+        world = group_size(self.group)
+        if bucket.scatter:
+            return world
+        if bucket.algorithm == "hierarchical" and world > 1:
+            return self.hierarchy.ranks_per_node
+        return 1
+
+    def _storage(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's flat buffer, padded with zeros to its shard count. Kept from step to step as DDP
+        keeps its buckets: a fresh buffer of this size each step is a large allocation the allocator
+        hands back to the OS and faults in again, which on CPU ranks cost as much as the copy itself."""
+        first = bucket.params[0]
+        k = self._shard_count(bucket)
+        size, dtype = -(-bucket.count // k) * k, self.reduce_dtype or first.dtype
+        held = bucket.storage
+        if held is None or held.numel() != size or held.dtype != dtype or held.device != first.device:
+            held = bucket.storage = torch.zeros(size, dtype=dtype, device=first.device)  # padding stays 0
+        return held
+
+    def _stage_gradient(self, bucket: _Bucket, param: torch.Tensor) -> None:
+        """Write this rank's share of ``param``'s gradient into its slot of the bucket buffer the moment
+        autograd finishes it (still in cache), already divided by the group size (an average, and a
+        half-precision sum that cannot overflow). Where the slot has the gradient's dtype,
+        ``param.grad`` then becomes the slot itself (DDP's gradient_as_bucket_view): the all-reduce
+        averages the gradient in place and nothing is copied back. A gradient that is already its slot
+        (kept from the last step by ``zero_grad(set_to_none=False)``) is scaled in place."""
+        world = group_size(self.group)
+        offset = bucket.offsets[id(param)]
+        slot = self._storage(bucket)[offset:offset + param.numel()].view(param.shape)
+        grad = param.grad
+        if grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride():
+            source = slot
+        elif grad.dtype == slot.dtype:
+            source = None  # one fused pass: slot = grad * weight / world
+            if self.share_weight != 1.0:
+                torch.mul(grad, self.share_weight, out=slot)
+                slot.div_(world)
+            else:
+                torch.div(grad, world, out=slot)
+            param.grad = slot
+            return
+        else:
+            source = slot.copy_(grad)  # the reduce dtype: cast, then scale in it (as the sum will run)
+        if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
+            source.mul_(self.share_weight)
+        source.div_(world)
+
     def _launch(self, bucket: _Bucket) -> None:
         world = group_size(self.group)
+        k = self._shard_count(bucket)
         hierarchical = bucket.algorithm == "hierarchical" and world > 1 and not bucket.scatter
-        k = self.hierarchy.ranks_per_node if hierarchical else world if bucket.scatter else 1
-        flat = self._filled(bucket, k)
-        if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
-            flat.mul_(self.share_weight)
-        flat.div_(world)  # divide first: an average, and a half-precision sum that cannot overflow
-        bucket.buffer = flat
+        flat = bucket.buffer = self._storage(bucket)  # every gradient staged by its hook
         if bucket.scatter:  # ZeRO-1: the flat buffer padded to dp equal slices, each rank keeps its own
             record_call(self.counter, "reduce_scatter", flat.nbytes, world, bucket.label)
             bucket.shard = flat.new_empty(flat.numel() // world)
@@ -242,26 +297,6 @@ class GradientBuckets:
             self._cross_nodes(self.buckets[bucket.index - 1])
         self._log("launch", bucket.index)
 
-    def _filled(self, bucket: _Bucket, k: int) -> torch.Tensor:
-        """The bucket's flat buffer holding its gradients (in the reduce dtype), padded with zeros to k
-        equal shards. Kept from step to step as DDP keeps its buckets: a fresh buffer of this size
-        each step is a large allocation the allocator hands back to the OS and faults in again, which
-        on CPU ranks cost as much as the copy itself."""
-        grads = [param.grad.reshape(-1) for param in bucket.params]
-        count = sum(g.numel() for g in grads)
-        size, dtype = -(-count // k) * k, self.reduce_dtype or grads[0].dtype
-        held = bucket.storage
-        if held is None or held.numel() != size or held.dtype != dtype or held.device != grads[0].device:
-            held = bucket.storage = torch.zeros(size, dtype=dtype, device=grads[0].device)  # padding stays 0
-        if all(g.dtype == dtype for g in grads):
-            torch.cat(grads, out=held[:count])
-        else:
-            offset = 0
-            for g in grads:
-                held[offset:offset + g.numel()].copy_(g)
-                offset += g.numel()
-        return held
-
     def _cross_nodes(self, bucket: _Bucket) -> None:
         """Hierarchical phase 2: once the in-node reduce-scatter is done, all-reduce the shard across
         nodes (every rank reaches this for bucket i before bucket i+1, so the order agrees)."""
@@ -278,7 +313,8 @@ class GradientBuckets:
             bucket.phase = 3
 
     def wait(self) -> None:
-        """Wait for every bucket's all-reduce and write the averages into ``param.grad``."""
+        """Wait for every bucket's all-reduce; ``param.grad`` then holds the average (it is its slot of
+        the bucket buffer, or gets the average copied in where the reduce dtype differs)."""
         if not self.sync:
             return  # a no_sync micro-batch: gradients just accumulate locally
         if self._next < len(self.buckets):
@@ -305,11 +341,11 @@ class GradientBuckets:
                 self.shard_sink(bucket.index, bucket.shard.to(bucket.params[0].grad.dtype))
                 for param in bucket.params:
                     param.grad = None  # the full gradient is not kept: the shard's slice is the result
-            offset = 0
             for param in () if bucket.scatter else bucket.params:
-                count = param.numel()
-                param.grad.copy_(bucket.buffer[offset:offset + count].view(param.grad.shape))
-                offset += count
+                offset = bucket.offsets[id(param)]
+                averaged = bucket.buffer[offset:offset + param.numel()]
+                if param.grad.data_ptr() != averaged.data_ptr():  # a reduce-dtype copy, not the slot
+                    param.grad.copy_(averaged.view(param.grad.shape))
             bucket.ready.clear()
             bucket.buffer = bucket.handle = bucket.shard = None
             if bucket.scatter:  # ZeRO: no full-size gradient buffer is kept between steps (its point)

@@ -66,6 +66,23 @@ def _step(rank, reduce_dtype=None, micro_batches=1):
     return model, buckets, log, counter
 
 
+def _repeated_steps(rank, set_to_none: bool) -> tuple:
+    """Three synced backwards of the same half-batch, ``zero_grad(set_to_none)`` before each (no
+    optimizer step, so each must give the full-batch gradient); per step the largest error and
+    whether every ``.grad`` is its slot of a bucket buffer (nothing copied back at ``wait()``)."""
+    model, (x, y) = _mlp(), _data()
+    buckets = GradientBuckets(list(model.parameters()), dist.group.WORLD, bucket_bytes=BUCKET_BYTES)
+    ref, errors, in_buffers = _reference_grads(), [], []
+    storages = lambda: {b.storage.untyped_storage().data_ptr() for b in buckets.buckets}  # noqa: E731
+    for _ in range(3):
+        model.zero_grad(set_to_none=set_to_none)
+        torch.nn.functional.mse_loss(model(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank]).backward()
+        buckets.wait()
+        errors.append(_max_err(model, ref))
+        in_buffers.append(all(p.grad.untyped_storage().data_ptr() in storages() for p in model.parameters()))
+    return errors, in_buffers
+
+
 def _rank_checks(rank, world):
     ref = _reference_grads()
     out = {}
@@ -87,6 +104,9 @@ def _rank_checks(rank, world):
     out["accum_err"] = _max_err(model, ref)
     out["accum_events"] = [(kind, bucket) for kind, bucket, _ in log]
     out["accum_calls"] = counter.calls()
+
+    out["repeated_kept"] = _repeated_steps(rank, set_to_none=False)
+    out["repeated_fresh"] = _repeated_steps(rank, set_to_none=True)
     return out
 
 
@@ -143,6 +163,15 @@ def test_no_sync_accumulation_reduces_once_on_last_micro_batch(ranks):
         assert events[0] == ("micro_batch_done", 0)  # nothing launched during the first
         assert events.count(("backward_done", None)) == 1
         assert result["accum_calls"] == 5
+
+
+def test_gradients_are_their_bucket_slots_every_step_whether_zeroed_or_set_to_none(ranks):
+    # kept (zero_grad(set_to_none=False)): autograd accumulates into the slot, which is averaged in
+    # place; fresh: autograd hands a new tensor, the hook divides it into the slot and .grad becomes it
+    for result in ranks:
+        for errors, in_buffers in (result["repeated_kept"], result["repeated_fresh"]):
+            assert max(errors) < 1e-6, errors
+            assert in_buffers == [True, True, True]
 
 
 # --- one rank (group=None): the same machinery without the collective -------------------------
