@@ -149,6 +149,12 @@ class Calibration:
       packed in the forward, the recompute found and its value unpacked in the backward; measured as
       a block stack's checkpointed step less its plain step and one more forward, over the tensors
       saved). 0: not measured (a full recompute then costs one more forward, as on the presets).
+    - ``pipeline_message_s``: on shared cores, what one pipeline message (a cut's activation, or its
+      gradient) costs the ranks in CPU, both sides together (the isend and irecv calls, gloo's loop
+      thread copying it through loopback, and the caches the compute around it then refills), at the
+      rate of every rank busy (its measured CPU times ranks / cores), as (seconds per message, seconds
+      per byte). Its wall time alone (the "send" line) leaves this out: a message's CPU is taken from
+      cores the other ranks compute on. None: not measured (GPUs, or files written before).
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -163,6 +169,7 @@ class Calibration:
     waiting_share: float = 0.0
     op_fixed_s: Mapping[str, float] = field(default_factory=dict)
     recompute_saved_s: float = 0.0
+    pipeline_message_s: Optional[tuple] = None
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -186,12 +193,26 @@ class Calibration:
         if self.parallel_ranks is not None:
             value = _number(self.parallel_ranks, "Calibration parallel_ranks", positive=True)
             object.__setattr__(self, "parallel_ranks", min(value, float(self.ranks)))
+        if self.pipeline_message_s is not None:
+            line = tuple(self.pipeline_message_s)
+            if len(line) != 2:
+                raise InvalidValue(f"Calibration pipeline_message_s must be (seconds per message, seconds per "
+                                   f"byte), got {self.pipeline_message_s!r}")
+            object.__setattr__(self, "pipeline_message_s", tuple(
+                _number(v, "Calibration pipeline_message_s") for v in line))
         object.__setattr__(self, "_table", {key: f for key, f in zip(keys, fits)})
         fixed = dict(self.op_fixed_s)
         if not set(fixed) <= set(OP_CLASSES):
             raise InvalidValue(f"Calibration op_fixed_s keys must be among {OP_CLASSES}, got {sorted(fixed)}")
         object.__setattr__(self, "op_fixed_s", MappingProxyType(
             {name: _number(value, f"Calibration op_fixed_s[{name!r}]") for name, value in fixed.items()}))
+
+    def pipeline_message_seconds(self, nbytes: float) -> Optional[float]:
+        """``pipeline_message_s`` at a message of ``nbytes``, or None where not measured."""
+        if self.pipeline_message_s is None:
+            return None
+        per_message, per_byte = self.pipeline_message_s
+        return per_message + per_byte * nbytes
 
     def fit(self, kind: str, group_size: int) -> Optional[CollectiveFit]:
         """The measured line for ``kind`` on ``group_size`` ranks, or None if not measured."""
@@ -201,7 +222,8 @@ class Calibration:
     def __hash__(self) -> int:
         return hash((self.ranks, self.backend, self.device_kind, self.collectives,
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
-                     self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s))
+                     self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s,
+                     self.pipeline_message_s))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -210,7 +232,7 @@ class Calibration:
         return (Calibration, (self.ranks, self.backend, self.device_kind, self.collectives,
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
                               self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s),
-                              self.recompute_saved_s))
+                              self.recompute_saved_s, self.pipeline_message_s))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
@@ -218,7 +240,9 @@ class Calibration:
                 "backward_op_overhead_s": self.backward_op_overhead_s,
                 "comm_overlaps_compute": self.comm_overlaps_compute, "parallel_ranks": self.parallel_ranks,
                 "waiting_share": self.waiting_share, "op_fixed_s": dict(self.op_fixed_s),
-                "recompute_saved_s": self.recompute_saved_s, "raw": _plain(self.raw)}
+                "recompute_saved_s": self.recompute_saved_s,
+                "pipeline_message_s": list(self.pipeline_message_s) if self.pipeline_message_s else None,
+                "raw": _plain(self.raw)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
@@ -233,7 +257,8 @@ class Calibration:
                    tuple(CollectiveFit.from_json(f) for f in data["collectives"]),
                    data.get("backward_op_overhead_s", 0.0), bool(data.get("comm_overlaps_compute", True)),
                    data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0),
-                   data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0))
+                   data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0),
+                   data.get("pipeline_message_s"))
 
 
 def _plain(value):

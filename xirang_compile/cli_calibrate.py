@@ -54,8 +54,12 @@ def describe_calibration(world) -> str:
                 f"x for per-op fixed costs"
                 if calibration.raw.get("training_slowdown") else ""),
              f"  per op  forward {device.op_overhead_s * 1e6:7.1f} us, backward "
-             f"{calibration.backward_op_overhead_s * 1e6:7.1f} us",
-             f"  {'collective':15s} {'group':>5s} {'alpha us':>10s} {'GB/s':>9s} {'residual':>9s}"]
+             f"{calibration.backward_op_overhead_s * 1e6:7.1f} us"]
+    if calibration.pipeline_message_s is not None:
+        per_message, per_byte = calibration.pipeline_message_s
+        lines.append(f"  message {per_message * 1e6:7.1f} us + {per_byte * 1e9:.3f} ns a byte of CPU per pipeline "
+                     f"message, both sides, at every rank busy")
+    lines += [f"  {'collective':15s} {'group':>5s} {'alpha us':>10s} {'GB/s':>9s} {'residual':>9s}"]
     for fit in calibration.collectives:
         bandwidth = f"{1 / fit.beta / 1e9:9.3f}" if fit.beta else f"{'-':>9s}"
         lines.append(f"  {fit.kind:15s} {fit.group_size:5d} {fit.alpha * 1e6:10.1f} {bandwidth} "

@@ -22,7 +22,8 @@ scale it by:
   pipeline's isend/irecv), over a few message sizes. On ranks that share cores each call follows a
   chunk of work, as in training (``_in_context_time``: a matmul before a collective, tiny ops before
   a send): back-to-back calls on idle ranks answer at once, while in training a peer must first get a
-  core behind the busy ranks and finish its own work.
+  core behind the busy ranks and finish its own work. There a pipeline message's CPU, both sides
+  with gloo's threads, is timed as well (``_message_cpu_samples``): what it takes from the other ranks.
 
 A sample's time is the median over iterations on each rank, then the slowest rank (a collective
 ends when its last rank does). ``calibrated_world`` (its own module) fits the lines
@@ -257,6 +258,47 @@ def _collective_samples(device: str, quick: bool, in_context: bool = False) -> d
     return out
 
 
+MESSAGE_ROUNDS = 20  # rounds of (work, message) per size in ``_message_cpu_samples``
+
+
+def _message_cpu_samples(device: str, quick: bool) -> list:
+    """[[nbytes, CPU seconds of one pipeline message, both sides]] on this rank, every rank in a pair
+    with its neighbour and all pairs at once. Each round is the context matmul (``CONTEXT_MATMUL``) and
+    then one message each way (this rank sends one and receives one: both sides of one message); the
+    same rounds without the messages are timed too, and the difference in process CPU (every thread:
+    gloo's loop thread does the copying) over the rounds is the messages'. Timed by CPU, not wall: on
+    shared cores a message's CPU is what the other ranks lose, and its wall time alone leaves it out.
+    The matmul before each message is there because caches matter: back to back after tiny ops a
+    128 KB message took 0.4 ms of CPU on the development box, after a training-sized matmul 0.9 ms, and
+    in a pipeline's training steps about 0.7 ms on gloo's threads alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % 2:
+        return []
+    peer, first = rank ^ 1, rank % 2 == 0
+    m, k, n = CONTEXT_MATMUL
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    rounds, rows = 5 if quick else MESSAGE_ROUNDS, []
+    for nbytes in (QUICK_MESSAGE_SIZES if quick else MESSAGE_SIZES):
+        buffer = torch.ones(max(1, nbytes // 4), device=device)
+
+        def message(buffer=buffer):
+            for sending in ((True, False) if first else (False, True)):
+                work = dist.isend(buffer, dst=peer) if sending else dist.irecv(buffer, src=peer)
+                work.wait()
+        cpu = []
+        for with_message in (True, False, True, False):  # interleaved: a drift falls on both alike
+            dist.barrier()
+            start = time.process_time()
+            for _ in range(rounds):
+                torch.ops.aten.mm.default(a, b)
+                _sync(device)
+                if with_message:
+                    message()
+            cpu.append(time.process_time() - start)
+        rows.append([float(nbytes), max(0.0, (cpu[0] + cpu[2] - cpu[1] - cpu[3]) / (2 * rounds))])
+    return rows
+
+
 def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool = False) -> dict:
     """What one rank measures (run by ``launch`` on every rank at once)."""
     if device == "cuda":
@@ -273,8 +315,9 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
     sharing = measure_sharing(device, quick, lambda: _sync(device)) if shared else None
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
     collectives = _collective_samples(device, quick, in_context=sharing is not None) if world_size > 1 else {}
+    messages = _message_cpu_samples(device, quick) if shared else []
     return {"rank": rank, "threads": torch.get_num_threads(), "cores": usable_cores(), "compute": compute,
-            "sharing": sharing, "collectives": collectives}
+            "sharing": sharing, "collectives": collectives, "message_cpu": messages}
 
 
 def calibrate(nprocs: int, *, device: str = "cpu", backend: str | None = None, quick: bool = False,

@@ -18,6 +18,8 @@
 - Recompute: a block stack's step with every block checkpointed, less its plain step and one more
   forward, over the tensors its forward saves (``Calibration.recompute_saved_s``): the non-reentrant
   checkpoint's hooks cost per saved tensor, beyond the forward that a full recompute runs again.
+- Pipeline messages on shared cores: the CPU one message takes, both sides (the mean rank's, a
+  line in its bytes), times N / C (``Calibration.pipeline_message_s``).
 - Collectives: one alpha-beta line per kind and group size (``CollectiveFit``), from the slowest rank
   of each sample back to back, or from the mean rank where each call followed a chunk of work (the
   compute price already puts that work at the mean rank's).
@@ -89,7 +91,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     raw: dict = {"threads_per_rank": results[0]["threads"], "cpu_count": os.cpu_count()}
     compute, sharing = results[0]["compute"], results[0]["sharing"]
     # N ranks on k cores (``calibrate_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
-    parallel, waiting, slowdown, fixed_slowdown = float(ranks), 0.0, 1.0, 1.0
+    parallel, waiting, slowdown, fixed_slowdown, cores = float(ranks), 0.0, 1.0, 1.0, ranks
     if sharing is not None and sharing["together_s"] > 0:
         # N ranks on C cores, every rank busy: each gets C / N of a core, and its work takes more CPU
         # beside the others (the training workload's together / alone CPU, its per-row part for FLOPs,
@@ -153,6 +155,13 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         # the end of its own work, which the compute price already puts at the mean rank's: the mean
         samples = _mean(per_rank) if results[0]["sharing"] is not None else _slowest(per_rank)
         fits.append(CollectiveFit.fitted(kind, int(size), backend, [tuple(s) for s in samples]))
+    message = None  # a pipeline message's CPU, both sides, at every rank busy: measured CPU times N / C
+    rows = [r.get("message_cpu") for r in results]
+    if sharing is not None and all(rows):
+        samples = _mean(rows)
+        per_message, per_byte, residual = fit_line([x for x, _ in samples], [y for _, y in samples])
+        message = (per_message * ranks / cores, per_byte * ranks / cores)
+        raw["pipeline_message"] = {"cpu_samples": samples, "residual": residual, "ranks_per_core": ranks / cores}
     on_gpu = device.startswith("cuda")
     if on_gpu:
         memory = torch.cuda.get_device_properties(0).total_memory
@@ -176,5 +185,6 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     calibration = Calibration(ranks, backend, "cuda" if on_gpu else "cpu", tuple(fits), op_backward,
                               # gloo's communication threads run on the cores the ranks compute on
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
-                              waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved)
+                              waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved,
+                              pipeline_message_s=message)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

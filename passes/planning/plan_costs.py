@@ -183,11 +183,17 @@ class CandidatePricer:
         key = (c.tp, c.micro_batch, c.recompute, c.offload, pair, saved)
         if key not in self._tables:
             n = self.units(c)
-            # a forward activation and a backward gradient cross each cut; on shared cores the receiving
-            # rank spends about as much CPU taking a message in as the sender putting it out (gloo over
-            # loopback: 0.2-0.4 ms a side for 4 KB-1 MB on the 2-core box), cores no other rank gets
-            transfers = 2 if self.shared is None else 4
-            cuts = tuple(transfers * self.cost("send", nbytes, pair) for nbytes in n.cut_bytes)
+            # a forward activation and a backward gradient cross each cut. On shared cores what a message
+            # costs is its CPU, both sides, taken from the cores the others compute on: measured
+            # (Calibration.pipeline_message_s), else taken as the receiver spending about what the sender
+            # does, twice its wall time (gloo over loopback: 0.2-0.4 ms a side for 4 KB-1 MB on the
+            # 2-core box, back to back)
+            calibration = self.world.calibration  # there is one wherever ranks share cores
+            if self.shared is not None and calibration.pipeline_message_s is not None:
+                cuts = tuple(2 * calibration.pipeline_message_seconds(nbytes) for nbytes in n.cut_bytes)
+            else:
+                transfers = 2 if self.shared is None else 4
+                cuts = tuple(transfers * self.cost("send", nbytes, pair) for nbytes in n.cut_bytes)
             static = n.static if not saved else tuple(
                 s - saved * (n.grads[i + 1] - n.grads[i]) for i, s in enumerate(n.static))
             self._tables[key] = UnitTable(n.seconds, static, n.activation, cuts)

@@ -33,7 +33,8 @@ def _calibration() -> Calibration:
     fits = (CollectiveFit.fitted("all_reduce", 2, "gloo", [(1e3, 1.1e-4), (1e6, 2.1e-3)]),
             CollectiveFit("send", 2, "gloo", 5e-5, 1e-9, ((1e3, 5.1e-5),), 0.01))
     return Calibration(2, "gloo", "cpu", fits, backward_op_overhead_s=9e-6, comm_overlaps_compute=False,
-                       raw={"threads_per_rank": 1, "matmul": [[1.0, 2.0]]}, parallel_ranks=1.5)
+                       raw={"threads_per_rank": 1, "matmul": [[1.0, 2.0]]}, parallel_ranks=1.5,
+                       pipeline_message_s=(2e-3, 1.5e-9))
 
 
 def test_calibrated_world_round_trips_json_a_file_and_pickle(tmp_path):
@@ -49,6 +50,8 @@ def test_calibrated_world_round_trips_json_a_file_and_pickle(tmp_path):
     assert loaded.calibration.fit("all_reduce", 2).seconds(0) == pytest.approx(world.calibration.fit(
         "all_reduce", 2).alpha) and loaded.calibration.fit("all_reduce", 4) is None
     assert pickle.loads(pickle.dumps(world)) == world and loaded.calibration.parallel_ranks == 1.5
+    assert loaded.calibration.pipeline_message_s == (2e-3, 1.5e-9)
+    assert pickle.loads(pickle.dumps(world)).calibration.pipeline_message_s == (2e-3, 1.5e-9)
     assert "calibrated on 2 gloo ranks" in world.describe()
     plain = World.uniform(1, 8)
     assert "calibration" not in plain.to_json() and World.from_json(plain.to_json()) == plain
@@ -61,6 +64,10 @@ def test_bad_calibration_data_names_what_is_wrong(tmp_path):
         Calibration(2, "gloo", "cpu", (CollectiveFit("send", 2, "gloo", 0, 0),) * 2)
     with pytest.raises(ValueError, match="xirang calibrate"):
         Calibration.from_json({"ranks": 2})
+    with pytest.raises(ValueError, match="pipeline_message_s must be"):
+        Calibration(2, "gloo", "cpu", pipeline_message_s=(1e-3,))
+    with pytest.raises(ValueError, match="pipeline_message_s must be a non-negative"):
+        Calibration(2, "gloo", "cpu", pipeline_message_s=(1e-3, -1.0))
     with pytest.raises(ValueError, match="does not exist"):
         World.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="op_overhead_s"):

@@ -98,7 +98,7 @@ def _unit(name, cut_bytes):
                     cut_bytes_after=cut_bytes, model_flops=0.0, model_forward_flops=0.0)
 
 
-def test_on_shared_cores_a_pipeline_message_costs_the_receiver_as_much_as_the_sender():
+def test_on_shared_cores_a_pipeline_message_costs_its_measured_cpu_else_twice_its_wall_time():
     c = Candidate(tp=1, pp=2, dp=1, micro_batch=1, num_micro_batches=1, schedule="1f1b", virtual_stages=1,
                   recompute="none")
     split = TensorSplit(1, 1, 8, (_unit("block:0", 1e6), _unit("block:1", 0.0)))
@@ -108,7 +108,14 @@ def test_on_shared_cores_a_pipeline_message_costs_the_receiver_as_much_as_the_se
 
     # 1 ms a message: an activation forward and a gradient backward cross the cut
     assert cuts(Calibration(2, "gloo", "cpu", (SEND,)))[0] == pytest.approx(2e-3)
+    # shared cores, no CPU measured: the receiver taken to spend what the sender does
     assert cuts(Calibration(2, "gloo", "cpu", (SEND,), parallel_ranks=1.0))[0] == pytest.approx(4e-3)
+    # measured: 0.5 ms + 1 ns a byte of CPU per message at every rank busy, for each of the two messages
+    message = (5e-4, 1e-9)
+    assert cuts(Calibration(2, "gloo", "cpu", (SEND,), parallel_ranks=1.0,
+                            pipeline_message_s=message))[0] == pytest.approx(2 * (5e-4 + 1e-3))
+    # ranks on their own devices: a message costs its time on the link, whatever its CPU
+    assert cuts(Calibration(2, "gloo", "cpu", (SEND,), pipeline_message_s=message))[0] == pytest.approx(2e-3)
 
 
 def _results(ranks: int = 2) -> list:
@@ -182,6 +189,21 @@ def test_a_calibration_without_the_training_workload_shares_the_cores_evenly():
     assert world.calibration.parallel_ranks == pytest.approx(2.0)
     assert "training_slowdown" not in world.calibration.raw
     assert world.nodes[0].device.peak("fp32") == pytest.approx(1e10 / 4)
+
+
+def test_a_pipeline_message_is_its_mean_rank_cpu_line_at_every_rank_busy():
+    # 8 ranks on 2 cores: a message's CPU (both sides) takes 4x its CPU seconds of wall with every rank
+    # busy; the ranks' samples are averaged, then fitted (0.2 ms + 1 ns a byte, and 0.4 ms on rank 1)
+    results = _shared(None)
+    lines = {0: (2e-4, 1e-9), 1: (4e-4, 1e-9)}
+    results = [{**r, "message_cpu": [[n, lines[i % 2][0] + lines[i % 2][1] * n] for n in (1e3, 1e6)]}
+               for i, r in enumerate(results)]
+    calibration = calibrated_world(results, backend="gloo", device="cpu").calibration
+    assert calibration.pipeline_message_s == pytest.approx((4 * 3e-4, 4 * 1e-9))
+    assert calibration.pipeline_message_seconds(1e6) == pytest.approx(4 * (3e-4 + 1e-3))
+    assert calibration.raw["pipeline_message"]["ranks_per_core"] == 4
+    # ranks on their own devices (no sharing measured): not a cost the cores pay
+    assert calibrated_world(_results(), backend="gloo", device="cpu").calibration.pipeline_message_s is None
 
 
 def test_two_training_sizes_slow_the_flop_rates_and_the_fixed_costs_apart():
