@@ -97,8 +97,14 @@ _UNIT_TEXT = {1: "% .12e" % 1, -1: "% .12e" % -1}
 SPEED_OPTIONS = ("-preprocess", "off", "-cuts", "off", "-heuristics", "off")
 
 
-def solve_cbc(program: LinearProgram, what: str) -> dict[str, float]:
-    """Column name -> value of CBC's optimum (a SolverFailure naming ``what`` if CBC finds none)."""
+# A split or stage-cut ILP takes CBC milliseconds to a few seconds; one still running after this long
+# is stuck (or the machine is), and planning says so instead of hanging.
+CBC_TIMEOUT_S = 300.0
+
+
+def solve_cbc(program: LinearProgram, what: str, *, timeout_s: float = CBC_TIMEOUT_S) -> dict[str, float]:
+    """Column name -> value of CBC's optimum (a SolverFailure naming ``what`` if CBC finds none, or is
+    still running after ``timeout_s`` seconds: it is then killed)."""
     text, renamed = program.mps_text()
     with tempfile.TemporaryDirectory(prefix="xirang-cbc-") as folder:
         model, solution = os.path.join(folder, "model.mps"), os.path.join(folder, "model.sol")
@@ -108,8 +114,14 @@ def solve_cbc(program: LinearProgram, what: str) -> dict[str, float]:
         # not "all": ~230 lines instead of ~2700 for a Llama layer's ILP; what is left out reads as 0)
         command = [pulp.PULP_CBC_CMD().path, model, "-timeMode", "elapsed", *SPEED_OPTIONS, "-solve",
                    "-printingOptions", "normal", "-solution", solution]
-        finished = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, check=False)
+        try:
+            finished = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, check=False, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise SolverFailure(f"CBC ({command[0]}) did not finish {what} within {timeout_s:g} s and was "
+                                f"stopped", where="passes/planning/solve_cbc.py",
+                                hint="plan fewer candidates (pin dp, tp, pp or the micro-batch) or a smaller "
+                                     "model; if the machine is busy, plan again when it is not") from None
         if finished.returncode != 0 or not os.path.exists(solution):
             raise SolverFailure(f"CBC ({command[0]}) failed on {what} with exit status {finished.returncode}")
         with open(solution) as file:

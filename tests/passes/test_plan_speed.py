@@ -26,6 +26,7 @@ from xirang.passes.analysis.trace_normalize import canonical_names
 from xirang.passes.planning import plan_partition, plan_search
 from xirang.passes.planning.plan_partition import UnitTable
 from xirang.passes.planning import solve_splits
+from xirang.passes.planning.solve_cbc import LinearProgram, solve_cbc
 from xirang.passes.planning.solve_splits import SplitEdge, SplitNode, SplitProblem, Strategy, split_program
 from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts_dp
 from xirang.pipeline import ANALYSIS_PASSES
@@ -238,3 +239,14 @@ def test_canonical_names_in_place_leave_the_graph_a_node_by_node_copy_would():
     assert list(x.users) == [early, late]
     code = torch.fx.GraphModule(torch.nn.Module(), graph).code
     assert "def forward(self, x):" in code and "neg = torch.ops.aten.neg.default(x)" in code
+
+
+def test_a_cbc_run_past_its_time_limit_is_stopped_and_named():
+    program = LinearProgram()
+    x = program.add_binary("x")
+    program.add_row("L", {x: 1.0}, 1.0)
+    program.add_objective(x, -1.0)
+    assert solve_cbc(program, "a one-column ILP") == {"x": 1.0}
+    # no process starts, runs and exits in a microsecond: the limit is what stops it here
+    with pytest.raises(XirangError, match=r"did not finish a one-column ILP within 1e-06 s"):
+        solve_cbc(program, "a one-column ILP", timeout_s=1e-6)
