@@ -16,6 +16,12 @@ import torch.distributed as dist
 from xirang.ir.errors import XirangError
 
 
+def batch_layout(batch: dict) -> tuple:
+    """What ``BatchChecks.check`` reads of a batch: each name, and for a tensor its dtype and shape."""
+    return tuple((name, value.dtype, value.shape) if isinstance(value, torch.Tensor) else (name, None)
+                 for name, value in batch.items())
+
+
 class BatchChecks:
     """The checks of one rank's ``CompiledModel``: ``check`` (this rank's batch against the program)
     and ``agree`` (every rank raises together, and ranks given different batches are refused)."""
@@ -26,12 +32,25 @@ class BatchChecks:
         self._inputs, self._batch_dims = inputs, batch_dims
         self.rank, self.dp_rank, self.device = rank, dp_rank, device
         self._specs = None
+        self._passed = None  # (plan, layout) of the last batch that passed: a step's batch is most often like it
 
     def check(self, batch: dict, pre_sharded: bool) -> None:
-        where = f"CompiledModel.train_step, rank {self.rank}"
+        """Refuse a batch the program cannot run (module docstring). The checks read only the plan,
+        ``pre_sharded`` and the batch's layout (names, which values are tensors, their dtypes and shapes),
+        so a batch laid out like the last one that passed, under the same plan, passes without them."""
         if not isinstance(pre_sharded, bool):
-            raise XirangError(f"pre_sharded={pre_sharded!r} must be True or False", where=where,
+            raise XirangError(f"pre_sharded={pre_sharded!r} must be True or False",
+                              where=f"CompiledModel.train_step, rank {self.rank}",
                               hint="pre_sharded=True: this dp rank's share; False: the global batch")
+        layout = (pre_sharded, batch_layout(batch))
+        passed = self._passed
+        if passed is not None and passed[0] is self.plan and passed[1] == layout:
+            return
+        self._check(batch, pre_sharded)
+        self._passed = (self.plan, layout)
+
+    def _check(self, batch: dict, pre_sharded: bool) -> None:
+        where = f"CompiledModel.train_step, rank {self.rank}"
         missing = [name for name in self._inputs if name not in batch]
         if missing:
             raise XirangError(f"train_step is missing the input(s) {missing}", where=where,

@@ -95,6 +95,9 @@ class CompiledModel:
         self.extra_warmup: tuple = ()  # more 1F1B warm-up forwards per pp rank (set_extra_warmup)
         self.schedule = self._build_schedule(plan)
         self._batch_dims, self._inputs = program.batch_dims, program.inputs
+        # input name -> its batch dim (None: not split over dp ranks and micro-batches)
+        self._batch_dim_of = {name: next((d for d, s in dims.items() if s == "batch"), None)
+                              for name, dims in program.batch_dims.items()}
         self._aliases, self._trainable = program.aliases, program.trainable
 
         local = self.schedule.stages_of(self.pp_rank)
@@ -314,10 +317,8 @@ class CompiledModel:
             self.zero.before_step()  # ZeRO-1: the last optimizer step's slices into every replica (3: at first use)
         # the executor and the dp buckets compute this step's gradients afresh; what was in .grad
         # (an earlier step not yet zeroed) is added back after, as autograd would accumulate it
-        earlier = {}
-        for param in self.parameters():
-            if param.grad is not None:
-                earlier[param] = param.grad
+        earlier = {param: param.grad for param in self.parameters() if param.grad is not None}
+        for param in earlier:
             param.grad = None
         if self.groups.pp is not None:
             dist.barrier(group=self.groups.pp)  # one clock for the timestamps of the pp ranks
@@ -351,6 +352,8 @@ class CompiledModel:
 
     def _step_loss(self, record: StepRecord) -> torch.Tensor:
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
+        if len(record.losses) == 1 and self.groups.dp is None and self.groups.pp is None:
+            return record.losses[0]  # the mean of one value is that value, bit for bit; no collective runs on it
         loss = torch.zeros((), device=self.device)
         if self.pp_rank == last_rank:
             loss = torch.stack(record.losses).mean()
@@ -364,16 +367,17 @@ class CompiledModel:
         return loss
 
     def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
-        m, sizes = self.schedule.num_micro_batches, list(self.dp_shares)
+        m, sizes = self.schedule.num_micro_batches, self.dp_shares
         shares = {}
+        start = sum(sizes[:self.dp_rank])
         for name in self._inputs:
-            value, dims = batch[name], self._batch_dims.get(name, {})
-            batch_dim = next((d for d, s in dims.items() if s == "batch"), None)
+            value, batch_dim = batch[name], self._batch_dim_of.get(name)
             if batch_dim is None:
                 shares[name] = [value] * m
                 continue
-            share = value if pre_sharded else value.split(sizes, dim=batch_dim)[self.dp_rank]
-            shares[name] = list(share.chunk(m, dim=batch_dim))
+            # views, never copies; at dp = 1 the share is the batch itself, at m = 1 the micro-batch is the share
+            share = value if pre_sharded or self.dp == 1 else value.narrow(batch_dim, start, sizes[self.dp_rank])
+            shares[name] = [share] if m == 1 else list(share.chunk(m, dim=batch_dim))
         return [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
 
     def measured_costs(self):

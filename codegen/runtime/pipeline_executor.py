@@ -253,7 +253,8 @@ class PipelineExecutor:
         if program.returns_loss:
             loss = outputs[0]
             self._record.losses.append(loss.detach())
-            held_outputs = [loss / self.schedule.num_micro_batches]
+            m = self.schedule.num_micro_batches
+            held_outputs = [loss / m if m > 1 else loss]  # loss / 1 is loss, bit for bit: one op less each way
         else:
             held_outputs = [out for out, spec in zip(outputs, program.crossing_out) if spec.requires_grad]
             if action.stage + 1 < self.schedule.num_stages:
