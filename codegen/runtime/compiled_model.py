@@ -368,6 +368,8 @@ class CompiledModel:
 
     def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
         m, sizes = self.schedule.num_micro_batches, self.dp_shares
+        if m == 1 and (pre_sharded or self.dp == 1):  # the one micro-batch is the batch itself
+            return [{name: batch[name] for name in self._inputs}]
         shares = {}
         start = sum(sizes[:self.dp_rank])
         for name in self._inputs:
@@ -375,7 +377,7 @@ class CompiledModel:
             if batch_dim is None:
                 shares[name] = [value] * m
                 continue
-            # views, never copies; at dp = 1 the share is the batch itself, at m = 1 the micro-batch is the share
+            # views, never copies (at m = 1 the micro-batch is the share)
             share = value if pre_sharded or self.dp == 1 else value.narrow(batch_dim, start, sizes[self.dp_rank])
             shares[name] = [share] if m == 1 else list(share.chunk(m, dim=batch_dim))
         return [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
