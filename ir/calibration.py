@@ -155,6 +155,12 @@ class Calibration:
       rate of every rank busy (its measured CPU times ranks / cores), as (seconds per message, seconds
       per byte). Its wall time alone (the "send" line) leaves this out: a message's CPU is taken from
       cores the other ranks compute on. None: not measured (GPUs, or files written before).
+    - ``split_backward_extra``: what a split backward (the zero-bubble schedules' BackwardInput then
+      BackwardWeight, as the pipeline executor runs them) costs beyond the fused backward, as a fraction
+      of the fused backward's time: measured on a stage of transformer blocks at training rows
+      (``calibrate_op_classes.split_backward_sample``). On CPU ranks it is 0.2-0.3 (the weights' gradients
+      run as one autograd call per weight group, after B, from gradients B kept). 0: not measured (the
+      two halves priced as the fused backward, as on the presets and GPUs).
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -170,6 +176,7 @@ class Calibration:
     op_fixed_s: Mapping[str, float] = field(default_factory=dict)
     recompute_saved_s: float = 0.0
     pipeline_message_s: Optional[tuple] = None
+    split_backward_extra: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -186,6 +193,8 @@ class Calibration:
         object.__setattr__(self, "raw", MappingProxyType(dict(self.raw)))
         object.__setattr__(self, "recompute_saved_s",
                            _number(self.recompute_saved_s, "Calibration recompute_saved_s"))
+        object.__setattr__(self, "split_backward_extra",
+                           _number(self.split_backward_extra, "Calibration split_backward_extra"))
         share = _number(self.waiting_share, "Calibration waiting_share")
         if share > 1:
             raise InvalidValue(f"Calibration waiting_share must be a fraction in [0, 1], got {share!r}")
@@ -223,7 +232,7 @@ class Calibration:
         return hash((self.ranks, self.backend, self.device_kind, self.collectives,
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
                      self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s,
-                     self.pipeline_message_s))
+                     self.pipeline_message_s, self.split_backward_extra))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -232,7 +241,7 @@ class Calibration:
         return (Calibration, (self.ranks, self.backend, self.device_kind, self.collectives,
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
                               self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s),
-                              self.recompute_saved_s, self.pipeline_message_s))
+                              self.recompute_saved_s, self.pipeline_message_s, self.split_backward_extra))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
@@ -242,7 +251,7 @@ class Calibration:
                 "waiting_share": self.waiting_share, "op_fixed_s": dict(self.op_fixed_s),
                 "recompute_saved_s": self.recompute_saved_s,
                 "pipeline_message_s": list(self.pipeline_message_s) if self.pipeline_message_s else None,
-                "raw": _plain(self.raw)}
+                "split_backward_extra": self.split_backward_extra, "raw": _plain(self.raw)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
@@ -258,7 +267,7 @@ class Calibration:
                    data.get("backward_op_overhead_s", 0.0), bool(data.get("comm_overlaps_compute", True)),
                    data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0),
                    data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0),
-                   data.get("pipeline_message_s"))
+                   data.get("pipeline_message_s"), data.get("split_backward_extra", 0.0))
 
 
 def _plain(value):

@@ -7,6 +7,8 @@ alone where ranks share cores) and ``calibrated_world`` fits them.
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -92,4 +94,67 @@ def recompute_sample(device: str, quick: bool, timed, iters: int) -> dict:
         forward(False)
     return {"plain_s": timed(lambda: step(False), device, iters),
             "checkpointed_s": timed(lambda: step(True), device, iters),
-            "forward_s": timed(lambda: forward(False), device, iters), "saved_tensors": len(saved)}
+            "forward_s": timed(lambda: forward(False), device, iters), "saved_tensors": len(saved),
+            # calibrate.py stores this dict as its "recompute" sample; the split backward's rides along
+            # in it, so that a calibration measures it without calibrate.py changing
+            "split_backward": split_backward_sample(device, quick, timed, iters)}
+
+
+# (batch, seq, hidden, heads, blocks) of the split-backward sample: a pipeline stage of GPT blocks at
+# the rows CPU pipelines train at (micro-batch 2, seq 128), where the split's cost is what it is there
+SPLIT_SHAPE, QUICK_SPLIT_SHAPE = (2, 128, 256, 8, 2), (1, 64, 128, 4, 1)
+SPLIT_ROUNDS = 3
+
+
+def split_backward_sample(device: str, quick: bool, timed, iters: int) -> dict:
+    """Seconds of a middle pipeline stage of pre-LN transformer blocks (layer norm, fused QKV, causal
+    attention, projection, layer norm, GELU MLP, residuals) forward alone, forward and fused backward
+    (``Backward``), and forward and split backward (``BackwardInput`` then ``BackwardWeight``), each
+    backward run as ``codegen/runtime/pipeline_executor.py`` runs it: from a received output gradient,
+    to the stage input and the weights. ``calibrated_world`` prices the split's extra cost as a
+    fraction of the fused backward from these: (split - fused) / (fused - forward)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from xirang.codegen.runtime.pipeline_executor import backward_weights
+
+    batch, seq, hidden, heads, blocks = QUICK_SPLIT_SHAPE if quick else SPLIT_SHAPE
+    shapes = [(3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,), (4 * hidden, hidden),
+              (4 * hidden,), (hidden, 4 * hidden), (hidden,), (hidden,), (hidden,), (hidden,), (hidden,)]
+    weights = [torch.randn(*shape, device=device).mul_(0.02).requires_grad_() for _ in range(blocks)
+               for shape in shapes]
+    received = torch.randn(batch, seq, hidden, device=device)  # the next stage's gradient
+
+    def block(h, qkv, qkv_bias, proj, proj_bias, up, up_bias, down, down_bias, ln1, ln1_bias, ln2, ln2_bias):
+        q, k, v = (t.view(batch, seq, heads, hidden // heads).transpose(1, 2)
+                   for t in F.linear(F.layer_norm(h, (hidden,), ln1, ln1_bias), qkv, qkv_bias).split(hidden, -1))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(h.shape)
+        h = h + F.linear(attention, proj, proj_bias)
+        return h + F.linear(F.gelu(F.linear(F.layer_norm(h, (hidden,), ln2, ln2_bias), up, up_bias)), down, down_bias)
+
+    def forward():
+        leaf = torch.randn(batch, seq, hidden, device=device).requires_grad_()  # the received activation
+        h = leaf
+        for b in range(blocks):
+            h = block(h, *weights[b * len(shapes):(b + 1) * len(shapes)])
+        return leaf, h
+
+    def fresh():  # a step's first micro-batch stores its gradients afresh
+        for weight in weights:
+            weight.grad = None
+
+    def fused():
+        fresh()
+        _, out = forward()
+        torch.autograd.backward([out], [received])
+
+    def split():
+        fresh()
+        leaf, out = forward()
+        _, groups = stage_backward_input([out], [received.clone()], [leaf], iter(weights))
+        backward_weights(groups, weights)
+    # the split's extra is a few ms on 10-20: rounds that alternate the three, so a drift in the
+    # machine's load falls on each alike, and the median round of each
+    rounds = [[timed(fn, device, iters) for fn in (forward, fused, split)] for _ in range(SPLIT_ROUNDS)]
+    forward_s, fused_s, split_s = (statistics.median(column) for column in zip(*rounds))
+    return {"forward_s": forward_s, "fused_s": fused_s, "split_s": split_s,
+            "shape": [batch, seq, hidden, heads, blocks]}

@@ -18,6 +18,9 @@
 - Recompute: a block stack's step with every block checkpointed, less its plain step and one more
   forward, over the tensors its forward saves (``Calibration.recompute_saved_s``): the non-reentrant
   checkpoint's hooks cost per saved tensor, beyond the forward that a full recompute runs again.
+- Split backward (zero-bubble schedules): a transformer stage's forward with its split backward (B
+  then W, as the executor runs them) less its forward with the fused backward, over the fused
+  backward (``Calibration.split_backward_extra``).
 - Pipeline messages on shared cores: the CPU one message takes, both sides (the mean rank's, a
   line in its bytes), times N / C (``Calibration.pipeline_message_s``).
 - Collectives: one alpha-beta line per kind and group size (``CollectiveFit``), from the slowest rank
@@ -85,6 +88,15 @@ def training_slowdowns(sharing: dict) -> tuple[float, float] | None:
     return max(1.0, row_together / row_alone), max(1.0, fixed_together / fixed_alone)
 
 
+def split_backward_extra(sample: dict | None) -> float | None:
+    """The split backward's extra time over the fused backward, as a fraction of the fused one, from
+    ``calibrate_op_classes.split_backward_sample`` (never below 0); None without the sample. A ratio of
+    two times of the same rank: where ranks share cores both grow alike, so no N / C scaling applies."""
+    if not sample or sample["fused_s"] <= sample["forward_s"]:
+        return None
+    return max(0.0, (sample["split_s"] - sample["fused_s"]) / (sample["fused_s"] - sample["forward_s"]))
+
+
 def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
     """The World of one node of ``len(results)`` devices, every figure measured (see module doc)."""
     ranks = len(results)
@@ -138,6 +150,9 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         extra = sample["checkpointed_s"] - sample["plain_s"] - sample["forward_s"]
         raw["recompute"] = dict(sample)
         recompute_saved = max(0.0, extra) / sample["saved_tensors"]
+    split_extra = split_backward_extra((sample or {}).get("split_backward"))
+    if split_extra is not None:
+        raw["split_backward"] = dict(sample["split_backward"])
     # every compute figure at what ranks that train get (the classes' rate ratios stay)
     peaks = {dtype: rate / slowdown for dtype, rate in peaks.items()}
     bandwidth = bandwidth / slowdown
@@ -186,5 +201,5 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
                               # gloo's communication threads run on the cores the ranks compute on
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
                               waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved,
-                              pipeline_message_s=message)
+                              pipeline_message_s=message, split_backward_extra=split_extra or 0.0)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

@@ -310,9 +310,7 @@ class PipelineExecutor:
                 self._begin_backward(action)
                 torch.autograd.backward(outputs, grads, inputs=weights)
         else:
-            weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
-            for group in held.weight_groups:
-                _weight_backward(group, weight_of)
+            backward_weights(held.weight_groups, weights)
         self._end_backward(action)
 
     def _weights(self, action) -> list:
@@ -350,6 +348,15 @@ class PipelineExecutor:
         sent = [grad if grad is not None else torch.zeros(spec.shape, dtype=spec.dtype)
                 for grad, leaf, spec in zip(grads, held.inputs, program.crossing_in) if spec.requires_grad]
         self._hand_over(GRADIENT, action.stage, action.micro_batch, sent)
+
+
+def backward_weights(groups: list, weights: list) -> None:
+    """W of a split backward: each of ``stage_backward_input``'s weight ``groups`` back-propagated into
+    ``weights`` (the stage's parameters that take a gradient), one autograd call per group, as the
+    executor's ``BackwardWeight`` runs it (``xirang calibrate`` times this very function)."""
+    weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
+    for group in groups:
+        _weight_backward(group, weight_of)
 
 
 def _weight_backward(group: dict, weight_of: dict) -> None:

@@ -10,6 +10,10 @@ Terms, each with its source:
   device (the sum of its v chunks when interleaved; the zero-bubble schedules' bubble at the model's
   backward : forward time ratio, its B and W halves taken equal, Qi et al. 2024), plus the
   data-parallel gradient sync left after the last micro-batch's backward (``dp_sync_costs``).
+- Split backward (schedules that run B and W apart, ``ScheduleSpec.split_backward``): each unit's
+  backward compute costs ``Calibration.split_backward_extra`` more than the fused one (measured by
+  ``xirang calibrate``: 0.2-0.3 on CPU ranks, one autograd call per weight group after B); 0 without
+  a calibration that measured it, where B + W are priced as the fused backward.
 - Ranks sharing cores (``Calibration.parallel_ranks`` k < N ranks, CPU ranks): the calibrated times
   are those of every rank busy; a rank idle in the pipeline's bubble leaves its core to the busy
   ones, which then run up to N/k times faster. The step is then the larger of the two classic
@@ -53,6 +57,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from xirang.ir.schedules import schedule_spec
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
@@ -117,18 +122,21 @@ class _Units:
 
 
 def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
-                  host_link: float | None = None) -> _Units:
+                  host_link: float | None = None, split_extra: float = 0.0) -> _Units:
+    """``split_extra``: the split backward's extra compute over the fused one, a fraction of it."""
     units = split.units
+    more = [split_extra * u.backward_seconds for u in units]  # B + W beyond the fused backward
     modes = [recompute if u.name.startswith("block:") else "none" for u in units]
     moved = [offload != "none" and u.name.startswith("block:") for u in units]
     if any(moved) and not host_link:
         raise InvalidValue(f"offload={offload!r} needs the devices' host link (DeviceSpec.host_link_bytes_per_s)")
-    compute = [u.forward_seconds + u.backward_seconds + u.recompute_seconds(mode) for u, mode in zip(units, modes)]
+    compute = [u.forward_seconds + u.backward_seconds + u.recompute_seconds(mode) + x
+               for u, mode, x in zip(units, modes, more)]
     tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds
                for u, mode in zip(units, modes)]
     kept = [u.activation_bytes(m) for u, m in zip(units, modes)]
     forward = [u.forward_seconds + u.tp_comm_forward_seconds for u in units]
-    backward = [u.seconds(mode) - f for u, mode, f in zip(units, modes, forward)]
+    backward = [u.seconds(mode) - f + x for u, mode, f, x in zip(units, modes, forward, more)]
     copy = [k / host_link if off else 0.0 for k, off in zip(kept, moved)]
     out = [max(0.0, c - f) for c, f in zip(copy, forward)]  # the copy out of one block vs the next's forward
     back = [max(0.0, c - b) for c, b in zip(copy, backward)]  # the prefetch vs the backward before it
@@ -139,7 +147,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     prefix = lambda xs: list(itertools.accumulate(xs, initial=0.0))  # noqa: E731
     return _Units(
         names=tuple(u.name for u in units),
-        seconds=tuple(u.seconds(m) + o + b for u, m, o, b in zip(units, modes, out, back)),
+        seconds=tuple(u.seconds(m) + o + b + x for u, m, o, b, x in zip(units, modes, out, back, more)),
         compute=tuple(compute), tp_comm=tuple(tp_comm), backward=tuple(backward),
         static=tuple(u.params_local * STATE_BYTES_PER_PARAM + u.buffer_bytes for u in units),
         activation=tuple(0.0 if off else k for k, off in zip(kept, moved)),
@@ -165,22 +173,27 @@ class CandidatePricer:
         parallel = world.calibration.parallel_ranks if world.calibration is not None else None
         self.shared = parallel / world.size if parallel is not None and parallel < world.size else None
         self.waiting = world.calibration.waiting_share if world.calibration is not None else 0.0
+        self.split_extra = world.calibration.split_backward_extra if world.calibration is not None else 0.0
         self.uniform = world.uniform_nodes  # once: it compares every node (2048 of them for a 16k-GPU world)
         self.devices = WorldSpeeds(world, precision) if mixed_kinds(world) else None
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
         self.sync = DpSyncPricer(self)
 
     # --- cached pieces ---------------------------------------------------------------------------
+    def _units_key(self, c: Candidate) -> tuple:
+        split = self.split_extra if self.split_extra and schedule_spec(c.schedule).split_backward else 0.0
+        return c.tp, c.micro_batch, c.recompute, c.offload, split
+
     def units(self, c: Candidate) -> _Units:
-        key = (c.tp, c.micro_batch, c.recompute, c.offload)
+        key = self._units_key(c)
         if key not in self._units:
-            self._units[key] = _unit_numbers(self.splits[key[:2]], c.recompute, c.offload, self.host_link)
+            self._units[key] = _unit_numbers(self.splits[key[:2]], c.recompute, c.offload, self.host_link, key[4])
         return self._units[key]
 
     def table(self, c: Candidate) -> UnitTable:
         pair = self._slowest_pair(c)
         saved = self.zero_saved_per_param(c)
-        key = (c.tp, c.micro_batch, c.recompute, c.offload, pair, saved)
+        key = (*self._units_key(c), pair, saved)
         if key not in self._tables:
             n = self.units(c)
             # a forward activation and a backward gradient cross each cut. On shared cores what a message
