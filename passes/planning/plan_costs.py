@@ -13,7 +13,9 @@ Terms, each with its source:
 - Split backward (schedules that run B and W apart, ``ScheduleSpec.split_backward``): each unit's
   backward compute costs ``Calibration.split_backward_extra`` more than the fused one (measured by
   ``xirang calibrate``: 0.2-0.3 on CPU ranks, one autograd call per weight group after B); 0 without
-  a calibration that measured it, where B + W are priced as the fused backward.
+  a calibration that measured it, where B + W are priced as the fused backward. A recomputed block
+  runs its recompute twice there, whatever the World: B's pass over the graph recomputes it, and so
+  does W's (the checkpoint's recomputed tensors do not outlive B's pass; tests/codegen/test_recompute.py).
 - Ranks sharing cores (``Calibration.parallel_ranks`` k < N ranks, CPU ranks): the calibrated times
   are those of every rank busy; a rank idle in the pipeline's bubble leaves its core to the busy
   ones, which then run up to N/k times faster. The step is then the larger of the two classic
@@ -122,21 +124,26 @@ class _Units:
 
 
 def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
-                  host_link: float | None = None, split_extra: float = 0.0) -> _Units:
-    """``split_extra``: the split backward's extra compute over the fused one, a fraction of it."""
+                  host_link: float | None = None, split_extra: float | None = None) -> _Units:
+    """``split_extra``: None where the schedule fuses the backward; else the split backward's extra
+    compute over the fused one, a fraction of it (0 where not measured)."""
     units = split.units
-    more = [split_extra * u.backward_seconds for u in units]  # B + W beyond the fused backward
     modes = [recompute if u.name.startswith("block:") else "none" for u in units]
+    # B + W beyond the fused backward: the measured extra, and W's pass recomputing the block again
+    more = [0.0] * len(units) if split_extra is None else [
+        split_extra * u.backward_seconds + u.recompute_seconds(mode) for u, mode in zip(units, modes)]
+    again = [0.0 if split_extra is None or mode != "full" else u.tp_comm_forward_seconds  # its collectives too
+             for u, mode in zip(units, modes)]
     moved = [offload != "none" and u.name.startswith("block:") for u in units]
     if any(moved) and not host_link:
         raise InvalidValue(f"offload={offload!r} needs the devices' host link (DeviceSpec.host_link_bytes_per_s)")
     compute = [u.forward_seconds + u.backward_seconds + u.recompute_seconds(mode) + x
                for u, mode, x in zip(units, modes, more)]
-    tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds
-               for u, mode in zip(units, modes)]
+    tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds + a
+               for u, mode, a in zip(units, modes, again)]
     kept = [u.activation_bytes(m) for u, m in zip(units, modes)]
     forward = [u.forward_seconds + u.tp_comm_forward_seconds for u in units]
-    backward = [u.seconds(mode) - f + x for u, mode, f, x in zip(units, modes, forward, more)]
+    backward = [u.seconds(mode) - f + x + a for u, mode, f, x, a in zip(units, modes, forward, more, again)]
     copy = [k / host_link if off else 0.0 for k, off in zip(kept, moved)]
     out = [max(0.0, c - f) for c, f in zip(copy, forward)]  # the copy out of one block vs the next's forward
     back = [max(0.0, c - b) for c, b in zip(copy, backward)]  # the prefetch vs the backward before it
@@ -147,7 +154,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     prefix = lambda xs: list(itertools.accumulate(xs, initial=0.0))  # noqa: E731
     return _Units(
         names=tuple(u.name for u in units),
-        seconds=tuple(u.seconds(m) + o + b + x for u, m, o, b, x in zip(units, modes, out, back, more)),
+        seconds=tuple(u.seconds(m) + o + b + x + a for u, m, o, b, x, a in zip(units, modes, out, back, more, again)),
         compute=tuple(compute), tp_comm=tuple(tp_comm), backward=tuple(backward),
         static=tuple(u.params_local * STATE_BYTES_PER_PARAM + u.buffer_bytes for u in units),
         activation=tuple(0.0 if off else k for k, off in zip(kept, moved)),
@@ -181,7 +188,7 @@ class CandidatePricer:
 
     # --- cached pieces ---------------------------------------------------------------------------
     def _units_key(self, c: Candidate) -> tuple:
-        split = self.split_extra if self.split_extra and schedule_spec(c.schedule).split_backward else 0.0
+        split = self.split_extra if schedule_spec(c.schedule).split_backward else None
         return c.tp, c.micro_batch, c.recompute, c.offload, split
 
     def units(self, c: Candidate) -> _Units:

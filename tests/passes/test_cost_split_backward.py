@@ -87,7 +87,7 @@ def test_the_timed_split_backward_gives_the_fused_gradients_and_times_both():
 
 
 def _split() -> TensorSplit:
-    def unit(i):
+    def unit(i):  # full recompute: the forward again, 0.4 s
         return UnitCost(f"block:{i}", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
                         tp_comm_backward_seconds=0.0, params_local=1, saved_bytes=0.0, selective_saved_bytes=0.0,
                         selective_recompute_seconds=0.0, input_bytes=0.0, cut_bytes_after=0.0, model_flops=1.0,
@@ -95,11 +95,11 @@ def _split() -> TensorSplit:
     return TensorSplit(1, 1, 8, (unit(0), unit(1)))
 
 
-def _step(schedule: str, calibration: Calibration | None) -> float:
+def _step(schedule: str, calibration: Calibration | None, recompute: str = "none") -> float:
     device = DeviceSpec("cpu", {"fp32": 2e10}, 2**32, 1e10)
     world = World((NodeSpec(2, device),), LINK, LINK, calibration)
     c = Candidate(tp=1, pp=2, dp=1, micro_batch=1, num_micro_batches=4, schedule=schedule, virtual_stages=1,
-                  recompute="none")
+                  recompute=recompute)
     return CandidatePricer({(1, 1): _split()}, world, global_batch=4).price(c, ((0, 1), (1, 2))).step_seconds
 
 
@@ -116,3 +116,12 @@ def test_schedules_that_split_the_backward_pay_its_measured_extra():
     # priced as fused, ZB-H1's smaller bubble wins; at its measured cost, 1F1B does
     assert _step("zb-h1", plain) < _step("1f1b", plain)
     assert _step("1f1b", measured) < _step("zb-h1", measured)
+
+
+def test_a_split_backward_recomputes_a_block_twice_whatever_the_world():
+    # B's pass over the graph recomputes each checkpointed block and W's does again (the executor's
+    # split; tests/codegen/test_recompute.py): 1F1B's backward is 0.6 + 0.4, ZB-H1's 0.6 + 2 x 0.4
+    assert _step("1f1b", None, "full") == pytest.approx(pipeline_step_time("1f1b", 2, 4, 1.4))
+    assert _step("zb-h1", None, "full") == pytest.approx(pipeline_step_time("zb-h1", 2, 4, 1.8, 1, 1.4 / 0.4))
+    measured = Calibration(2, "gloo", "cpu", split_backward_extra=0.3)  # and the measured extra on top
+    assert _step("zb-h1", measured, "full") == pytest.approx(pipeline_step_time("zb-h1", 2, 4, 1.98, 1, 1.58 / 0.4))
