@@ -351,19 +351,16 @@ class PipelineExecutor:
 
 
 def backward_weights(groups: list, weights: list) -> None:
-    """W of a split backward: each of ``stage_backward_input``'s weight ``groups`` back-propagated into
-    ``weights`` (the stage's parameters that take a gradient), one autograd call per group, as the
-    executor's ``BackwardWeight`` runs it (``xirang calibrate`` times this very function)."""
+    """W: each of ``stage_backward_input``'s weight ``groups`` into ``weights`` (``xirang calibrate`` times it)."""
     weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
-    for group in groups:
+    for group in groups:  # one autograd call per group
         _weight_backward(group, weight_of)
 
 
 def _weight_backward(group: dict, weight_of: dict) -> None:
-    """W for one group of weights (``stage_backward_input``'s ``param_groups``): back-propagate the
-    gradients B kept at the ops that use them into those weights, accumulating ``.grad`` through
-    autograd so gradient hooks run. Where a group has several such ops, each is handed exactly its
-    kept gradient, so nothing reaches a weight twice through a later op (as torch's own W does)."""
+    """W for one group of weights (``stage_backward_input``'s ``param_groups``): the gradients B kept at the ops
+    that use them, back-propagated into those weights through autograd (so gradient hooks run); each op is
+    handed exactly its kept gradient, so nothing reaches a weight twice through a later op (as torch's W)."""
     edges, grads = [], []
     for kept, node in zip(group.get("grads") or [], group["intermediates"]):
         for index, grad in enumerate(kept):
