@@ -55,6 +55,9 @@ def describe_calibration(world) -> str:
                 if calibration.raw.get("training_slowdown") else ""),
              f"  per op  forward {device.op_overhead_s * 1e6:7.1f} us, backward "
              f"{calibration.backward_op_overhead_s * 1e6:7.1f} us"]
+    if calibration.split_backward_extra:
+        lines.append(f"  split   a zero-bubble schedule's backward, input and weight gradients apart, costs "
+                     f"{calibration.split_backward_extra:.2f} of the fused backward more")
     if calibration.pipeline_message_s is not None:
         per_message, per_byte = calibration.pipeline_message_s
         lines.append(f"  message {per_message * 1e6:7.1f} us + {per_byte * 1e9:.3f} ns a byte of CPU per pipeline "

@@ -40,7 +40,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.calibrate_op_classes import attention_samples, other_samples, recompute_sample
+from xirang.codegen.runtime.calibrate_op_classes import (attention_samples, other_samples, recompute_sample,
+                                                         split_backward_sample)
 from xirang.codegen.runtime.calibrate_sharing import measure_sharing
 from xirang.codegen.runtime.calibrated_world import calibrated_world
 from xirang.ir.calibration import COLLECTIVE_KINDS
@@ -121,6 +122,7 @@ def _compute_samples(device: str, quick: bool) -> dict:
     out["other"] = other_samples(device, quick, timed, iters)
     out["attention"] = attention_samples(device, quick, timed, iters)
     out["recompute"] = recompute_sample(device, quick, timed, iters)
+    out["split_backward"] = split_backward_sample(device, quick, timed, iters)
     tiny = torch.ones(8, device=device)
 
     def forward_chain():

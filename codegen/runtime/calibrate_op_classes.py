@@ -94,10 +94,7 @@ def recompute_sample(device: str, quick: bool, timed, iters: int) -> dict:
         forward(False)
     return {"plain_s": timed(lambda: step(False), device, iters),
             "checkpointed_s": timed(lambda: step(True), device, iters),
-            "forward_s": timed(lambda: forward(False), device, iters), "saved_tensors": len(saved),
-            # calibrate.py stores this dict as its "recompute" sample; the split backward's rides along
-            # in it, so that a calibration measures it without calibrate.py changing
-            "split_backward": split_backward_sample(device, quick, timed, iters)}
+            "forward_s": timed(lambda: forward(False), device, iters), "saved_tensors": len(saved)}
 
 
 # (batch, seq, hidden, heads, blocks) of the split-backward sample: a pipeline stage of GPT blocks at

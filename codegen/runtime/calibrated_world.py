@@ -150,9 +150,9 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         extra = sample["checkpointed_s"] - sample["plain_s"] - sample["forward_s"]
         raw["recompute"] = dict(sample)
         recompute_saved = max(0.0, extra) / sample["saved_tensors"]
-    split_extra = split_backward_extra((sample or {}).get("split_backward"))
+    split_extra = split_backward_extra(compute.get("split_backward"))
     if split_extra is not None:
-        raw["split_backward"] = dict(sample["split_backward"])
+        raw["split_backward"] = dict(compute["split_backward"])
     # every compute figure at what ranks that train get (the classes' rate ratios stay)
     peaks = {dtype: rate / slowdown for dtype, rate in peaks.items()}
     bandwidth = bandwidth / slowdown

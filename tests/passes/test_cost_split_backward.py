@@ -26,13 +26,13 @@ LINK = LinkSpec(5e8, 0.0)
 
 
 def _results(split: dict | None) -> list:
-    """What calibrate_rank returns, made up (as tests/passes/test_cost_op_classes.py), with a
-    recompute sample that carries ``split`` as its split-backward sample (or none)."""
+    """What calibrate_rank returns, made up (as tests/passes/test_cost_op_classes.py), with ``split``
+    as its split-backward sample (or none)."""
     recompute = {"plain_s": 0.02, "checkpointed_s": 0.03, "forward_s": 0.006, "saved_tensors": 40}
-    if split is not None:
-        recompute["split_backward"] = split
     compute = {"matmul": {"float32": [[1e9, 1e-3 + 0.1], [2e9, 1e-3 + 0.2]]}, "elementwise": [[1e6, 1e-3], [2e6, 2e-3]],
                "op_forward_s": 1e-5, "op_backward_s": 2e-5, "recompute": recompute}
+    if split is not None:
+        compute["split_backward"] = split
     return [{"threads": 1, "compute": compute, "sharing": None, "collectives": {}}] * 2
 
 
