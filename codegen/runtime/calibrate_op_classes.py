@@ -12,6 +12,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from xirang.codegen.runtime.split_backward import backward_input, backward_weights
 from xirang.passes.analysis.flops import PER_ELEMENT
 
 # (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
@@ -110,10 +111,6 @@ def split_backward_sample(device: str, quick: bool, timed, iters: int) -> dict:
     backward run as ``codegen/runtime/pipeline_executor.py`` runs it: from a received output gradient,
     to the stage input and the weights. ``calibrated_world`` prices the split's extra cost as a
     fraction of the fused backward from these: (split - fused) / (fused - forward)."""
-    from torch.distributed.pipelining._backward import stage_backward_input
-
-    from xirang.codegen.runtime.pipeline_executor import backward_weights
-
     batch, seq, hidden, heads, blocks = QUICK_SPLIT_SHAPE if quick else SPLIT_SHAPE
     shapes = [(3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,), (4 * hidden, hidden),
               (4 * hidden,), (hidden, 4 * hidden), (hidden,), (hidden,), (hidden,), (hidden,), (hidden,)]
@@ -147,7 +144,7 @@ def split_backward_sample(device: str, quick: bool, timed, iters: int) -> dict:
     def split():
         fresh()
         leaf, out = forward()
-        _, groups = stage_backward_input([out], [received.clone()], [leaf], iter(weights))
+        _, groups = backward_input([out], [received.clone()], [leaf], weights)
         backward_weights(groups, weights)
     # the split's extra is a few ms on 10-20: rounds that alternate the three, so a drift in the
     # machine's load falls on each alike, and the median round of each

@@ -10,12 +10,10 @@ The executor only interprets the schedule (docs/architecture.md: schedules are d
 - ``Backward(s, mb)``: ``torch.autograd.backward`` on the stage outputs with their received
   gradients; parameter gradients accumulate in ``.grad`` across micro-batches, the crossing
   inputs' gradients go to the previous stage. ``BackwardInput`` then ``BackwardWeight`` split it
-  (zero-bubble schedules, Qi et al. 2024) per op, as torch.distributed.pipelining does: B runs
-  ``stage_backward_input`` (the gradient w.r.t. the stage inputs, keeping the gradient that reaches
-  each op using a weight), W back-propagates those kept gradients into the weights only, so no part
-  of the backward runs twice. W uses ``torch.autograd.backward`` (not torch's ``stage_backward_weight``,
-  which writes ``.grad`` directly) so the dp buckets' gradient hooks fire. A stage whose inputs take
-  no gradient (stage 0) has nothing to send: its B does nothing and its W is the whole backward.
+  (zero-bubble schedules, Qi et al. 2024) per op, as torch.distributed.pipelining does
+  (codegen/runtime/split_backward.py: B the inputs' gradients, keeping the gradient that reaches each
+  op using a weight; W those kept gradients into the weights only). A stage whose inputs take no
+  gradient (stage 0) has nothing to send: its B does nothing and its W is the whole backward.
 - ``Send``/``Recv``: non-blocking (codegen/runtime/p2p.py). A receive is waited on by its consumer only,
   so it overlaps whatever this rank computes in between; sends are waited on at the end of the step.
 - Activation offload (plan.offload): the forward of (stage, mb) runs inside ``offload.forward``, so
@@ -39,12 +37,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
 from xirang.ir.errors import InvalidValue, XirangError
 
 from xirang.codegen.runtime.p2p import ReceiveBuffers, Transfer, message_tag, post_recv, post_send
+from xirang.codegen.runtime.split_backward import backward_input, backward_weights, ungrouped_weights
 from xirang.ir.schedules import (ACTIVATION, GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
                         Send)
 from xirang.passes.lowering.split_stages import StageModule
@@ -296,7 +293,7 @@ class PipelineExecutor:
         if leaves and outputs:
             self._begin_backward(action)
             weights = self._weights(action)
-            dinputs, held.weight_groups = stage_backward_input(outputs, grads, leaves, iter(weights))
+            dinputs, held.weight_groups = backward_input(outputs, grads, leaves, weights)
             self._check_weight_groups(action, held.weight_groups)
             found = iter(dinputs)
         self._send_input_grads(action, [next(found) if leaf is not None else None for leaf in held.inputs], held)
@@ -319,10 +316,10 @@ class PipelineExecutor:
     def _check_weight_groups(self, action, groups: list) -> None:
         """A weight the stage's inputs never reach (read only on a path of its own) is in no group,
         so the split W would leave its gradient out: refuse rather than train it wrongly."""
-        grouped = {node for group in groups for node in group["params"]}
         stage = self.stages[action.stage]
-        missing = [fqn for (_, fqn), weight in zip(stage.program.parameters, stage.parameters)
-                   if weight.requires_grad and _get_grad_fn_or_grad_acc(weight) not in grouped]
+        named = [(fqn, weight) for (_, fqn), weight in zip(stage.program.parameters, stage.parameters)
+                 if weight.requires_grad]
+        missing = [named[i][0] for i in ungrouped_weights(groups, [weight for _, weight in named])]
         if missing:
             shown = ", ".join(missing[:4])
             raise XirangError(f"stage {action.stage} reads weight(s) {shown} on no path from its inputs, so a "
@@ -348,40 +345,6 @@ class PipelineExecutor:
         sent = [grad if grad is not None else torch.zeros(spec.shape, dtype=spec.dtype)
                 for grad, leaf, spec in zip(grads, held.inputs, program.crossing_in) if spec.requires_grad]
         self._hand_over(GRADIENT, action.stage, action.micro_batch, sent)
-
-
-def backward_weights(groups: list, weights: list) -> None:
-    """W: each of ``stage_backward_input``'s weight ``groups`` into ``weights`` (``xirang calibrate`` times it)."""
-    weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
-    for group in groups:  # one autograd call per group
-        _weight_backward(group, weight_of)
-
-
-def _weight_backward(group: dict, weight_of: dict) -> None:
-    """W for one group of weights (``stage_backward_input``'s ``param_groups``): the gradients B kept at the ops
-    that use them, back-propagated into those weights through autograd (so gradient hooks run); each op is
-    handed exactly its kept gradient, so nothing reaches a weight twice through a later op (as torch's W)."""
-    edges, grads = [], []
-    for kept, node in zip(group.get("grads") or [], group["intermediates"]):
-        for index, grad in enumerate(kept):
-            if grad is not None:
-                edges.append(GradientEdge(node, index))
-                grads.append(grad)
-    if not edges:
-        return
-    handles = []
-    if len(group["intermediates"]) > 1:
-        handles = [node.register_prehook(lambda _outputs, kept=kept: kept)
-                   for kept, node in zip(group["grads"], group["intermediates"])]
-    try:
-        torch.autograd.backward(edges, grads, inputs=[weight_of[node] for node in group["params"]])
-    finally:
-        for handle in handles:
-            handle.remove()
-        # Drop the group's hold on the graph now: left to the garbage collector (the hooks B registered
-        # made a cycle through it), the stage's saved activations outlive the step's W by far.
-        group.pop("intermediates", None)
-        group.pop("grads", None)
 
 
 class _Borrowed:
