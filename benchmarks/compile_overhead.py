@@ -4,7 +4,7 @@
    medium GPT. The program is the traced aten graph run by Python, so the ratio is the price of
    the FX interpreter-free but op-by-op execution versus nn.Module's.
 2. dp=4 on local gloo ranks: compiled steps per second over torch DistributedDataParallel's, same
-   model, batch and bucket size (25 MiB both).
+   model, batch and bucket size (25 MiB both), the two steps alternated (medians).
 
     python benchmarks/compile_overhead.py
 """
@@ -38,15 +38,6 @@ def _batch(vocab: int, size=BATCH) -> dict:
 def _model(name: str):
     torch.manual_seed(0)
     return build_gpt(MODELS[name], device="cpu")
-
-
-def _timed(step) -> float:
-    for _ in range(WARMUP):
-        step()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    return (time.perf_counter() - start) / STEPS
 
 
 def single_rank(name: str) -> tuple[float, float]:
@@ -88,20 +79,20 @@ def _dp_rank(rank, world, name):
     batch = _batch(MODELS[name].vocab_size, BATCH * world)
     compiled = xirang.compile(_model(name), world=world, example_kwargs=batch, global_batch=BATCH * world,
                               device="cpu", dp=world, tp=1, pp=1, micro_batch=BATCH)
-    xirang_s = _timed(lambda: _fresh_step(compiled, batch))
     ddp = torch.nn.parallel.DistributedDataParallel(_model(name))
     share = {k: v.chunk(world)[rank] for k, v in batch.items()}
 
     def ddp_step():
         ddp.zero_grad(set_to_none=True)
         ddp(**share).backward()
-    return xirang_s, _timed(ddp_step)
+    # alternated as at world=1: every rank runs the same sequence, so the collectives pair up
+    return _alternated(lambda: _fresh_step(compiled, batch), ddp_step, rounds=2 * STEPS)
 
 
 def main():
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     print(f"batch {BATCH} x seq {SEQ}; world=1: medians of {5 * STEPS} eager and compiled steps run alternately "
-          f"after {WARMUP} warm-up each; dp=4: mean of {STEPS} steps after {WARMUP} warm-up")
+          f"after {WARMUP} warm-up each; dp=4: medians of {2 * STEPS} steps of each, alternated")
     for name in MODELS:
         eager_s, compiled_s = single_rank(name)
         print(f"world=1 {name:7s} eager {eager_s * 1e3:8.1f} ms  compiled {compiled_s * 1e3:8.1f} ms  "
