@@ -315,9 +315,10 @@ class CompiledModel:
         micro_batches = self._micro_batches(batch, pre_sharded)
         if self.zero:
             self.zero.before_step()  # ZeRO-1: the last optimizer step's slices into every replica (3: at first use)
-        # the executor and the dp buckets compute this step's gradients afresh; what was in .grad
-        # (an earlier step not yet zeroed) is added back after, as autograd would accumulate it
-        earlier = {param: param.grad for param in self.parameters() if param.grad is not None}
+        # this step's gradients are computed afresh; what was in .grad (not yet zeroed, or zeroed in place)
+        # is added back after, as autograd would. A bucket slot is copied out: this step writes into it.
+        earlier = {param: param.grad.clone() if any(b.holds(param.grad) for b in self.grad_buckets.values())
+                   else param.grad for param in self.parameters() if param.grad is not None}
         for param in earlier:
             param.grad = None
         if self.groups.pp is not None:

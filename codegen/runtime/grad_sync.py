@@ -236,9 +236,8 @@ class GradientBuckets:
         return 1
 
     def _storage(self, bucket: _Bucket) -> torch.Tensor:
-        """The bucket's flat buffer, padded with zeros to its shard count. Kept from step to step as DDP
-        keeps its buckets: a fresh buffer of this size each step is a large allocation the allocator
-        hands back to the OS and faults in again, which on CPU ranks cost as much as the copy itself."""
+        """The bucket's flat buffer, padded with zeros to its shard count, kept from step to step as DDP
+        keeps its buckets (a fresh one each step is faulted in again: on CPU as dear as the copy)."""
         first = bucket.params[0]
         k = self._shard_count(bucket)
         size, dtype = -(-bucket.count // k) * k, self.reduce_dtype or first.dtype
@@ -248,20 +247,17 @@ class GradientBuckets:
         return held
 
     def _stage_gradient(self, bucket: _Bucket, param: torch.Tensor) -> None:
-        """Write this rank's share of ``param``'s gradient into its slot of the bucket buffer the moment
-        autograd finishes it (still in cache), already divided by the group size (an average, and a
-        half-precision sum that cannot overflow). Where the slot has the gradient's dtype,
-        ``param.grad`` then becomes the slot itself (DDP's gradient_as_bucket_view): the all-reduce
-        averages the gradient in place and nothing is copied back. A gradient that is already its slot
-        (kept from the last step by ``zero_grad(set_to_none=False)``) is scaled in place."""
+        """Write ``param``'s gradient, divided by the group size (an average, and a half-precision sum that
+        cannot overflow), into its slot of the bucket buffer as autograd finishes it (still in cache).
+        Where the slot has the gradient's dtype, ``param.grad`` becomes the slot (DDP's
+        gradient_as_bucket_view): nothing is copied back. A gradient already its slot is scaled in place."""
         world = group_size(self.group)
         offset = bucket.offsets[id(param)]
         slot = self._storage(bucket)[offset:offset + param.numel()].view(param.shape)
         grad = param.grad
         if grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride():
             source = slot
-        elif grad.dtype == slot.dtype:
-            source = None  # one fused pass: slot = grad * weight / world
+        elif grad.dtype == slot.dtype:  # one fused pass: slot = grad * weight / world
             if self.share_weight != 1.0:
                 torch.mul(grad, self.share_weight, out=slot)
                 slot.div_(world)
@@ -362,6 +358,12 @@ class GradientBuckets:
             yield self
         finally:
             self.sync = previous
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in a bucket buffer (a gradient kept as its slot: the next backward overwrites it)."""
+        where = tensor.untyped_storage().data_ptr()
+        return any(bucket.storage is not None and bucket.storage.untyped_storage().data_ptr() == where
+                   for bucket in self.buckets)
 
     @property
     def bucket_params(self) -> tuple:

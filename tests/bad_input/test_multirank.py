@@ -48,20 +48,33 @@ def test_ranks_given_bad_batches_fail_together_naming_it(fault, mine, other):
     assert other in results[0], results
 
 
-def _rank_accumulate(rank: int, world: int):
+def _two_batches() -> tuple[dict, dict]:
+    """Two different batches: the second's gradient is not the first's (a reordered batch would give
+    the same mean-loss gradient, and a wrong accumulation could pass unseen)."""
+    a = models.features(8)
+    return a, {"x": a["x"] * 0.5 + 1.0, "y": a["y"].flip(0)}
+
+
+def _rank_accumulate(rank: int, world: int, zero_between: bool):
     model, inputs = models.mlp()
     compiled = xirang.compile(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, dp=2)
-    a, b = models.features(8), {k: v.flip(0) for k, v in models.features(8).items()}
+    a, b = _two_batches()
     compiled.train_step(**a)
+    if zero_between:  # zeroed in place: the gradients stay the same tensors
+        for param in compiled.parameters():
+            param.grad.zero_()
     compiled.train_step(**b)
     return {k: v.clone() for k, v in compiled.full_gradients().items()}
 
 
-def test_gradients_accumulate_across_steps_at_dp2():
-    got = launch(_rank_accumulate, 2, timeout_s=180)
+@pytest.mark.parametrize("zero_between", [False, True], ids=["accumulated", "zeroed-in-place"])
+def test_gradients_accumulate_across_steps_at_dp2(zero_between):
+    got = launch(_rank_accumulate, 2, args=(zero_between,), timeout_s=180)
     model, _ = models.mlp()
-    a, b = models.features(8), {k: v.flip(0) for k, v in models.features(8).items()}
+    a, b = _two_batches()
     model(**a).backward()
+    if zero_between:
+        model.zero_grad(set_to_none=False)
     model(**b).backward()
     for grads in got:
         worst = max(float((grads[k] - p.grad).abs().max()) for k, p in model.named_parameters())
