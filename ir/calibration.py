@@ -216,10 +216,8 @@ class Calibration:
         object.__setattr__(self, "op_fixed_s", MappingProxyType(
             {name: _number(value, f"Calibration op_fixed_s[{name!r}]") for name, value in fixed.items()}))
 
-    def pipeline_message_seconds(self, nbytes: float) -> Optional[float]:
-        """``pipeline_message_s`` at a message of ``nbytes``, or None where not measured."""
-        if self.pipeline_message_s is None:
-            return None
+    def pipeline_message_seconds(self, nbytes: float) -> float:
+        """``pipeline_message_s`` (measured) at a message of ``nbytes``."""
         per_message, per_byte = self.pipeline_message_s
         return per_message + per_byte * nbytes
 

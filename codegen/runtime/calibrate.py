@@ -276,17 +276,12 @@ def _message_cpu_samples(device: str, quick: bool) -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % 2:
         return []
-    peer, first = rank ^ 1, rank % 2 == 0
+    pair = [rank - rank % 2, rank - rank % 2 + 1]
     m, k, n = CONTEXT_MATMUL
     a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
     rounds, rows = 5 if quick else MESSAGE_ROUNDS, []
     for nbytes in (QUICK_MESSAGE_SIZES if quick else MESSAGE_SIZES):
-        buffer = torch.ones(max(1, nbytes // 4), device=device)
-
-        def message(buffer=buffer):
-            for sending in ((True, False) if first else (False, True)):
-                work = dist.isend(buffer, dst=peer) if sending else dist.irecv(buffer, src=peer)
-                work.wait()
+        message = _collective_call("send", nbytes, None, 2, pair, device)  # one each way, as the send line's
         cpu = []
         for with_message in (True, False, True, False):  # interleaved: a drift falls on both alike
             dist.barrier()

@@ -255,21 +255,17 @@ class GradientBuckets:
         offset = bucket.offsets[id(param)]
         slot = self._storage(bucket)[offset:offset + param.numel()].view(param.shape)
         grad = param.grad
-        if grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride():
-            source = slot
-        elif grad.dtype == slot.dtype:  # one fused pass: slot = grad * weight / world
-            if self.share_weight != 1.0:
-                torch.mul(grad, self.share_weight, out=slot)
-                slot.div_(world)
-            else:
-                torch.div(grad, world, out=slot)
-            param.grad = slot
-            return
+        in_place = grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride()
+        if not in_place and grad.dtype == slot.dtype and self.share_weight == 1.0:
+            torch.div(grad, world, out=slot)  # one fused pass, the common case
         else:
-            source = slot.copy_(grad)  # the reduce dtype: cast, then scale in it (as the sum will run)
-        if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
-            source.mul_(self.share_weight)
-        source.div_(world)
+            if not in_place:
+                slot.copy_(grad)  # in the reduce dtype, if another: scaled in it, as the sum will run
+            if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
+                slot.mul_(self.share_weight)
+            slot.div_(world)
+        if grad.dtype == slot.dtype:
+            param.grad = slot
 
     def _launch(self, bucket: _Bucket) -> None:
         world = group_size(self.group)
