@@ -26,7 +26,7 @@ from xirang.ir.world import World  # noqa: E402
 from xirang.passes.planning.cost_collectives import collective_cost  # noqa: E402
 
 TP, PP, GLOBAL_BATCH, SEQ, GPUS_PER_NODE = 8, 8, 1536, 2048, 8
-TERMS = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload")
+TERMS = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
 
 
 def price(dp: int, report, device: str, *, recompute: str = "full") -> dict:

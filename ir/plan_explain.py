@@ -12,12 +12,12 @@ from xirang.ir.plan_parts import Alternative
 
 GiB = 1024**3
 CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"), ("pp_p2p", "p2p"),
-          ("dp_exposed", "DP exposed"), ("offload", "offload"))
+          ("dp_exposed", "DP exposed"), ("offload", "offload"), ("step_sync", "step sync"))
 # the configuration fields that drive each cause; a sentence names those that differ
 _DRIVERS = {"compute": ("recompute", "tp", "pp", "b", "m", "sp"), "tp_comm": ("tp", "pp", "b", "m", "sp"),
             "pp_bubble": ("schedule", "pp", "m", "v"), "pp_p2p": ("stages", "b", "m"),
             "dp_exposed": ("dp", "pp", "tp", "zero"),
-            "offload": ("offload", "recompute", "tp", "b")}
+            "offload": ("offload", "recompute", "tp", "b"), "step_sync": ("dp", "pp", "tp")}
 # Options the search prices as on/off or as stages at an otherwise equal configuration. Each: the
 # field of ``_fields``, what a value is called, and the causes of the step it moves (with their
 # words): explain() prints one line per option from the winner and the row differing in it alone.

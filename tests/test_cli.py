@@ -70,7 +70,7 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
     assert chosen[0].startswith("* " + rows[0]["configuration"])
     assert rows[0]["dp"] * rows[0]["pp"] * rows[0]["tp"] == 2 and rows[0]["fits"]
     assert set(rows[0]["seconds_by_cause"]) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed",
-                                                "offload"}
+                                                "offload", "step_sync"}
     assert abs(sum(rows[0]["seconds_by_cause"].values()) - rows[0]["step_seconds"]) <= 1e-6 * rows[0]["step_seconds"]
 
 

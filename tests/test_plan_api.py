@@ -39,7 +39,7 @@ def test_plan_is_valid_and_consistent(gpt_plans):
     assert all(stage.memory_limit_bytes == int(0.9 * 80 * GiB) for stage in plan.stages)
     p = plan.predicted
     assert math.isclose(sum(p.breakdown.values()), p.step_seconds, rel_tol=1e-9)
-    assert set(p.breakdown) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload"}
+    assert set(p.breakdown) == {"compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync"}
     assert p.tflops_per_device > 0 and len(p.memory_bytes_per_device) == plan.mesh.pp
     assert [e.stage for e in events if e.step_done] == ["analyse", "splits", "search", "assemble"]
     # inside the search: one event per tensor-split problem, as many as the splits step reports

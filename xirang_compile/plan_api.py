@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple, Optional, Union
 from xirang.ir.device import DEVICE_PRESETS, DeviceSpec
 from xirang.ir.plan import PRECISIONS, Plan
 from xirang.ir.world import World, parse_world
+from xirang.passes.analysis.trace import user_inputs
 from xirang.passes.planning.cost_model import Efficiency
 from xirang.passes.planning.plan_search import cpu_seconds, search_plan
 from xirang.passes.planning.plan_search_space import check_global_batch
@@ -113,7 +114,8 @@ def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwa
         result = search_plan(price, world, global_batch=global_batch, seq=seq, precision=precision,
                              memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
                              schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload,
-                             zero_stage=zero_stage, sequence_parallel=sequence_parallel)
+                             zero_stage=zero_stage, sequence_parallel=sequence_parallel,
+                             batch_inputs=len(user_inputs(gm)))
     except XirangError as error:
         if not whole_batch:
             raise

@@ -42,6 +42,7 @@ from xirang.codegen.runtime.step_costs import MeasuredCosts
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
 from xirang.ir.world import LinkSpec, World
+from xirang.passes.analysis.trace import user_inputs
 from xirang.passes.planning.plan_costs import CandidatePricer, Priced
 from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.plan_search_space import Candidate
@@ -232,11 +233,12 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
     corrected_current = corrected(current.tp, tuple(range(current.tp)), current.micro_batch, seq)
     priced = CandidatePricer({(current.tp, current.micro_batch): corrected_current}, world,
                              global_batch=plan.global_batch, precision=plan.precision,
-                             memory_fraction=MEMORY_FRACTION).price(current, bounds, exact=True)
+                             memory_fraction=MEMORY_FRACTION, batch_inputs=len(user_inputs(gm))
+                             ).price(current, bounds, exact=True)
     tied = tied_sum_seconds(gm, priced, names, split.placements, world)
     repriced = priced.step_seconds + tied
     result = search_plan(corrected, world, global_batch=plan.global_batch, seq=seq, precision=plan.precision,
-                         memory_fraction=MEMORY_FRACTION, **pins)
+                         memory_fraction=MEMORY_FRACTION, batch_inputs=len(user_inputs(gm)), **pins)
 
     def with_tied(p: Priced) -> float:
         placements = raw[(p.candidate.tp, p.candidate.micro_batch, seq)].placements

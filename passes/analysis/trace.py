@@ -237,9 +237,14 @@ def _annotate_locations(gm):
                 SOURCE.set(node, source_cache[trace])
 
 
+def user_inputs(gm) -> dict:
+    """The traced graph's placeholders that are the model's inputs (not its parameters or buffers), by name."""
+    return {n.name: n for n in gm.graph.nodes if n.op == "placeholder" and ROLE.get(n) == "input"}
+
+
 def _map_symbols(gm, symbolic_dims):
     """torch's shape symbols (s72, s70, ...) -> Xirang's names ('batch', 'seq')."""
-    inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder" and ROLE.get(n) == "input"}
+    inputs = user_inputs(gm)
     torch_symbols: dict[str, str] = {}
     specialised = set()
     for name, dims in symbolic_dims.items():

@@ -25,6 +25,13 @@ Terms, each with its source:
   k << N the bubble all but vanishes; with k = N it is the pipeline formula. Where a waiting rank
   still burns CPU (``Calibration.waiting_share`` w: 0 blocks, 1 spins like compute), the bubble gives
   back only 1 - w of its time: the work bound becomes work + w · (pipeline formula - work).
+- The step's own collectives (``step_sync``; ``codegen/runtime`` runs them every step, before and after
+  the pipeline, so nothing hides them): the batch agreement, one all-reduce over every rank of a
+  small float64 vector per input (``batch_checks.agree``: each rank's problem and batch layout, the
+  max and min at once, ``agreement_bytes``), and the loss of the global batch, all-reduced over dp on
+  the last pipeline rank and broadcast over pp (``CompiledModel._step_loss``). Each priced on its
+  group like any collective: tens of microseconds on NCCL, milliseconds on gloo ranks sharing cores
+  (on the 2-core development box the 8-rank all-reduce's calibrated line starts at 12 ms).
 - Memory per device: 16 B per local parameter (``model_state_bytes``, mixed-precision Adam;
   Rajbhandari et al. 2020) + activations × micro-batches in flight on that pipeline rank
   (``in_flight_by_rank``) + the recompute working set: the largest block's activations that
@@ -73,7 +80,14 @@ from xirang.ir.errors import InvalidValue
 
 STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload")
+CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
+LOSS_BYTES = 4  # the step's loss, one fp32 scalar, reduced over dp and broadcast over pp
+
+
+def agreement_bytes(batch_inputs: int) -> int:
+    """Bytes of the batch agreement's all-reduce (``codegen/runtime/batch_checks.agree``): a problem flag
+    and 64 figures per input, as float64, with their negations (max and min in one call)."""
+    return 2 * 8 * (1 + 64 * max(1, batch_inputs))
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
 
 
@@ -171,8 +185,10 @@ class CandidatePricer:
     """Prices candidates of one model on one World; caches everything shared between candidates."""
 
     def __init__(self, splits: Mapping[tuple[int, int], TensorSplit], world: World, *, global_batch: int,
-                 precision: str = "bf16", memory_fraction: float = 0.9):
+                 precision: str = "bf16", memory_fraction: float = 0.9, batch_inputs: int = 1):
+        """``batch_inputs``: tensors the step takes (the model's inputs), which size the batch agreement."""
         self.splits, self.world, self.global_batch = splits, world, global_batch
+        self.batch_inputs = batch_inputs
         self.grad_bytes, self.memory_fraction = GRAD_BYTES[precision], memory_fraction
         links = [node.device.host_link_bytes_per_s for node in world.nodes]
         self.host_link = None if None in links else min(links)  # the slowest device's link sets the pace
@@ -251,6 +267,22 @@ class CandidatePricer:
         if key not in self._pairs:
             self._pairs[key] = c.mesh.group("dp", rank * c.tp)
         return self._pairs[key]
+
+    def step_sync(self, c: Candidate) -> float:
+        """Seconds of the step's own collectives (module docstring): the batch agreement over the mesh,
+        then the loss's all-reduce over dp and broadcast over pp, one after the other."""
+        if c.mesh.size == 1:
+            return 0.0
+        key = ("step_sync", c.dp, c.pp, c.tp)
+        if key not in self._costs:
+            seconds = self.cost("all_reduce", agreement_bytes(self.batch_inputs), tuple(range(c.mesh.size)))
+            last = c.mesh.rank_of(dp=0, pp=c.pp - 1, tp=0)  # it reduces the loss over dp, then broadcasts it
+            if c.dp > 1:
+                seconds += self.cost("all_reduce", LOSS_BYTES, c.mesh.group("dp", last))
+            if c.pp > 1:
+                seconds += self.cost("broadcast", LOSS_BYTES, c.mesh.group("pp", last))
+            self._costs[key] = seconds
+        return self._costs[key]
 
     def usable(self, c: Candidate) -> tuple[float, ...]:
         """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
@@ -348,8 +380,8 @@ class CandidatePricer:
         dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
         breakdown = {"compute": busy * m * compute, "tp_comm": busy * m * tp_comm,
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
-                     "dp_exposed": dp_exposed, "offload": busy * m * offload}
-        step = pipeline + dp_exposed
+                     "dp_exposed": dp_exposed, "offload": busy * m * offload, "step_sync": self.step_sync(c)}
+        step = pipeline + dp_exposed + breakdown["step_sync"]
         in_flight = in_flight_by_rank(c.schedule, c.pp, self._most_micro_batches(c), v)
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
                        for r, stages in enumerate(ranks))

@@ -73,7 +73,7 @@ class SearchResult:
 
 def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, precision: str = "bf16",
                 memory_fraction: float = 0.9, alternatives: int = 5, exact_top: int = 6,
-                sequence_parallel: Optional[bool] = False, **pins) -> SearchResult:
+                sequence_parallel: Optional[bool] = False, batch_inputs: int = 1, **pins) -> SearchResult:
     """The fastest candidate that fits, with ``alternatives`` others to compare (see module doc).
 
     ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, offload, zero_stage) fix a choice. Device
@@ -83,7 +83,8 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
 
     ``sequence_parallel``: False (default) prices splits without sequence-sharded rows, so a ``price``
     of hand-made costs need not know them; True with them wherever tp > 1; None both (step 4),
-    calling ``price(..., sequence_parallel=True)`` for the splits with them.
+    calling ``price(..., sequence_parallel=True)`` for the splits with them. ``batch_inputs``: tensors the
+    step takes, which size the batch agreement each step runs (``plan_costs.agreement_bytes``).
     """
     check_global_batch(global_batch)
     if not 0 < memory_fraction <= 1:
@@ -97,7 +98,8 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
                       pins={**pins, "sequence_parallel": sequence_parallel})
     clock.split_all([_split_key(c) for c in todo])
     pricer = _ByLayout(*(CandidatePricer(clock.splits[sp], world, global_batch=global_batch, precision=precision,
-                                         memory_fraction=memory_fraction) for sp in (False, True)))
+                                         memory_fraction=memory_fraction, batch_inputs=batch_inputs)
+                         for sp in (False, True)))
     fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
     # step 4 still to do: tp must divide the sequence (the lowering refuses a sequence shard it does not)
     shardable = [c for c in todo if c.tp > 1 and seq % c.tp == 0] if sequence_parallel is None else []
