@@ -119,6 +119,11 @@ class CollectiveFit:
 
 
 OP_CLASSES = ("matmul", "attention", "other")  # Calibration.op_fixed_s: products, fused attention, the rest
+# The non-matmul op kinds timed apart (Calibration.other_kind_efficiency, and their own op_fixed_s): per
+# element a CPU core runs them at rates 1.7x apart, so one "other" rate prices gelu too fast and a layer
+# norm too slow. "softmax" stands for softmax and log-softmax; cross-entropy is its own kind (its
+# backward also fills a gradient as large as the logits, so it ran at half its log-softmax's rate).
+OTHER_KINDS = ("gelu", "layer_norm", "softmax", "cross_entropy")
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,8 @@ class Calibration:
     - ``waiting_share``: on shared cores, what a rank waiting for a message (a pipeline rank in its
       bubble) costs the busy ones, as a fraction of what a busy rank costs them: 0 where waiting
       blocks, 1 where it spins as hard as compute.
-    - ``op_fixed_s``: per op class ("matmul", "attention", "other"), the fixed seconds one call costs
+    - ``op_fixed_s``: per op class ("matmul", "attention", "other") and per non-matmul kind timed apart
+      (``OTHER_KINDS``, which then pay theirs in place of the class's), the fixed seconds one call costs
       forward and backward beyond its dispatch (``DeviceSpec.op_overhead_s`` and the backward's per-op
       cost): the intercept of the class's measured line ``seconds = c + FLOPs / rate`` at training
       sizes (packing, blocking and threading set-up that does not shrink with the work). It weighs
@@ -161,6 +167,11 @@ class Calibration:
       (``calibrate_op_classes.split_backward_sample``). On CPU ranks it is 0.2-0.3 (the weights' gradients
       run as one autograd call per weight group, after B, from gradients B kept). 0: not measured (the
       two halves priced as the fused backward, as on the presets and GPUs).
+    - ``other_kind_efficiency``: per non-matmul op kind (``OTHER_KINDS``), its measured FLOP rate as
+      a fraction of the fp32 matmul peak, as ``Efficiency.other`` is for the whole class (fitted from
+      the kind's own samples, ``calibrate_op_classes.other_samples``): the cost model prices a node of
+      that kind at it, any other non-matmul node at ``Efficiency.other``. Empty: not measured (files
+      written before; every kind at the class rate).
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -177,6 +188,7 @@ class Calibration:
     recompute_saved_s: float = 0.0
     pipeline_message_s: Optional[tuple] = None
     split_backward_extra: float = 0.0
+    other_kind_efficiency: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -211,10 +223,21 @@ class Calibration:
                 _number(v, "Calibration pipeline_message_s") for v in line))
         object.__setattr__(self, "_table", {key: f for key, f in zip(keys, fits)})
         fixed = dict(self.op_fixed_s)
-        if not set(fixed) <= set(OP_CLASSES):
-            raise InvalidValue(f"Calibration op_fixed_s keys must be among {OP_CLASSES}, got {sorted(fixed)}")
+        if not set(fixed) <= set(OP_CLASSES + OTHER_KINDS):
+            raise InvalidValue(f"Calibration op_fixed_s keys must be among {OP_CLASSES + OTHER_KINDS}, "
+                               f"got {sorted(fixed)}")
         object.__setattr__(self, "op_fixed_s", MappingProxyType(
             {name: _number(value, f"Calibration op_fixed_s[{name!r}]") for name, value in fixed.items()}))
+        kinds = dict(self.other_kind_efficiency)
+        if not set(kinds) <= set(OTHER_KINDS):
+            raise InvalidValue(f"Calibration other_kind_efficiency keys must be among {OTHER_KINDS}, "
+                               f"got {sorted(kinds)}")
+        for name, value in kinds.items():
+            if _number(value, f"Calibration other_kind_efficiency[{name!r}]", positive=True) > 1:
+                raise InvalidValue(f"Calibration other_kind_efficiency[{name!r}] must be a fraction in (0, 1], "
+                                   f"got {value!r}")
+        object.__setattr__(self, "other_kind_efficiency",
+                           MappingProxyType({name: float(value) for name, value in kinds.items()}))
 
     def pipeline_message_seconds(self, nbytes: float) -> float:
         """``pipeline_message_s`` (measured) at a message of ``nbytes``."""
@@ -230,7 +253,8 @@ class Calibration:
         return hash((self.ranks, self.backend, self.device_kind, self.collectives,
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
                      self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s,
-                     self.pipeline_message_s, self.split_backward_extra))
+                     self.pipeline_message_s, self.split_backward_extra,
+                     tuple(sorted(self.other_kind_efficiency.items()))))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -239,7 +263,8 @@ class Calibration:
         return (Calibration, (self.ranks, self.backend, self.device_kind, self.collectives,
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
                               self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s),
-                              self.recompute_saved_s, self.pipeline_message_s, self.split_backward_extra))
+                              self.recompute_saved_s, self.pipeline_message_s, self.split_backward_extra,
+                              dict(self.other_kind_efficiency)))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
@@ -249,7 +274,8 @@ class Calibration:
                 "waiting_share": self.waiting_share, "op_fixed_s": dict(self.op_fixed_s),
                 "recompute_saved_s": self.recompute_saved_s,
                 "pipeline_message_s": list(self.pipeline_message_s) if self.pipeline_message_s else None,
-                "split_backward_extra": self.split_backward_extra, "raw": _plain(self.raw)}
+                "split_backward_extra": self.split_backward_extra,
+                "other_kind_efficiency": dict(self.other_kind_efficiency), "raw": _plain(self.raw)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
@@ -265,7 +291,8 @@ class Calibration:
                    data.get("backward_op_overhead_s", 0.0), bool(data.get("comm_overlaps_compute", True)),
                    data.get("raw", {}), data.get("parallel_ranks"), data.get("waiting_share", 0.0),
                    data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0),
-                   data.get("pipeline_message_s"), data.get("split_backward_extra", 0.0))
+                   data.get("pipeline_message_s"), data.get("split_backward_extra", 0.0),
+                   data.get("other_kind_efficiency", {}))
 
 
 def _plain(value):

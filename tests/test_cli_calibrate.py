@@ -3,7 +3,7 @@ the runtime issues and that `xirang plan --world-file` reads."""
 from __future__ import annotations
 
 from xirang.cli import main
-from xirang.ir.calibration import COLLECTIVE_KINDS
+from xirang.ir.calibration import COLLECTIVE_KINDS, OTHER_KINDS
 from xirang.ir.world import World
 
 
@@ -24,7 +24,12 @@ def test_calibrate_quick_on_two_ranks_writes_a_world_the_planner_reads(tmp_path,
     # the op classes priced apart: measured rates as fractions of the matmul's, fixed costs per call
     assert 0 < device.efficiency.other <= 1 and 0 < device.efficiency.attention <= 1
     assert world.calibration.raw["other_flops"]["samples"] and world.calibration.raw["attention"]["samples"]
-    assert set(world.calibration.op_fixed_s) == {"matmul", "other", "attention"}
+    assert set(world.calibration.op_fixed_s) == {"matmul", "other", "attention", *OTHER_KINDS}
+    # each non-matmul kind its own rate, its fit kept beside the add's (residual reported)
+    assert set(world.calibration.other_kind_efficiency) == set(OTHER_KINDS)
+    assert all(0 < fraction <= 1 for fraction in world.calibration.other_kind_efficiency.values())
+    assert world.calibration.raw["other_gelu"]["samples"] and "residual" in world.calibration.raw["elementwise"]
+    assert "kinds   gelu" in printed and "fit residual" in printed
     # CPU ranks share cores: both workloads were timed alone and together (calibrate_sharing)
     sharing = world.calibration.raw["sharing"]
     for timed in (sharing, sharing["training"]):

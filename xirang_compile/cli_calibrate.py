@@ -43,10 +43,15 @@ def describe_calibration(world) -> str:
     lines = [world.describe(),
              f"  matmul  fp32 {device.peak('fp32') / 1e9:9.2f} GFLOP/s per rank, bf16 "
              f"{device.peak('bf16') / 1e9:9.2f} GFLOP/s",
-             f"  memory  {device.memory_bandwidth / 1e9:9.2f} GB/s per rank (elementwise add)",
+             f"  memory  {device.memory_bandwidth / 1e9:9.2f} GB/s per rank (elementwise add, inputs out of cache"
+             + (f"; fit residual {calibration.raw['elementwise']['residual']:.2f}"
+                if "elementwise" in calibration.raw else "") + ")",
              f"  other   {device.peak('fp32') * device.efficiency.other / 1e9:9.2f} GFLOP/s per rank "
-             f"(gelu, layer norm, log-softmax), fused attention "
+             f"(the class: gelu, layer norm, log-softmax, cross-entropy together), fused attention "
              f"{device.peak('fp32') * (device.efficiency.attention or device.efficiency.matmul) / 1e9:9.2f} GFLOP/s",
+             *(["  kinds   " + ", ".join(f"{kind} {device.peak('fp32') * fraction / 1e9:.2f}"
+                                         for kind, fraction in calibration.other_kind_efficiency.items())
+                + " GFLOP/s per rank (each priced at its own)"] if calibration.other_kind_efficiency else []),
              f"  ranks   {calibration.parallel_ranks or calibration.ranks:.2f} of {calibration.ranks} run at full "
              f"speed at once while training; a waiting rank costs {calibration.waiting_share:.2f} of a busy one"
              + (f"; training ranks beside each other take {calibration.raw['training_slowdown']:.2f}x the CPU "

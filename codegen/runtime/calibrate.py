@@ -9,8 +9,10 @@ scale it by:
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
   the emitted program calls, forward and backward through autograd: the forward product, both
   gradient products and the bias gradient, with the composite op's own dispatches), an elementwise add
-  (memory-bound), the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, forward and
-  backward: the roofline's ``Efficiency.other``, at the FLOPs the analysis counts for them), fused
+  (memory-bound) and the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, each kind
+  apart, forward and backward: the roofline's ``Efficiency.other`` and each kind's own rate, at the
+  FLOPs the analysis counts for them), these two timed cold (``cache_flush``: inputs out of cache, as
+  training meets them, not hot in cache as back-to-back calls leave them), fused
   attention forward and backward (``Efficiency.attention``, at the analysis's attention FLOPs), a tiny
   op's dispatch (the fixed per-op cost: eager dispatch on CPU, a kernel launch on GPU) and the
   backward's per-op cost (an autograd node and its gradient op on a tiny tensor), and a block stack
@@ -83,6 +85,29 @@ def _median_time(fn: Callable[[], None], device: str, iters: int, warmup: int = 
     return statistics.median(times)
 
 
+# Bytes read and written between two calls of a memory-bound op timed cold (``cache_flush``): several
+# times a server core's L2 (1-4 MiB), about what a transformer block's weights and activations at
+# hidden 256 take between an activation's producer and the op that reads it in training
+FLUSH_BYTES = 16 << 20
+
+
+def cache_flush(device: str) -> Callable[[], None]:
+    """A call that reads and writes ``FLUSH_BYTES``, leaving the inputs of the next op out of cache.
+
+    Why: timed back to back, an add's inputs and its output (the allocator hands back the block it
+    just freed) stay in cache. On the development box, 1 thread, a 786 KB add took 8 us back to back
+    (96 GB/s) and 53-68 us after 8-32 MB were written (12-15 GB/s); the GPT's adds of that size ran at
+    about 14 GB/s in a training profile (2 threads: 10 us hot, 40 us cold, 52 us in training), where
+    other ops' data pass through the caches between an activation's producer and its reader. The hot
+    figure priced the adds 3-5x too fast, and mixing hot small samples with cold large ones (past the
+    caches) bent the line the rate is fitted from: relative residual 0.35 hot, 0.08-0.16 cold."""
+    nbytes = FLUSH_BYTES
+    if device.startswith("cuda"):  # a GPU's L2 (40-50 MB on A100/H100) is flushed by twice its size
+        nbytes = max(nbytes, 2 * getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    buffer = torch.zeros(nbytes // 4, device=device)
+    return lambda: buffer.add_(1.0)
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity where the OS tells, else the machine's count)."""
     try:
@@ -115,11 +140,15 @@ def _compute_samples(device: str, quick: bool) -> dict:
                 torch.autograd.backward(aten.linear.default(x, weight, bias), dy)
             rows.append([3 * 2.0 * m * k * n, timed(linear_forward_and_backward, device, iters)])
         out["matmul"][str(dtype).removeprefix("torch.")] = rows
+    flush = cache_flush(device)
+
+    def cold(fn, device, iters):  # each call with its inputs out of cache, as training meets them
+        return _median_time(fn, device, iters, before=flush)
     for count in (QUICK_ELEMENTWISE_SIZES if quick else ELEMENTWISE_SIZES):
         x, y = torch.randn(count, device=device), torch.randn(count, device=device)
-        # an add reads two tensors and writes one: 3 x 4 bytes per element
-        out["elementwise"].append([12.0 * count, timed(lambda x=x, y=y: aten.add.Tensor(x, y), device, iters)])
-    out["other"] = other_samples(device, quick, timed, iters)
+        # an add reads two tensors and writes one (a fresh output): 3 x 4 bytes per element
+        out["elementwise"].append([12.0 * count, cold(lambda x=x, y=y: aten.add.Tensor(x, y), device, iters)])
+    out["other"] = other_samples(device, quick, cold, iters)
     out["attention"] = attention_samples(device, quick, timed, iters)
     out["recompute"] = recompute_sample(device, quick, timed, iters)
     out["split_backward"] = split_backward_sample(device, quick, timed, iters)

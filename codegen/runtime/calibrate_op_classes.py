@@ -1,9 +1,11 @@
 """Microbenchmarks of the op classes the roofline prices apart from matmuls (``xirang calibrate``):
-the non-matmul FLOPs of a transformer and fused attention, each forward and backward, with the FLOPs
-the analysis counts for them (``passes/analysis/flops.py``), so the fitted rates (``Efficiency.other``,
-``Efficiency.attention``) and fixed costs (``Calibration.op_fixed_s``) price those ops as the planner
-sees them. ``codegen/runtime/calibrate.py`` runs them with its timer (``timed``: single calls, on rank 0
-alone where ranks share cores) and ``calibrated_world`` fits them.
+the non-matmul FLOPs of a transformer (each kind apart: gelu, layer norm, softmax, cross-entropy) and
+fused attention, each forward and backward, with the FLOPs the analysis counts for them
+(``passes/analysis/flops.py``), so the fitted rates (``Efficiency.other`` and each kind's
+``Calibration.other_kind_efficiency``, ``Efficiency.attention``) and fixed costs
+(``Calibration.op_fixed_s``) price those ops as the planner sees them. ``codegen/runtime/calibrate.py``
+runs them with its timer (``timed``: single calls, on rank 0 alone where ranks share cores) and
+``calibrated_world`` fits them.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from xirang.codegen.runtime.split_backward import backward_input, backward_weights
+from xirang.ir.calibration import OTHER_KINDS
 from xirang.passes.analysis.flops import PER_ELEMENT
 
 # (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
@@ -23,24 +26,40 @@ ATTENTION_SHAPES = ((1, 8, 128, 32), (2, 8, 128, 32), (2, 4, 256, 64), (1, 8, 51
 QUICK_ATTENTION_SHAPES = ((1, 2, 64, 32), (1, 2, 128, 32))
 
 
-def other_samples(device: str, quick: bool, timed, iters: int) -> list:
-    """[FLOPs, seconds] of a transformer's non-matmul work at each (rows, width): gelu, layer norm and
-    log-softmax, each forward and backward, FLOPs as the analysis counts them (``PER_ELEMENT``,
-    backward ≈ forward), so the rate prices those ops as the planner sees them."""
-    aten, samples = torch.ops.aten, []
-    per_element = 2 * (PER_ELEMENT["gelu"] + PER_ELEMENT["layer_norm"] + PER_ELEMENT["softmax"])
+def other_samples(device: str, quick: bool, timed, iters: int) -> dict:
+    """{kind: [[FLOPs, seconds], ...]} of a transformer's non-matmul op kinds (``OTHER_KINDS``: gelu,
+    layer norm, log-softmax for the softmax kind, cross-entropy over logits of that width), each alone
+    forward and backward at each (rows, width), FLOPs as the analysis counts them (``PER_ELEMENT``,
+    backward ≈ forward), so each kind's line prices its ops as the planner sees them. Timed apart
+    because their rates differ: on one core of the development box gelu ran 2.9 ns an element forward
+    and backward, a layer norm 2.2 ns at 1.4x gelu's counted FLOPs. ``timed`` is the caller's
+    (``calibrate.py`` passes one that leaves the inputs out of cache before each call)."""
+    samples = {kind: [] for kind in OTHER_KINDS}
     for rows, width in (QUICK_OTHER_SHAPES if quick else OTHER_SHAPES):
-        x = torch.randn(rows, width, device=device, requires_grad=True)
-        weight = torch.ones(width, device=device, requires_grad=True)
-        bias = torch.zeros(width, device=device, requires_grad=True)
-        grad = torch.randn(rows, width, device=device)
-
-        def forward_and_backward(x=x, weight=weight, bias=bias, grad=grad, width=width):
-            torch.autograd.backward(
-                [aten.gelu.default(x), aten.native_layer_norm.default(x, [width], weight, bias, 1e-5)[0],
-                 aten._log_softmax.default(x, -1, False)], [grad, grad, grad])
-        samples.append([float(per_element * rows * width), timed(forward_and_backward, device, iters)])
+        for kind, (forward, output_grad, leaves) in _kind_calls(device, rows, width).items():
+            def forward_and_backward(forward=forward, output_grad=output_grad, leaves=leaves):
+                for leaf in leaves:  # each gradient stored afresh, as in a step's first micro-batch
+                    leaf.grad = None
+                torch.autograd.backward([forward()], [output_grad])
+            flops = 2.0 * PER_ELEMENT[kind] * rows * width
+            samples[kind].append([flops, timed(forward_and_backward, device, iters)])
     return samples
+
+
+def _kind_calls(device: str, rows: int, width: int) -> dict:
+    """{kind: (forward call, its output's gradient, the leaves it gives gradients to)} at (rows, width),
+    each op called as the emitted program calls it (``torch.ops.aten``)."""
+    aten = torch.ops.aten
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    weight = torch.ones(width, device=device, requires_grad=True)
+    bias = torch.zeros(width, device=device, requires_grad=True)
+    grad = torch.randn(rows, width, device=device)
+    labels = torch.randint(0, width, (rows,), device=device)
+    return {"gelu": (lambda: aten.gelu.default(x), grad, (x,)),
+            "layer_norm": (lambda: aten.native_layer_norm.default(x, [width], weight, bias, 1e-5)[0], grad,
+                           (x, weight, bias)),
+            "softmax": (lambda: aten._log_softmax.default(x, -1, False), grad, (x,)),
+            "cross_entropy": (lambda: aten.cross_entropy_loss.default(x, labels), torch.ones((), device=device), (x,))}
 
 
 def attention_samples(device: str, quick: bool, timed, iters: int) -> list:

@@ -6,7 +6,12 @@
   efficiencies are 1: nothing is left for a datasheet derating. Non-matmul FLOPs and fused attention
   were timed too: their efficiencies are their measured rates over the matmul's (a CPU core runs
   gelu or a layer norm at a few percent of its matmul rate, and its flash-attention kernel at about
-  half), files written before had none.
+  half), files written before had none. Each non-matmul kind (gelu, layer norm, softmax,
+  cross-entropy) has its own line too: its rate (``Calibration.other_kind_efficiency``, a fraction of
+  the matmul's) and its intercept (``op_fixed_s[kind]``); the class rate is fitted over their sums,
+  and the class's fixed cost, which the other non-matmul ops pay (adds and multiplies mostly), is the
+  add's intercept. The add and those kinds are timed with their inputs out of cache
+  (``calibrate.cache_flush``), as training meets them.
 - Ranks sharing cores (N ranks on C cores): compute is timed on rank 0 alone, and every figure is
   brought to every rank busy: seconds times N / C (each rank gets C / N of a core) times what the
   same work's CPU grows by beside the other ranks. That growth is the training workload's together
@@ -97,6 +102,23 @@ def split_backward_extra(sample: dict | None) -> float | None:
     return max(0.0, (sample["split_s"] - sample["fused_s"]) / (sample["fused_s"] - sample["forward_s"]))
 
 
+# inputs each kind's sample gives gradients to (calibrate_op_classes._kind_calls), each one autograd
+# node and gradient op priced apart (Calibration.backward_op_overhead_s), as the cost model prices them
+KIND_GRADIENTS = {"gelu": 1, "layer_norm": 3, "softmax": 1, "cross_entropy": 1}
+
+
+def other_kind_samples(other) -> tuple[dict, list]:
+    """({kind: samples}, the class's samples) of ``compute["other"]``: per kind (``other_samples``),
+    the class's a sum of one op of each kind at each size; results measured before kinds were timed
+    apart hold the class's samples only."""
+    if not isinstance(other, dict):
+        return {}, other
+    per_kind = {kind: samples for kind, samples in other.items() if samples}
+    class_samples = [[sum(column[0] for column in at_size), sum(column[1] for column in at_size)]
+                     for at_size in zip(*per_kind.values())]
+    return per_kind, class_samples
+
+
 def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
     """The World of one node of ``len(results)`` devices, every figure measured (see module doc)."""
     ranks = len(results)
@@ -133,13 +155,26 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     op_forward, op_backward = compute["op_forward_s"], compute["op_backward_s"]
     # each class's intercept less the dispatches the per-op costs already price (Calibration.op_fixed_s):
     # a matmul sample is one linear op whose backward gives three gradients, as is an attention
-    # sample; an "other" sample three ops, each with one gradient
+    # sample
     fixed = {"matmul": max(0.0, raw["matmul_float32"]["intercept_s"] - op_forward - 3 * op_backward)}
     other, attention = 1.0, None  # a calibration without these samples: as every rank's matmul rate
+    kinds = {}  # each non-matmul kind's rate as a fraction of the matmul's (Calibration.other_kind_efficiency)
     if compute.get("other"):
-        rate, raw["other_flops"] = _rate(compute["other"], "gelu, layer norm, log-softmax")
+        per_kind, class_samples = other_kind_samples(compute["other"])
+        rate, raw["other_flops"] = _rate(class_samples, "non-matmul ops")
         other = min(1.0, rate / peaks["float32"])
+        # results from before the kinds were timed apart: a class sample is three ops, each with one gradient
         fixed["other"] = max(0.0, raw["other_flops"]["intercept_s"] / 3 - op_forward - op_backward)
+        for kind, samples in per_kind.items():
+            rate, raw[f"other_{kind}"] = _rate(samples, kind)
+            kinds[kind] = min(1.0, rate / peaks["float32"])
+            fixed[kind] = max(0.0, raw[f"other_{kind}"]["intercept_s"] - op_forward
+                              - KIND_GRADIENTS[kind] * op_backward)
+        if per_kind:
+            # each kind pays its own; the class's fixed cost is then the rest's, adds and multiplies
+            # mostly: the add's (its line's intercept, a forward alone). Their backward passes the
+            # gradient on, which the per-op backward cost prices.
+            fixed["other"] = max(0.0, raw["elementwise"]["intercept_s"] - op_forward)
     if compute.get("attention"):
         rate, raw["attention"] = _rate(compute["attention"], "fused attention")
         attention = min(1.0, rate / peaks["float32"])
@@ -201,5 +236,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
                               # gloo's communication threads run on the cores the ranks compute on
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
                               waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved,
-                              pipeline_message_s=message, split_backward_extra=split_extra or 0.0)
+                              pipeline_message_s=message, split_backward_extra=split_extra or 0.0,
+                              # fractions of the matmul peak: they follow its N / C x growth scaling
+                              other_kind_efficiency=kinds)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

@@ -15,6 +15,9 @@ costs, what each link's collectives cost, and the per-node facts both read.
   each), at ``World.calibration.backward_op_overhead_s`` where measured, else the forward's figure.
   Each trainable parameter pays it once more per micro-batch: autograd's AccumulateGrad node, which
   stores or adds the parameter's gradient into ``.grad`` (a hundred of them per GPT step here).
+- Non-matmul FLOPs at ``Efficiency.other``, except on a calibrated World a node of a kind timed on
+  its own (``Calibration.other_kind_efficiency``: gelu, layer norm, softmax and log-softmax,
+  cross-entropy; ``OTHER_KIND_OPS``), at that kind's measured rate, with its own fixed cost.
 - Bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
 - Collectives: ``cost_collectives.collective_cost`` on the tp group (alpha-beta, cheapest algorithm).
 - Saved activations, by liveness: the storages the ops of a unit keep for the backward (each
@@ -33,7 +36,7 @@ costs, what each link's collectives cost, and the per-node facts both read.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
@@ -54,6 +57,11 @@ aten = torch.ops.aten
 FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8, "fp8": 1}
 MATMUL_OPS = FUSED_ATTENTION | {aten.linear, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul,
                                 aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d}
+
+# the ops of each kind a calibration times apart (``ir/calibration.OTHER_KINDS``)
+OTHER_KIND_OPS = {aten.gelu: "gelu", aten.layer_norm: "layer_norm", aten.native_layer_norm: "layer_norm",
+                  aten.softmax: "softmax", aten._softmax: "softmax", aten.log_softmax: "softmax",
+                  aten._log_softmax: "softmax", aten.cross_entropy_loss: "cross_entropy"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,7 @@ class NodeFacts:
     dispatched: bool = False  # an op the program dispatches (pays DeviceSpec.op_overhead_s)
     grad_inputs: int = 0  # inputs that take a gradient from this op's backward
     attention: bool = False  # a fused attention kernel (priced at Efficiency.attention where given)
+    kind: str | None = None  # its kind where a calibration may time it apart (OTHER_KIND_OPS)
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
@@ -117,7 +126,7 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         inputs=tuple(_kept(node, item, table, float_bytes) for item in reads),
         dispatched=node.op == "call_function" and node.target is not operator.getitem,
         grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
-        attention=op_packet(node) in FUSED_ATTENTION)
+        attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)))
 
 
 def local_fraction(placement, tp: int) -> float:
@@ -138,6 +147,11 @@ class Pricing:
         self.op_fixed = dict(calibration.op_fixed_s) if calibration is not None else {}
         # a recomputed region's checkpoint cost per tensor it saves, beyond the forward it runs again
         self.recompute_saved_s = calibration.recompute_saved_s if calibration is not None else 0.0
+        # each measured kind's rate in place of the class's; only with the device's own efficiency,
+        # which the kinds' fractions were measured beside (a caller's derating is kept as given)
+        kinds = calibration.other_kind_efficiency if calibration is not None else {}
+        self.kind_efficiency = {kind: replace(efficiency, other=fraction) for kind, fraction in kinds.items()
+                                if efficiency == device.efficiency}
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)
@@ -156,7 +170,8 @@ class Pricing:
         """Roofline seconds (forward + backward) of a node's local share."""
         values = self.values
         seconds = compute_time(values[facts.total] * fraction, values[facts.traffic] * facts.byte_scale * fraction,
-                               self.device, self.precision, efficiency=self.efficiency, is_matmul=facts.matmul,
+                               self.device, self.precision,
+                               efficiency=self.kind_efficiency.get(facts.kind, self.efficiency), is_matmul=facts.matmul,
                                is_attention=facts.attention)
         return seconds + self.op_overhead(facts)
 
@@ -168,16 +183,17 @@ class Pricing:
         return self.device.op_overhead_s + backward + self.class_fixed(facts)
 
     def class_fixed(self, facts: NodeFacts) -> float:
-        """A calibrated World's fixed cost of the node's op class (``Calibration.op_fixed_s``), measured
-        for a call forward and backward: its forward share alone where no gradient is needed."""
+        """A calibrated World's fixed cost of the node's op class, or of its kind where one was timed
+        apart (``Calibration.op_fixed_s``), measured for a call forward and backward: its forward share
+        alone where no gradient is needed."""
         if not self.op_fixed:
             return 0.0
         if facts.attention:
             name, forward_share = "attention", 1 / 3  # the backward computes twice the forward's products
         elif facts.matmul:
             name, forward_share = "matmul", 1 / 3  # one product forward, two for the gradients
-        elif self.values[facts.total] > 0:
-            name, forward_share = "other", 1 / 2
+        elif self.values[facts.total] > 0:  # a kind measured apart pays its own, the rest the class's
+            name, forward_share = (facts.kind if facts.kind in self.op_fixed else "other"), 1 / 2
         else:
             return 0.0  # views, copies, indexing: their dispatch is all they pay
         return self.op_fixed.get(name, 0.0) * (1.0 if facts.needs_grad else forward_share)
