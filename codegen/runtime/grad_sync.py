@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -67,6 +68,15 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list:
     return closed
 
 
+def group_divisor(world: int, dtype: torch.dtype) -> torch.Tensor:
+    """``world`` as a 0-dim CPU tensor that divides gradients of ``dtype`` bitwise as the int does, without
+    wrapping and casting the int (``aten::_to_copy``) on every call: in ``dtype`` where ``world`` is exact in
+    it, else in float32, in which the half types' kernels divide (bfloat16 cannot hold 257). On the CPU also
+    for CUDA gradients: a CPU 0-dim operand takes the int's scalar path there, a device tensor would not."""
+    exact = torch.tensor(world, dtype=dtype)
+    return exact if exact.item() == world else torch.tensor(world, dtype=torch.float32)
+
+
 ALGORITHMS = ("flat", "hierarchical")  # what a bucket's all-reduce runs (ir/plan_parts.py ENACTED_ALGORITHM)
 
 
@@ -87,10 +97,10 @@ class _Bucket:
     algorithm: str = "flat"
     label: str = ""
     ready: set = field(default_factory=set)  # id() of params whose gradient arrived this step
-    offsets: dict = field(default_factory=dict)  # id(param) -> where its gradient starts in the buffer
-    count: int = 0                           # elements of all its gradients (the buffer before padding)
     buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients (a view of ``storage``)
     storage: Optional[torch.Tensor] = None   # the bucket's flat buffer, kept from step to step
+    slots: dict = field(default_factory=dict)  # id(param) -> (its view of ``storage``, that view's data_ptr)
+    divisor: Optional[torch.Tensor] = None   # the dp group size, for ``storage``'s dtype (group_divisor)
     shard: Optional[torch.Tensor] = None     # hierarchical: this rank's 1/k of the buffer
     phase: int = 0                           # hierarchical: 1 reduce-scatter, 2 cross-node, 3 gather
     handle: Optional[object] = None          # torch.distributed Work of the phase in flight
@@ -126,6 +136,7 @@ class GradientBuckets:
                 self._position[id(param)] = position
                 params.append(param)
         self.group, self.reduce_dtype, self.hierarchy = group, reduce_dtype, hierarchy
+        self._world = group_size(group)  # asked once: the hook runs once per parameter per step
         self.event_log, self.counter = event_log, counter
         if buckets is None:
             self.buckets = [_Bucket(i, [params[j] for j in members], label=f"grad bucket {i}")
@@ -139,13 +150,7 @@ class GradientBuckets:
         self._next = 0  # the next bucket to launch; buckets go out in index order only
         self.shard_sink = None  # ZeRO-1: (bucket index, this rank's averaged slice) -> None
         self._callback_queued = False
-        for bucket in self.buckets:
-            offset = 0
-            for param in bucket.params:
-                bucket.offsets[id(param)] = offset
-                offset += param.numel()
-            bucket.count = offset
-        self._hooks = [param.register_post_accumulate_grad_hook(self._hook_for(bucket))
+        self._hooks = [param.register_post_accumulate_grad_hook(partial(self._grad_ready, bucket))
                        for bucket in self.buckets for param in bucket.params]
 
     def _planned(self, params: list, buckets: Sequence[PlannedBucket]) -> list:
@@ -181,11 +186,6 @@ class GradientBuckets:
         if self.event_log is not None:
             self.event_log.append((event, bucket, time.perf_counter()))
 
-    def _hook_for(self, bucket: _Bucket):
-        def hook(param):
-            self._grad_ready(bucket, param)
-        return hook
-
     def _grad_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
         if not self.sync:
             return
@@ -196,6 +196,8 @@ class GradientBuckets:
                 where="GradientBuckets (data-parallel gradient sync)",
                 hint="call wait() after each synchronised backward, and run the backward of "
                      "earlier micro-batches inside no_sync()")
+        if not bucket.ready:  # the bucket's first gradient this step: its storage is checked once a step
+            self._storage(bucket)
         bucket.ready.add(id(param))
         self._stage_gradient(bucket, param)
         self._queue_backward_done()
@@ -228,50 +230,52 @@ class GradientBuckets:
     def _shard_count(self, bucket: _Bucket) -> int:
         """How many equal shards the bucket's buffer is padded to: the in-node group of a hierarchical
         all-reduce, the dp group of a ZeRO reduce-scatter, else 1."""
-        world = group_size(self.group)
         if bucket.scatter:
-            return world
-        if bucket.algorithm == "hierarchical" and world > 1:
+            return self._world
+        if bucket.algorithm == "hierarchical" and self._world > 1:
             return self.hierarchy.ranks_per_node
         return 1
 
     def _storage(self, bucket: _Bucket) -> torch.Tensor:
         """The bucket's flat buffer, padded with zeros to its shard count, kept from step to step as DDP
-        keeps its buckets (a fresh one each step is faulted in again: on CPU as dear as the copy)."""
-        first = bucket.params[0]
+        keeps its buckets (a fresh one each step is faulted in again: on CPU as dear as the copy). The
+        parameters' slots (views in their shapes) and the divisor are made with it, not per gradient."""
+        first, numels = bucket.params[0], [param.numel() for param in bucket.params]
         k = self._shard_count(bucket)
-        size, dtype = -(-bucket.count // k) * k, self.reduce_dtype or first.dtype
+        size, dtype = -(-sum(numels) // k) * k, self.reduce_dtype or first.dtype
         held = bucket.storage
         if held is None or held.numel() != size or held.dtype != dtype or held.device != first.device:
             held = bucket.storage = torch.zeros(size, dtype=dtype, device=first.device)  # padding stays 0
+            views = held[:sum(numels)].split(numels)  # back to back, in the bucket's (gradient-ready) order
+            bucket.slots = {id(p): (v.view(p.shape), v.data_ptr()) for p, v in zip(bucket.params, views)}
+            bucket.divisor = group_divisor(self._world, dtype)
         return held
 
     def _stage_gradient(self, bucket: _Bucket, param: torch.Tensor) -> None:
         """Write ``param``'s gradient, divided by the group size (an average, and a half-precision sum that
         cannot overflow), into its slot of the bucket buffer as autograd finishes it (still in cache).
         Where the slot has the gradient's dtype, ``param.grad`` becomes the slot (DDP's
-        gradient_as_bucket_view): nothing is copied back. A gradient already its slot is scaled in place."""
-        world = group_size(self.group)
-        offset = bucket.offsets[id(param)]
-        slot = self._storage(bucket)[offset:offset + param.numel()].view(param.shape)
+        gradient_as_bucket_view): nothing is copied back. A gradient already its slot is scaled in place.
+        Runs once per parameter per step, so everything it needs is made beforehand (``_storage``)."""
+        slot, slot_address = bucket.slots[id(param)]
         grad = param.grad
-        in_place = grad.data_ptr() == slot.data_ptr() and grad.stride() == slot.stride()
+        in_place = grad.data_ptr() == slot_address and grad.stride() == slot.stride()
         if not in_place and grad.dtype == slot.dtype and self.share_weight == 1.0:
-            torch.div(grad, world, out=slot)  # one fused pass, the common case
+            torch.div(grad, bucket.divisor, out=slot)  # one fused pass, the common case
         else:
             if not in_place:
                 slot.copy_(grad)  # in the reduce dtype, if another: scaled in it, as the sum will run
             if self.share_weight != 1.0:  # uneven dp shares: this rank's gradient counts n_i dp / N times
                 slot.mul_(self.share_weight)
-            slot.div_(world)
+            slot.div_(bucket.divisor)
         if grad.dtype == slot.dtype:
             param.grad = slot
 
     def _launch(self, bucket: _Bucket) -> None:
-        world = group_size(self.group)
+        world = self._world
         k = self._shard_count(bucket)
         hierarchical = bucket.algorithm == "hierarchical" and world > 1 and not bucket.scatter
-        flat = bucket.buffer = self._storage(bucket)  # every gradient staged by its hook
+        flat = bucket.buffer = bucket.storage  # checked at the bucket's first gradient; every one staged in it
         if bucket.scatter:  # ZeRO-1: the flat buffer padded to dp equal slices, each rank keeps its own
             record_call(self.counter, "reduce_scatter", flat.nbytes, world, bucket.label)
             bucket.shard = flat.new_empty(flat.numel() // world)
@@ -334,14 +338,13 @@ class GradientBuckets:
                 for param in bucket.params:
                     param.grad = None  # the full gradient is not kept: the shard's slice is the result
             for param in () if bucket.scatter else bucket.params:
-                offset = bucket.offsets[id(param)]
-                averaged = bucket.buffer[offset:offset + param.numel()]
-                if param.grad.data_ptr() != averaged.data_ptr():  # a reduce-dtype copy, not the slot
-                    param.grad.copy_(averaged.view(param.grad.shape))
+                averaged, address = bucket.slots[id(param)]
+                if param.grad.data_ptr() != address:  # a reduce-dtype copy, not the slot
+                    param.grad.copy_(averaged)
             bucket.ready.clear()
             bucket.buffer = bucket.handle = bucket.shard = None
             if bucket.scatter:  # ZeRO: no full-size gradient buffer is kept between steps (its point)
-                bucket.storage = None
+                bucket.storage, bucket.slots = None, {}  # the slots are views: they would keep it alive
             bucket.phase = 0
         self._next = 0
 
