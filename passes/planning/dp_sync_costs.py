@@ -20,6 +20,10 @@
   ZeRO-1's. The gathers move zero-1's bytes but are prefetched one bucket ahead in the forward:
   exposed is the first bucket's and what a gather outlasts its bucket's forward
   (``cost_model.exposed_prefetched_gathers``), added to the exposed reduce-scatter.
+- Staging (``staging``): before its bucket's all-reduce each local gradient is divided by dp into its
+  slot of the bucket's flat buffer, once per step (``codegen/runtime/grad_sync.py``; DDP copies into its
+  buckets the same way): a memory-bound pass, read and written once, on the compute thread (a CUDA
+  kernel on the compute stream), so it adds to the step as compute whatever the overlap.
 No torch here.
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from xirang.passes.planning.cost_model import exposed_comm_time
+from xirang.passes.planning.cost_model import compute_time, exposed_comm_time
 from xirang.passes.planning.plan_search_space import Candidate
 
 PARAM_STORAGE_BYTES = 4  # what ZeRO's all-gather moves per element: parameters are stored in fp32
@@ -50,6 +54,15 @@ class DpSyncPricer:
         n = p.units(c)
         grads = math.fsum(n.grads[b] - n.grads[a] for a, b in stages) * p.grad_bytes
         return grads, math.fsum(n.backward_prefix[b] - n.backward_prefix[a] for a, b in stages)
+
+    def staging(self, c: Candidate, stages) -> float:
+        """Seconds of the pass that divides the ``stages``' local gradients into their bucket slots (read
+        and written once), at the slowest device's memory bandwidth; 0 without dp."""
+        if c.dp == 1:
+            return 0.0
+        grads = self.rank_grads(c, stages)[0]
+        return max(compute_time(0.0, 2 * grads, node.device, "fp32", is_matmul=False)
+                   for node in self.pricer.world.nodes)
 
     def estimate(self, c: Candidate, rank: int, stages) -> float:
         """Buckets of equal size filled at an even rate: the all-reduce queue ends either after the

@@ -9,7 +9,8 @@ Terms, each with its source:
 - Step time: ``pipeline_step_time`` (Narayanan et al. 2021, eq. 1 and sec. 2.2.2) of the slowest
   device (the sum of its v chunks when interleaved; the zero-bubble schedules' bubble at the model's
   backward : forward time ratio, its B and W halves taken equal, Qi et al. 2024), plus the
-  data-parallel gradient sync left after the last micro-batch's backward (``dp_sync_costs``).
+  data-parallel gradient sync left after the last micro-batch's backward, and the pass that stages the
+  gradients into their buckets (``dp_sync_costs``; counted as compute).
 - Split backward (schedules that run B and W apart, ``ScheduleSpec.split_backward``): each unit's
   backward compute costs ``Calibration.split_backward_extra`` more than the fused one (measured by
   ``xirang calibrate``: 0.2-0.3 on CPU ranks, one autograd call per weight group after B); 0 without
@@ -378,10 +379,11 @@ class CandidatePricer:
             busy = min(1.0, pipeline / (m * t_device)) if t_device else 1.0
         sync = self.sync.exact if exact else self.sync.estimate
         dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
-        breakdown = {"compute": busy * m * compute, "tp_comm": busy * m * tp_comm,
+        staging = max(self.sync.staging(c, stages) for stages in ranks)  # gradients into their buckets, once
+        breakdown = {"compute": busy * m * compute + staging, "tp_comm": busy * m * tp_comm,
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
                      "dp_exposed": dp_exposed, "offload": busy * m * offload, "step_sync": self.step_sync(c)}
-        step = pipeline + dp_exposed + breakdown["step_sync"]
+        step = pipeline + staging + dp_exposed + breakdown["step_sync"]
         in_flight = in_flight_by_rank(c.schedule, c.pp, self._most_micro_batches(c), v)
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
                        for r, stages in enumerate(ranks))
