@@ -312,6 +312,9 @@ class CompiledModel:
         except XirangError as error:
             problem = error
         self._batch_checks.agree(batch, pre_sharded, problem)
+        # the agreement's all-reduce, which every rank leaves together, is the ranks' common clock for this
+        # step's timestamps (a barrier of its own would cost each step another collective)
+        origin = time.perf_counter()
         micro_batches = self._micro_batches(batch, pre_sharded)
         if self.zero:
             self.zero.before_step()  # ZeRO-1: the last optimizer step's slices into every replica (3: at first use)
@@ -321,9 +324,6 @@ class CompiledModel:
                    else param.grad for param in self.parameters() if param.grad is not None}
         for param in earlier:
             param.grad = None
-        if self.groups.pp is not None:
-            dist.barrier(group=self.groups.pp)  # one clock for the timestamps of the pp ranks
-        origin = time.perf_counter()
         record = self.executor.run(micro_batches)
         record.timestamps = [(rank, action, start - origin, end - origin)
                              for rank, action, start, end in record.timestamps]

@@ -148,7 +148,8 @@ def idle_fractions(records: Iterable[tuple[int, Action, Real, Real]], *,
     count as busy (a rank waiting inside a Recv is idle); overlapping records of one rank are merged.
     The window runs from the earliest start to the latest end over all ranks, so measured
     timestamps must share one clock (e.g. each rank's ``time.perf_counter()`` offset by its reading
-    at a barrier just before the step). ``pipeline_ranks`` counts ranks that recorded nothing.
+    as it leaves a collective of every rank just before the step: ``CompiledModel.train_step`` takes
+    the batch agreement's). ``pipeline_ranks`` counts ranks that recorded nothing.
     """
     busy_intervals: dict[int, list[tuple[Real, Real]]] = {}
     for position, record in enumerate(records):
