@@ -26,13 +26,8 @@ Terms, each with its source:
   k << N the bubble all but vanishes; with k = N it is the pipeline formula. Where a waiting rank
   still burns CPU (``Calibration.waiting_share`` w: 0 blocks, 1 spins like compute), the bubble gives
   back only 1 - w of its time: the work bound becomes work + w · (pipeline formula - work).
-- The step's own collectives (``step_sync``; ``codegen/runtime`` runs them every step, before and after
-  the pipeline, so nothing hides them): the batch agreement, one all-reduce over every rank of a
-  small float64 vector per input (``batch_checks.agree``: each rank's problem and batch layout, the
-  max and min at once, ``agreement_bytes``), and the loss of the global batch, all-reduced over dp on
-  the last pipeline rank and broadcast over pp (``CompiledModel._step_loss``). Each priced on its
-  group like any collective: tens of microseconds on NCCL, milliseconds on gloo ranks sharing cores
-  (on the 2-core development box the 8-rank all-reduce's calibrated line starts at 12 ms).
+- The step's own collectives (``step_sync``: the batch agreement, the loss over dp and pp), which every
+  step runs besides the plan's: ``step_sync_costs``.
 - Memory per device: 16 B per local parameter (``model_state_bytes``, mixed-precision Adam;
   Rajbhandari et al. 2020) + activations × micro-batches in flight on that pipeline rank
   (``in_flight_by_rank``) + the recompute working set: the largest block's activations that
@@ -76,19 +71,13 @@ from xirang.passes.planning.device_speeds import WorldSpeeds, mixed_kinds
 from xirang.passes.planning.dp_sync_costs import DpSyncPricer
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
 from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
+from xirang.passes.planning.step_sync_costs import step_sync_seconds
 from xirang.passes.planning.unit_costs import TensorSplit
 from xirang.ir.errors import InvalidValue
 
 STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
-LOSS_BYTES = 4  # the step's loss, one fp32 scalar, reduced over dp and broadcast over pp
-
-
-def agreement_bytes(batch_inputs: int) -> int:
-    """Bytes of the batch agreement's all-reduce (``codegen/runtime/batch_checks.agree``): a problem flag
-    and 64 figures per input, as float64, with their negations (max and min in one call)."""
-    return 2 * 8 * (1 + 64 * max(1, batch_inputs))
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
 
 
@@ -270,19 +259,10 @@ class CandidatePricer:
         return self._pairs[key]
 
     def step_sync(self, c: Candidate) -> float:
-        """Seconds of the step's own collectives (module docstring): the batch agreement over the mesh,
-        then the loss's all-reduce over dp and broadcast over pp, one after the other."""
-        if c.mesh.size == 1:
-            return 0.0
+        """Seconds of the step's own collectives (``step_sync_costs``), once per mesh."""
         key = ("step_sync", c.dp, c.pp, c.tp)
         if key not in self._costs:
-            seconds = self.cost("all_reduce", agreement_bytes(self.batch_inputs), tuple(range(c.mesh.size)))
-            last = c.mesh.rank_of(dp=0, pp=c.pp - 1, tp=0)  # it reduces the loss over dp, then broadcasts it
-            if c.dp > 1:
-                seconds += self.cost("all_reduce", LOSS_BYTES, c.mesh.group("dp", last))
-            if c.pp > 1:
-                seconds += self.cost("broadcast", LOSS_BYTES, c.mesh.group("pp", last))
-            self._costs[key] = seconds
+            self._costs[key] = step_sync_seconds(c, self.batch_inputs, self.cost)
         return self._costs[key]
 
     def usable(self, c: Candidate) -> tuple[float, ...]:

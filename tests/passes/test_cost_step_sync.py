@@ -1,6 +1,6 @@
 """The step's own collectives are priced as the runtime runs them: the batch agreement over every rank,
 then the loss's all-reduce over dp and broadcast over pp (``plan_costs.step_sync``), each at its group's
-measured line; and the runtime's calls have the sizes the cost model prices."""
+measured line (``step_sync_costs``); and the runtime's calls have the sizes the cost model prices."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,9 @@ from xirang.codegen.runtime.launch import launch
 from xirang.ir.calibration import Calibration, CollectiveFit
 from xirang.ir.device import DeviceSpec
 from xirang.ir.world import LinkSpec, NodeSpec, World
-from xirang.passes.planning.plan_costs import LOSS_BYTES, CandidatePricer, agreement_bytes
+from xirang.passes.planning.plan_costs import CandidatePricer
 from xirang.passes.planning.plan_search_space import Candidate
+from xirang.passes.planning.step_sync_costs import LOSS_BYTES, agreement_bytes
 from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 
 # distinct lines per kind and group size, so a term priced on the wrong group shows
