@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.ir.errors import XirangError
+from xirang.passes.planning.step_sync_costs import agreement_width
 
 
 def batch_layout(batch: dict) -> tuple:
@@ -124,7 +125,7 @@ class BatchChecks:
                     finite = values.isfinite()
                     figures += [float((values.nan_to_num(0.0, 0.0, 0.0) * weights).sum()), float((~finite).sum())]
         # ranks with a problem send fewer figures: pad to a fixed length so the all-reduce matches
-        width = 1 + 64 * max(1, len(self._inputs))
+        width = agreement_width(len(self._inputs))  # what the cost model prices (step_sync_costs)
         figures = (figures + [0.0] * width)[:width]
         agreed = torch.tensor(figures + [-f for f in figures], dtype=torch.float64, device=self.device)  # NCCL: on GPU
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)

@@ -46,6 +46,11 @@ def other_samples(device: str, quick: bool, timed, iters: int) -> dict:
     return samples
 
 
+# inputs each kind's call below gives gradients to (its leaves): ``calibrated_world`` takes that many
+# autograd nodes and gradient ops out of the kind's fixed cost (Calibration.backward_op_overhead_s prices them)
+KIND_GRADIENTS = {"gelu": 1, "layer_norm": 3, "softmax": 1, "cross_entropy": 1}
+
+
 def _kind_calls(device: str, rows: int, width: int) -> dict:
     """{kind: (forward call, its output's gradient, the leaves it gives gradients to)} at (rows, width),
     each op called as the emitted program calls it (``torch.ops.aten``)."""

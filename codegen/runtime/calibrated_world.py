@@ -40,6 +40,7 @@ from typing import Sequence
 
 import torch
 
+from xirang.codegen.runtime.calibrate_op_classes import KIND_GRADIENTS
 from xirang.ir.calibration import Calibration, CollectiveFit, fit_line
 from xirang.ir.device import DeviceSpec, Efficiency
 from xirang.ir.world import LinkSpec, NodeSpec, World
@@ -102,11 +103,6 @@ def split_backward_extra(sample: dict | None) -> float | None:
     return max(0.0, (sample["split_s"] - sample["fused_s"]) / (sample["fused_s"] - sample["forward_s"]))
 
 
-# inputs each kind's sample gives gradients to (calibrate_op_classes._kind_calls), each one autograd
-# node and gradient op priced apart (Calibration.backward_op_overhead_s), as the cost model prices them
-KIND_GRADIENTS = {"gelu": 1, "layer_norm": 3, "softmax": 1, "cross_entropy": 1}
-
-
 def other_kind_samples(other) -> tuple[dict, list]:
     """({kind: samples}, the class's samples) of ``compute["other"]``: per kind (``other_samples``),
     the class's a sum of one op of each kind at each size; results measured before kinds were timed
@@ -163,8 +159,6 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         per_kind, class_samples = other_kind_samples(compute["other"])
         rate, raw["other_flops"] = _rate(class_samples, "non-matmul ops")
         other = min(1.0, rate / peaks["float32"])
-        # results from before the kinds were timed apart: a class sample is three ops, each with one gradient
-        fixed["other"] = max(0.0, raw["other_flops"]["intercept_s"] / 3 - op_forward - op_backward)
         for kind, samples in per_kind.items():
             rate, raw[f"other_{kind}"] = _rate(samples, kind)
             kinds[kind] = min(1.0, rate / peaks["float32"])
@@ -175,6 +169,8 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
             # mostly: the add's (its line's intercept, a forward alone). Their backward passes the
             # gradient on, which the per-op backward cost prices.
             fixed["other"] = max(0.0, raw["elementwise"]["intercept_s"] - op_forward)
+        else:  # results from before the kinds were timed apart: a class sample is three ops, one gradient each
+            fixed["other"] = max(0.0, raw["other_flops"]["intercept_s"] / 3 - op_forward - op_backward)
     if compute.get("attention"):
         rate, raw["attention"] = _rate(compute["attention"], "fused attention")
         attention = min(1.0, rate / peaks["float32"])

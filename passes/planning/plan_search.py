@@ -84,7 +84,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     ``sequence_parallel``: False (default) prices splits without sequence-sharded rows, so a ``price``
     of hand-made costs need not know them; True with them wherever tp > 1; None both (step 4),
     calling ``price(..., sequence_parallel=True)`` for the splits with them. ``batch_inputs``: tensors the
-    step takes, which size the batch agreement each step runs (``plan_costs.agreement_bytes``).
+    step takes, which size the batch agreement each step runs (``step_sync_costs.agreement_bytes``).
     """
     check_global_batch(global_batch)
     if not 0 < memory_fraction <= 1:

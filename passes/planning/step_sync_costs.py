@@ -21,10 +21,16 @@ from xirang.passes.planning.plan_search_space import Candidate
 LOSS_BYTES = 4  # the step's loss, one fp32 scalar, reduced over dp and broadcast over pp
 
 
+def agreement_width(batch_inputs: int) -> int:
+    """Figures in the batch agreement (``batch_checks.agree`` lays them out): a problem flag and 64 per
+    input."""
+    return 1 + 64 * max(1, batch_inputs)
+
+
 def agreement_bytes(batch_inputs: int) -> int:
-    """Bytes of the batch agreement's all-reduce: a problem flag and 64 figures per input, as float64,
-    with their negations (max and min in one call)."""
-    return 2 * 8 * (1 + 64 * max(1, batch_inputs))
+    """Bytes of the batch agreement's all-reduce: its figures as float64, with their negations (max and
+    min in one call)."""
+    return 2 * 8 * agreement_width(batch_inputs)
 
 
 def step_sync_seconds(c: Candidate, batch_inputs: int, cost: Callable[[str, float, tuple], float]) -> float:
