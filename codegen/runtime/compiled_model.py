@@ -311,10 +311,9 @@ class CompiledModel:
             self._batch_checks.check(batch, pre_sharded)
         except XirangError as error:
             problem = error
+        entered = time.perf_counter()
         self._batch_checks.agree(batch, pre_sharded, problem)
-        # the agreement's all-reduce, which every rank leaves together, is the ranks' common clock for this
-        # step's timestamps (a barrier of its own would cost each step another collective)
-        origin = time.perf_counter()
+        origin = time.perf_counter()  # every rank leaves the agreement together: this step's common clock
         micro_batches = self._micro_batches(batch, pre_sharded)
         if self.zero:
             self.zero.before_step()  # ZeRO-1: the last optimizer step's slices into every replica (3: at first use)
@@ -344,6 +343,7 @@ class CompiledModel:
             else:
                 param.grad.add_(grad)
         loss = self._step_loss(record)
+        record.outside = origin - entered + time.perf_counter() - origin - record.finished  # agreement, loss
         for controller in (self.rebalancer, self.injection):  # they change shares or warm-ups between steps
             if controller is not None:
                 controller.after_step()

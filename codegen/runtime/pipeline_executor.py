@@ -71,6 +71,9 @@ class StepRecord:
     # seconds from the step's start until its gradients are final (dp waits, tied sums; set by the
     # CompiledModel): what follows the last compute is the exposed sync (codegen/runtime/step_costs.py)
     finished: float | None = None
+    # seconds of the step outside that window (set by the CompiledModel): the batch agreement before it,
+    # and after it the loss's collectives (and ZeRO's slices): what the cost model's step_sync prices
+    outside: float = 0.0
 
 
 @dataclass

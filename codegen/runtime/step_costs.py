@@ -11,7 +11,9 @@ Read from the records the executor keeps anyway (``StepRecord.timestamps``, the 
   (the dp buckets' waits, then the tied sums): the gradient sync the backward did not hide. Taken from
   the slowest rank's compute, not per rank: a rank that finishes its compute early waits for its
   peers inside the sync, and that wait is theirs (compute), not the links';
-- ``step_seconds``: the largest ``finished`` over ranks (from the barrier that starts the step);
+- ``step_seconds``: the largest over ranks of ``finished`` (from the batch agreement every rank leaves
+  together) plus ``StepRecord.outside`` (the agreement itself, and the loss's collectives after the
+  gradients: what the cost model's ``step_sync`` prices), the whole ``train_step``;
 - ``busy_ranks``: how many ranks used their core at once on average: all ranks' compute and gradient
   sync seconds (a gloo collective reduces on the cores) over the step; ``waiting_ranks`` the same of
   the time ranks waited for a peer (a pipeline bubble). On ranks sharing cores an action runs faster
@@ -98,7 +100,7 @@ def rank_summary(record, num_micro_batches: int) -> dict:
     finished = record.finished if record.finished is not None else last
     return {"forward": {s: sum(v) / num_micro_batches for s, v in forward.items()},
             "backward": {s: sum(v) / num_micro_batches for s, v in backward.items()},
-            "last_compute": last, "finished": finished, "busy": busy}
+            "last_compute": last, "finished": finished, "busy": busy, "outside": record.outside}
 
 
 def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
@@ -111,11 +113,12 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
             backward[stage] = max(backward.get(stage, 0.0), seconds)
     finished = max(s["finished"] for s in summaries)
     sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
+    step = max(s["finished"] + s["outside"] for s in summaries)
     if finished <= 0:
-        return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries))
+        return MeasuredCosts(forward, backward, sync, step, num_micro_batches, ranks=len(summaries))
     # a rank's own sync runs from its last compute to its end; before its end and outside compute it waited
     busy = sum(s["busy"] + s["finished"] - s["last_compute"] for s in summaries) / finished
-    return MeasuredCosts(forward, backward, sync, finished, num_micro_batches, ranks=len(summaries), busy_ranks=busy,
+    return MeasuredCosts(forward, backward, sync, step, num_micro_batches, ranks=len(summaries), busy_ranks=busy,
                          waiting_ranks=len(summaries) - busy)
 
 
