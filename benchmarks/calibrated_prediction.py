@@ -11,8 +11,19 @@
 4. Re-priced: each mesh's plan re-priced from its own timed steps (``xirang.reprice`` on the medians of
    ``compiled.measured_costs()``, xirang_compile/reprice.py): its step under the corrected cost model,
    against the measured step, and the mesh that corrected model would pick instead.
+5. ``--calibrate-each``: a fresh calibration just before each mesh is timed, its plan the one timed, so
+   the prediction and the measurement are a minute apart rather than up to ten (a shared VM's speed
+   drifts at that scale: ``codegen/runtime/calibrate._compute_pass``). The ratios are then each
+   mesh's own; the order is still checked on the first calibration's predictions, all made at once.
+6. ``--split-comm`` (a diagnostic, numerically wrong on purpose): each mesh is timed a second time with
+   its collectives of more than ``SKIPPED_ABOVE`` elements not run (the tp activations, the gradient
+   buckets, the tied sums; the step's own small agreement and loss collectives still run, and so do the
+   pipeline's sends, which carry data the next stage waits for). The step without them against the
+   predicted step less the priced collective causes says how far the compute price is off; the
+   difference of the two measured steps against those causes, how far the collectives' is. A total
+   within 15% can hide a compute price and a collective price off in opposite directions; this shows it.
 
-    python benchmarks/calibrated_prediction.py [--world-file world.json] [--steps 5]
+    python benchmarks/calibrated_prediction.py [--world-file world.json] [--steps 5] [--calibrate-each] [--split-comm]
 """
 from __future__ import annotations
 
@@ -59,7 +70,37 @@ def _plan(world: World, pins: dict):
                        precision="fp32", **pins)
 
 
-def _train(rank, world_size, plan, world, steps, warmup):
+# --split-comm: collectives over more elements than this are skipped; the batch agreement (1 + 64 per
+# input) and the loss (one element) are smaller and still run
+SKIPPED_ABOVE = 4096
+COLLECTIVE_CAUSES = ("tp_comm", "dp_exposed", "tied_sum")  # what --split-comm takes away
+
+
+class _NotRun:
+    """The handle of a skipped asynchronous collective: already complete."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _skip_large_collectives() -> None:
+    """Make this rank's large collectives return at once (``--split-comm``; timing only)."""
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        real = getattr(dist, name)
+
+        def skipping(tensor, *args, _real=real, **kwargs):
+            if tensor.numel() > SKIPPED_ABOVE:
+                return _NotRun() if kwargs.get("async_op") else None
+            return _real(tensor, *args, **kwargs)
+        setattr(dist, name, skipping)
+
+
+def _train(rank, world_size, plan, world, steps, warmup, skip_collectives=False):
+    if skip_collectives:
+        _skip_large_collectives()
     torch.manual_seed(0)
     compiled = xirang.compile(build_gpt(CONFIG), world=world, plan=plan, example_kwargs=token_batch(2))
     batch = token_batch()
@@ -76,11 +117,12 @@ def _train(rank, world_size, plan, world, steps, warmup):
     return times[warmup:], costs[warmup:], cpu[warmup:]
 
 
-def measure(plan, world: World, steps: int, warmup: int) -> tuple:
+def measure(plan, world: World, steps: int, warmup: int, skip_collectives: bool = False) -> tuple:
     """(median over steps of the slowest rank's train_step seconds, the steps' median MeasuredCosts,
     median over steps of the CPU seconds summed over ranks, the steps' spread: slowest - fastest)."""
     # 8 ranks on a few busy cores: a rank can be starved for long stretches; it is not frozen
-    per_rank = launch(_train, RANKS, (plan, world, steps, warmup), timeout_s=1800, heartbeat_s=300)
+    per_rank = launch(_train, RANKS, (plan, world, steps, warmup, skip_collectives), timeout_s=1800,
+                      heartbeat_s=300)
     steps_s = [max(step) for step in zip(*(times for times, _, _ in per_rank))]
     cpu = statistics.median(sum(step) for step in zip(*(cpu for _, _, cpu in per_rank)))
     return statistics.median(steps_s), xirang.MeasuredCosts.median(per_rank[0][1]), cpu, max(steps_s) - min(steps_s)
@@ -100,6 +142,18 @@ def order_matches_up_to_ties(predicted: dict, measured: dict, ties: list) -> boo
                for i, a in enumerate(predicted) for b in list(predicted)[i + 1:] if frozenset((a, b)) not in tied)
 
 
+def split_comm_line(plan, world: World, args, measured_s: float, causes: dict) -> str:
+    """The mesh timed again without its large collectives: compute and collectives, predicted vs measured."""
+    without_s = measure(plan, world, args.steps, args.warmup, skip_collectives=True)[0]
+    priced_comm = sum(causes.get(cause, 0.0) for cause in COLLECTIVE_CAUSES)
+    priced_rest = plan.predicted.step_seconds - priced_comm
+    measured_comm = measured_s - without_s
+    comm_ratio = f"{priced_comm / measured_comm:5.2f}" if measured_comm > 0 else "  n/a"
+    return (f"  without large collectives: predicted {priced_rest * 1e3:8.1f} ms  measured {without_s * 1e3:8.1f} ms  "
+            f"ratio {priced_rest / without_s:5.2f};  collectives: predicted {priced_comm * 1e3:7.1f} ms  "
+            f"measured {measured_comm * 1e3:7.1f} ms  ratio {comm_ratio}")
+
+
 def _order(times: dict) -> list:
     return sorted(times, key=times.__getitem__)
 
@@ -113,6 +167,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="mesh names to run (default all)")
     parser.add_argument("--predict-only", action="store_true", help="plan and print the predictions, train nothing")
     parser.add_argument("--details", action="store_true", help="print each mesh's re-pricing report (stages, scales)")
+    parser.add_argument("--calibrate-each", action="store_true",
+                        help="calibrate again just before each mesh is timed; its ratio from that calibration")
+    parser.add_argument("--split-comm", action="store_true",
+                        help="time each mesh again without its large collectives: compute and collectives apart")
     args = parser.parse_args(argv)
     if args.world_file:
         world = World.load(args.world_file)
@@ -126,25 +184,34 @@ def main(argv=None) -> int:
     print(f"\nGPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {SEQ}, vocab {CONFIG.vocab_size}, "
           f"global batch {GLOBAL_BATCH}, fp32, {RANKS} gloo ranks on {os.cpu_count()} cores")
     predicted, measured, causes, repriced, picks, spread = {}, {}, {}, {}, {}, {}
+    at_once = {}  # every mesh's prediction on the first calibration: the order is checked on these
     for name, pins in MESHES.items():
         if args.only and name not in args.only:
             continue
         plan = _plan(world, pins)
+        at_once[name] = plan.predicted.step_seconds
+        mesh_world = world
+        if args.calibrate_each and not args.predict_only:
+            mesh_world = calibrate(RANKS)
+            plan = _plan(mesh_world, pins)
+            print(f"{name:24s} first calibration's prediction {at_once[name] * 1e3:8.1f} ms; calibrated again:")
         predicted[name] = plan.predicted.step_seconds
         causes[name] = dict(plan.predicted.breakdown)
         if args.predict_only:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
             print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
             continue
-        measured[name], costs, cpu, spread[name] = measure(plan, world, args.steps, args.warmup)
+        measured[name], costs, cpu, spread[name] = measure(plan, mesh_world, args.steps, args.warmup)
         report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=token_batch(2))
         repriced[name], picks[name] = report.repriced_current, report.best if report.another_wins else "itself"
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
         print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  measured {measured[name] * 1e3:8.1f} ms  "
               f"ratio {predicted[name] / measured[name]:5.2f}  re-priced {repriced[name] * 1e3:8.1f} ms "
               f"(ratio {repriced[name] / measured[name]:5.2f}; picks {picks[name]})   ({parts} ms)", flush=True)
+        if args.split_comm:
+            print(split_comm_line(plan, mesh_world, args, measured[name], causes[name]), flush=True)
         if args.details:
-            cores = world.calibration.parallel_ranks or RANKS
+            cores = mesh_world.calibration.parallel_ranks or RANKS
             print(f"  CPU seconds per step summed over ranks {cpu:.3f}: {cpu / measured[name]:.2f} cores busy "
                   f"on average (the calibration: {cores:.2f} of {os.cpu_count()} cores at full speed)")
             print(report, flush=True)
@@ -154,6 +221,10 @@ def main(argv=None) -> int:
     worst = max(abs(predicted[n] / measured[n] - 1) for n in predicted)
     print(f"\nworst |predicted/measured - 1|: {worst:.1%}")
     print(f"worst |re-priced/measured - 1|: {max(abs(repriced[n] / measured[n] - 1) for n in repriced):.1%}")
+    if args.calibrate_each:
+        once = max(abs(at_once[n] / measured[n] - 1) for n in measured)
+        print(f"worst |first calibration's prediction/measured - 1|: {once:.1%}")
+    predicted = at_once
     print(f"predicted order: {_order(predicted)}")
     print(f"measured order:  {_order(measured)}")
     print(f"ranking matches: {_order(predicted) == _order(measured)}")

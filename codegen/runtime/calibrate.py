@@ -2,7 +2,8 @@
 
 Collectives run on all N local ranks at once, as training runs them, so what ranks sharing cores
 (or a PCIe switch, or a NIC) take from each other is in their figures. Compute is timed by rank 0
-alone on its device (the others waiting); where the ranks share the host's cores,
+alone on its device (the others waiting; where ranks share cores three times, at the start, middle and
+end of the calibration, each sample the median of the three: ``_compute_pass``); where the ranks share the host's cores,
 ``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to
 scale it by:
 
@@ -325,6 +326,33 @@ def _message_cpu_samples(device: str, quick: bool) -> list:
     return rows
 
 
+def _compute_pass(rank: int, device: str, quick: bool, shared: bool) -> list:
+    """One more pass of rank 0's compute samples where ranks share the host's cores (not --quick), the
+    others waiting in a barrier. Why: a shared machine's speed drifts while the calibration runs. On
+    the 2-core development VM the median of 7 calls of a 50 MFLOP linear, forward and backward, ranged
+    672-1753 us from one half second to the next over a minute, its level rising 25% in mid-minute; five calibrations
+    within an hour put the matmul line's intercept at 0.7-2.8 ms and every mesh's predicted step 15-18%
+    apart. The three passes (start, middle and end of the calibration) cover its whole window."""
+    if not shared or quick:
+        return []
+    samples = [_compute_samples(device, quick)] if rank == 0 else []
+    dist.barrier()
+    return samples
+
+
+def median_of_passes(passes: Sequence):
+    """Each number the median of its values over the passes, lists and dicts matched item by item
+    (every pass has the same shapes, sizes and keys: only the timed seconds differ)."""
+    first = passes[0]
+    if isinstance(first, dict):
+        return {key: median_of_passes([p[key] for p in passes]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return [median_of_passes(items) for items in zip(*passes)]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(passes)
+    return first
+
+
 def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool = False) -> dict:
     """What one rank measures (run by ``launch`` on every rank at once)."""
     if device == "cuda":
@@ -336,12 +364,15 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
     # small op ran 10-30% under its time alone on the development box, while training's mixed ops ran
     # 20-80% over it.
     shared = world_size > 1 and not device.startswith("cuda")
-    compute = _compute_samples(device, quick) if rank == 0 else None
+    passes = [_compute_samples(device, quick)] if rank == 0 else []
     dist.barrier()
     sharing = measure_sharing(device, quick, lambda: _sync(device)) if shared else None
+    passes += _compute_pass(rank, device, quick, shared)
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
     collectives = _collective_samples(device, quick, in_context=sharing is not None) if world_size > 1 else {}
     messages = _message_cpu_samples(device, quick) if shared else []
+    passes += _compute_pass(rank, device, quick, shared)
+    compute = median_of_passes(passes) if passes else None
     return {"rank": rank, "threads": torch.get_num_threads(), "cores": usable_cores(), "compute": compute,
             "sharing": sharing, "collectives": collectives, "message_cpu": messages}
 
