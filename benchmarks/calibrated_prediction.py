@@ -224,14 +224,13 @@ def main(argv=None) -> int:
     if args.calibrate_each:
         once = max(abs(at_once[n] / measured[n] - 1) for n in measured)
         print(f"worst |first calibration's prediction/measured - 1|: {once:.1%}")
-    predicted = at_once
-    print(f"predicted order: {_order(predicted)}")
+    print(f"predicted order: {_order(at_once)}")
     print(f"measured order:  {_order(measured)}")
-    print(f"ranking matches: {_order(predicted) == _order(measured)}")
+    print(f"ranking matches: {_order(at_once) == _order(measured)}")
     ties = noise_ties(measured, spread)
     close = ", ".join(f"{a} / {b} ({measured[a] * 1e3:.0f} vs {measured[b] * 1e3:.0f} ms)" for a, b in ties)
     print(f"measured within each other's step-to-step spread: {close or 'none'}")
-    print(f"ranking matches apart from those: {order_matches_up_to_ties(predicted, measured, ties)}")
+    print(f"ranking matches apart from those: {order_matches_up_to_ties(at_once, measured, ties)}")
     return 0
 
 

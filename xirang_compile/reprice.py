@@ -229,16 +229,16 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
     def corrected(tp, tp_group, micro_batch, seq, *rest) -> TensorSplit:
         return scaled_split(split_of(tp, tp_group, micro_batch, seq, *rest), compute_scale, tp_scale)
 
-    names = [u.name for u in split.units]
+    names, batch_inputs = [u.name for u in split.units], len(user_inputs(gm))
     corrected_current = corrected(current.tp, tuple(range(current.tp)), current.micro_batch, seq)
     priced = CandidatePricer({(current.tp, current.micro_batch): corrected_current}, world,
                              global_batch=plan.global_batch, precision=plan.precision,
-                             memory_fraction=MEMORY_FRACTION, batch_inputs=len(user_inputs(gm))
+                             memory_fraction=MEMORY_FRACTION, batch_inputs=batch_inputs
                              ).price(current, bounds, exact=True)
     tied = tied_sum_seconds(gm, priced, names, split.placements, world)
     repriced = priced.step_seconds + tied
     result = search_plan(corrected, world, global_batch=plan.global_batch, seq=seq, precision=plan.precision,
-                         memory_fraction=MEMORY_FRACTION, batch_inputs=len(user_inputs(gm)), **pins)
+                         memory_fraction=MEMORY_FRACTION, batch_inputs=batch_inputs, **pins)
 
     def with_tied(p: Priced) -> float:
         placements = raw[(p.candidate.tp, p.candidate.micro_batch, seq)].placements

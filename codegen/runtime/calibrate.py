@@ -2,10 +2,10 @@
 
 Collectives run on all N local ranks at once, as training runs them, so what ranks sharing cores
 (or a PCIe switch, or a NIC) take from each other is in their figures. Compute is timed by rank 0
-alone on its device (the others waiting; where ranks share cores three times, at the start, middle and
-end of the calibration, each sample the median of the three: ``_compute_pass``); where the ranks share the host's cores,
-``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to
-scale it by:
+alone on its device, the others waiting (on shared cores in three passes, at the start, middle and end
+of the calibration, each sample the median of the three: ``_compute_pass``); where the ranks share
+the host's cores, ``calibrate_sharing`` times what training ranks take of each other for
+``calibrated_world`` to scale it by:
 
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
   the emitted program calls, forward and backward through autograd: the forward product, both
@@ -330,9 +330,10 @@ def _compute_pass(rank: int, device: str, quick: bool, shared: bool) -> list:
     """One more pass of rank 0's compute samples where ranks share the host's cores (not --quick), the
     others waiting in a barrier. Why: a shared machine's speed drifts while the calibration runs. On
     the 2-core development VM the median of 7 calls of a 50 MFLOP linear, forward and backward, ranged
-    672-1753 us from one half second to the next over a minute, its level rising 25% in mid-minute; five calibrations
-    within an hour put the matmul line's intercept at 0.7-2.8 ms and every mesh's predicted step 15-18%
-    apart. The three passes (start, middle and end of the calibration) cover its whole window."""
+    672-1753 us from one half second to the next over a minute, its level rising 25% in mid-minute;
+    five calibrations within an hour put the matmul's fixed cost (``Calibration.op_fixed_s``, every
+    rank busy) at 0.7-2.8 ms and every mesh's predicted step 15-18% apart. The three passes (start,
+    middle and end of the calibration) cover its whole window."""
     if not shared or quick:
         return []
     samples = [_compute_samples(device, quick)] if rank == 0 else []

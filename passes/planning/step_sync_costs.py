@@ -10,7 +10,7 @@
 
 Each is priced on its group like any collective (``cost_collectives.collective_cost`` through the
 pricer's cache): tens of microseconds on NCCL, milliseconds on gloo ranks sharing cores (on the 2-core
-development box the 8-rank all-reduce's calibrated line starts at 12 ms). No torch here.
+development box the 8-rank all-reduce's calibrated line starts at 12-20 ms, calibration to calibration). No torch here.
 """
 from __future__ import annotations
 
