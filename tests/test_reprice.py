@@ -82,6 +82,20 @@ def test_stages_twice_as_slow_double_a_step_that_is_all_stage_time(planned):
                                                      rel=1e-6)
 
 
+def test_the_step_own_collectives_as_measured_replace_their_price(planned):
+    plan, analysed, forward, backward, _ = planned
+    priced = plan.predicted.breakdown["step_sync"]
+    assert priced > 0  # the batch agreement over the 4 tp ranks
+    slow = as_predicted(plan, forward, backward, outside_seconds=3 * priced)
+    report = xirang.reprice(plan, slow, analysed=analysed, seq=SEQ)
+    assert report.compute_scale == pytest.approx(1.0) and report.outside_scale == pytest.approx(3.0)
+    assert report.repriced_current == pytest.approx(plan.predicted.step_seconds + 2 * priced, rel=1e-9)
+    assert dict(report.repriced_breakdown)["step_sync"] == pytest.approx(3 * priced)
+    assert "the step's own collectives (batch agreement, loss): measured" in str(report)
+    unmeasured = xirang.reprice(plan, as_predicted(plan, forward, backward), analysed=analysed, seq=SEQ)
+    assert unmeasured.outside_scale == 1.0  # not measured: priced as before
+
+
 def test_link_scale_multiplies_every_collective_price():
     world = xirang.World.uniform(2, 4, "a100-80g")
     slow = scaled_world(world, 3.0)
@@ -91,18 +105,22 @@ def test_link_scale_multiplies_every_collective_price():
 
 
 def test_rank_records_combine_to_the_slowest_rank_per_stage():
-    def record(stage, f, b, finished):
+    def record(stage, f, b, finished, outside=0.0):
         step = StepRecord(timestamps=[(0, Forward(stage, 0), 0.0, f), (0, Forward(stage, 1), f, 2 * f),
                                       (0, Backward(stage, 0), 2 * f, 2 * f + b), (0, Backward(stage, 1), 2 * f + b,
                                                                                  2 * f + 2 * b)])
-        step.finished = finished
+        step.finished, step.outside = finished, outside
         return rank_summary(step, 2)
     one = combine([record(0, 1.0, 2.0, 8.0), record(0, 1.5, 2.0, 7.5), record(1, 0.5, 1.0, 3.5)], 2)
+    assert one.outside_seconds == 0.0
     assert dict(one.forward) == {0: 1.5, 1: 0.5} and dict(one.backward) == {0: 2.0, 1: 1.0}
     # the sync runs from the slowest compute (rank 1's, ending at 7) to the last rank's end (8)
     assert one.sync_seconds == pytest.approx(1.0) and one.step_seconds == 8.0
     # ranks loading the cores: compute and own sync, 8 + 7.5 + 3.5 rank-seconds over the 8 s step
     assert one.busy_ranks == pytest.approx(19 / 8) and one.waiting_ranks == pytest.approx(3 - 19 / 8)
+    # agreement and loss: the step ends 0.75 s after the last rank's gradients are final
+    late = combine([record(0, 1.0, 2.0, 8.0, outside=0.75), record(1, 0.5, 1.0, 3.5, outside=5.0)], 2)
+    assert late.step_seconds == 8.75 and late.outside_seconds == pytest.approx(0.75)
     both = MeasuredCosts.median([one, combine([record(0, 3.0, 2.0, 10.0), record(1, 0.5, 1.0, 3.0)], 2), one])
     assert both.forward[0] == 1.5 and both.steps == 3
 

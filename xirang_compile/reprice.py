@@ -25,7 +25,13 @@ machine that every candidate pays alike, not a factor on one plan:
 - links  k_l = S / Ŝ (1 when the plan predicts no sync: nothing measured the links): every link's
   latency α and per-byte time β (the World's intra- and inter-node links, and the calibration's
   measured lines) are multiplied by k_l, so the dp all-reduces, tied sums and pipeline sends of every
-  candidate pay it.
+  candidate pay it;
+- the step's own collectives  k_o = O / Ô, O the measured seconds outside the pipeline and the sync (the
+  batch agreement and the loss's collectives, ``MeasuredCosts.outside_seconds``), Ô the running
+  configuration's ``step_sync`` priced on the link-scaled World: every candidate's ``step_sync`` is
+  multiplied by k_o (1 when O was not measured). They are a handful of tiny collectives over every
+  rank, whose cost on shared cores is the ranks' scheduling more than bytes, so the gradient sync's k_l
+  does not say what they cost; the running configuration's re-priced step holds O itself.
 
 Then the running configuration is priced at its own stage cuts (``CandidatePricer.price``, exact dp
 sync, plus its tied sums), and ``search_plan`` runs on the scaled unit costs and the scaled World
@@ -87,6 +93,7 @@ class Repricing:
     current_mesh: tuple[int, int, int] = (1, 1, 1)
     repriced_breakdown: tuple[tuple[str, float], ...] = ()  # the re-priced current step by cause
     shared_core_factor: float = 1.0  # measured stage seconds to the all-ranks-busy rate (shared cores)
+    outside_scale: float = 1.0  # the step's own collectives, measured / priced on the link-scaled World
 
     @property
     def another_wins(self) -> bool:
@@ -107,7 +114,7 @@ class Repricing:
                  f"  step: predicted {self.predicted_before * 1e3:.4g} ms, measured {self.measured_step * 1e3:.4g} ms, "
                  f"re-priced {self.repriced_current * 1e3:.4g} ms",
                  f"  scales (measured / predicted): compute x{self.compute_scale:.3g}, tp collectives "
-                 f"x{self.tp_scale:.3g}, links x{self.link_scale:.3g}"
+                 f"x{self.tp_scale:.3g}, links x{self.link_scale:.3g}, step's own collectives x{self.outside_scale:.3g}"
                  + (f" (stage seconds x{self.shared_core_factor:.3g} to the all-busy rate of shared cores)"
                     if self.shared_core_factor != 1.0 else ""),
                  "  re-priced by cause: " + ", ".join(f"{cause} {seconds * 1e3:.3g}"
@@ -236,13 +243,20 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
                              memory_fraction=MEMORY_FRACTION, batch_inputs=batch_inputs
                              ).price(current, bounds, exact=True)
     tied = tied_sum_seconds(gm, priced, names, split.placements, world)
-    repriced = priced.step_seconds + tied
+    priced_outside = priced.breakdown.get("step_sync", 0.0)
+    outside_scale = (measured.outside_seconds / priced_outside
+                     if measured.outside_seconds is not None and priced_outside > 0 else 1.0)
+
+    def settled(p: Priced) -> float:
+        """``p``'s step with its own collectives at the measured scale k_o."""
+        return p.step_seconds + (outside_scale - 1.0) * p.breakdown.get("step_sync", 0.0)
+    repriced = settled(priced) + tied
     result = search_plan(corrected, world, global_batch=plan.global_batch, seq=seq, precision=plan.precision,
                          memory_fraction=MEMORY_FRACTION, batch_inputs=batch_inputs, **pins)
 
     def with_tied(p: Priced) -> float:
         placements = raw[(p.candidate.tp, p.candidate.micro_batch, seq)].placements
-        return p.step_seconds + tied_sum_seconds(gm, p, names, placements, world)
+        return settled(p) + tied_sum_seconds(gm, p, names, placements, world)
     ranked = sorted(((with_tied(p), p) for p in (result.best, *result.alternatives) if p.fits),
                     key=lambda pair: pair[0])
     best_step, best = ranked[0]
@@ -253,12 +267,17 @@ def reprice(plan_or_compiled, measured: MeasuredCosts, *, model=None, example_in
     collectives = [("gradient sync (dp buckets and tied sums, exposed)", measured.sync_seconds, predicted_sync)]
     if measured.tp_seconds is not None:
         collectives.insert(0, ("tp collectives", measured.tp_seconds, predicted_tp))
+    if measured.outside_seconds is not None:
+        collectives.append(("the step's own collectives (batch agreement, loss)", measured.outside_seconds,
+                            breakdown.get("step_sync", 0.0)))
+    repriced_breakdown = {**priced.breakdown, "step_sync": outside_scale * priced_outside, "tied_sum": tied}
     return Repricing(current=current.label(), predicted_before=plan.predicted.step_seconds,
                      measured_step=measured.step_seconds, repriced_current=repriced, best=c.label(),
                      best_mesh=(c.dp, c.tp, c.pp), best_schedule=c.schedule, best_step=best_step,
                      compute_scale=compute_scale, tp_scale=tp_scale, link_scale=link_scale, stages=rows,
                      collectives=tuple(collectives), current_mesh=(current.dp, current.tp, current.pp),
-                     repriced_breakdown=(*priced.breakdown.items(), ("tied_sum", tied)), shared_core_factor=shared)
+                     repriced_breakdown=tuple(repriced_breakdown.items()), shared_core_factor=shared,
+                     outside_scale=outside_scale)
 
 
 class RepriceAfter:

@@ -14,6 +14,8 @@ Read from the records the executor keeps anyway (``StepRecord.timestamps``, the 
 - ``step_seconds``: the largest over ranks of ``finished`` (from the batch agreement every rank leaves
   together) plus ``StepRecord.outside`` (the agreement itself, and the loss's collectives after the
   gradients: what the cost model's ``step_sync`` prices), the whole ``train_step``;
+- ``outside_seconds``: ``step_seconds`` less the largest ``finished``: the step's own collectives as
+  they ran, which ``xirang.reprice`` puts in the place of their price (None: not measured);
 - ``busy_ranks``: how many ranks used their core at once on average: all ranks' compute and gradient
   sync seconds (a gloo collective reduces on the cores) over the step; ``waiting_ranks`` the same of
   the time ranks waited for a peer (a pipeline bubble). On ranks sharing cores an action runs faster
@@ -51,6 +53,7 @@ class MeasuredCosts:
     ranks: int = field(default=1, compare=False)
     busy_ranks: Optional[float] = None
     waiting_ranks: Optional[float] = None
+    outside_seconds: Optional[float] = None
 
     def __post_init__(self):
         if set(self.forward) != set(self.backward) or not self.forward:
@@ -63,7 +66,7 @@ class MeasuredCosts:
     def __reduce__(self):  # read-only mappings do not pickle; launched ranks hand these back
         return (MeasuredCosts, (dict(self.forward), dict(self.backward), self.sync_seconds, self.step_seconds,
                                 self.num_micro_batches, self.tp_seconds, self.steps, self.ranks, self.busy_ranks,
-                                self.waiting_ranks))
+                                self.waiting_ranks, self.outside_seconds))
 
     @staticmethod
     def median(steps: Sequence["MeasuredCosts"]) -> "MeasuredCosts":
@@ -75,6 +78,7 @@ class MeasuredCosts:
         tp = [s.tp_seconds for s in steps if s.tp_seconds is not None]
         busy = [s.busy_ranks for s in steps if s.busy_ranks is not None]
         waiting = [s.waiting_ranks for s in steps if s.waiting_ranks is not None]
+        outside = [s.outside_seconds for s in steps if s.outside_seconds is not None]
         return MeasuredCosts(
             forward={s: statistics.median(m.forward[s] for m in steps) for s in stages},
             backward={s: statistics.median(m.backward[s] for m in steps) for s in stages},
@@ -83,7 +87,8 @@ class MeasuredCosts:
             num_micro_batches=steps[0].num_micro_batches, tp_seconds=statistics.median(tp) if tp else None,
             steps=sum(m.steps for m in steps), ranks=steps[0].ranks,
             busy_ranks=statistics.median(busy) if busy else None,
-            waiting_ranks=statistics.median(waiting) if waiting else None)
+            waiting_ranks=statistics.median(waiting) if waiting else None,
+            outside_seconds=statistics.median(outside) if outside else None)
 
 
 def rank_summary(record, num_micro_batches: int) -> dict:
@@ -114,12 +119,14 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
     finished = max(s["finished"] for s in summaries)
     sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
     step = max(s["finished"] + s["outside"] for s in summaries)
+    outside = max(0.0, step - finished)
     if finished <= 0:
-        return MeasuredCosts(forward, backward, sync, step, num_micro_batches, ranks=len(summaries))
+        return MeasuredCosts(forward, backward, sync, step, num_micro_batches, ranks=len(summaries),
+                             outside_seconds=outside)
     # a rank's own sync runs from its last compute to its end; before its end and outside compute it waited
     busy = sum(s["busy"] + s["finished"] - s["last_compute"] for s in summaries) / finished
     return MeasuredCosts(forward, backward, sync, step, num_micro_batches, ranks=len(summaries), busy_ranks=busy,
-                         waiting_ranks=len(summaries) - busy)
+                         waiting_ranks=len(summaries) - busy, outside_seconds=outside)
 
 
 def measure_step(compiled) -> MeasuredCosts:

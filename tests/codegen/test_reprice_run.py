@@ -4,8 +4,8 @@
 
 What is checked: the re-priced step of the running plan is within ``TOLERANCE`` of its measured step.
 Why 15%: with one pipeline stage the re-priced step is m·(forward + backward) at the measured compute
-scale plus the gradient sync at the measured link scale, so what is left between the two is what no
-scale models -- the batch checks and the loss all-reduce around the executor, the gap between one rank's
+scale, the gradient sync at the measured link scale and the step's own collectives as measured, so what
+is left between the two is what no scale models -- the gap between one rank's
 compute and another's (each figure is its slowest rank's, the step the slowest rank's sum), and on 2
 shared cores the ranks' scheduling, which moves single steps by several percent; a tighter bound would
 fail on noise, a looser one would pass a re-pricing that dropped a term (the sync alone is 10-40% here).
