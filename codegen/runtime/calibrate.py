@@ -12,9 +12,11 @@ the host's cores, ``calibrate_sharing`` times what training ranks take of each o
   gradient products and the bias gradient, with the composite op's own dispatches), an elementwise add
   (memory-bound) and the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, each kind
   apart, forward and backward: the roofline's ``Efficiency.other`` and each kind's own rate, at the
-  FLOPs the analysis counts for them), these two timed cold (``cache_flush``: inputs out of cache, as
-  training meets them, not hot in cache as back-to-back calls leave them), fused
-  attention forward and backward (``Efficiency.attention``, at the analysis's attention FLOPs), a tiny
+  FLOPs the analysis counts for them), these three timed cold (``cache_flush``: inputs out of cache, as
+  training meets them, not hot in cache as back-to-back calls leave them; a small matmul's weights and
+  activations hot in cache ran 20-50% faster on the development box, 1 thread, than after a flush,
+  the large ones alike), fused attention forward and backward (``Efficiency.attention`` and a cost
+  per attention score, ``calibrate_op_classes.attention_samples``), a tiny
   op's dispatch (the fixed per-op cost: eager dispatch on CPU, a kernel launch on GPU) and the
   backward's per-op cost (an autograd node and its gradient op on a tiny tensor), and a block stack
   with and without ``torch.utils.checkpoint`` (what a recomputed region costs beyond its forward). Each op is called
@@ -123,6 +125,10 @@ def _compute_samples(device: str, quick: bool) -> dict:
     aten, iters, timed = torch.ops.aten, 3 if quick else 7, _median_time
     out: dict = {"matmul": {}, "elementwise": [], "other": [], "attention": [], "op_forward_s": 0.0,
                  "op_backward_s": 0.0}
+    flush = cache_flush(device)
+
+    def cold(fn, device, iters):  # each call with its inputs out of cache, as training meets them
+        return _median_time(fn, device, iters, before=flush)
     for dtype in (torch.float32, torch.bfloat16):
         rows = []
         shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
@@ -139,12 +145,8 @@ def _compute_samples(device: str, quick: bool) -> dict:
                 # each stored afresh as in a step's first micro-batch
                 x.grad = weight.grad = bias.grad = None
                 torch.autograd.backward(aten.linear.default(x, weight, bias), dy)
-            rows.append([3 * 2.0 * m * k * n, timed(linear_forward_and_backward, device, iters)])
+            rows.append([3 * 2.0 * m * k * n, cold(linear_forward_and_backward, device, iters)])
         out["matmul"][str(dtype).removeprefix("torch.")] = rows
-    flush = cache_flush(device)
-
-    def cold(fn, device, iters):  # each call with its inputs out of cache, as training meets them
-        return _median_time(fn, device, iters, before=flush)
     for count in (QUICK_ELEMENTWISE_SIZES if quick else ELEMENTWISE_SIZES):
         x, y = torch.randn(count, device=device), torch.randn(count, device=device)
         # an add reads two tensors and writes one (a fresh output): 3 x 4 bytes per element
