@@ -15,6 +15,8 @@ costs, what each link's collectives cost, and the per-node facts both read.
   each), at ``World.calibration.backward_op_overhead_s`` where measured, else the forward's figure.
   Each trainable parameter pays it once more per micro-batch: autograd's AccumulateGrad node, which
   stores or adds the parameter's gradient into ``.grad`` (a hundred of them per GPT step here).
+- Fused attention at ``Efficiency.attention`` with the class's fixed cost, or on a calibrated World
+  that timed it per head dim (``Calibration.attention_by_head_dim``) at the line of the nearest head dim.
 - Non-matmul FLOPs at ``Efficiency.other``, except on a calibrated World a node of a kind timed on
   its own (``Calibration.other_kind_efficiency``: gelu, layer norm, softmax and log-softmax,
   cross-entropy; ``OTHER_KIND_OPS``), at that kind's measured rate, with its own fixed cost.
@@ -94,6 +96,7 @@ class NodeFacts:
     grad_inputs: int = 0  # inputs that take a gradient from this op's backward
     attention: bool = False  # a fused attention kernel (priced at Efficiency.attention where given)
     kind: str | None = None  # its kind where a calibration may time it apart (OTHER_KIND_OPS)
+    head_dim: int | None = None  # a fused attention's query head dim (Calibration.attention_by_head_dim)
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
@@ -126,7 +129,15 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         inputs=tuple(_kept(node, item, table, float_bytes) for item in reads),
         dispatched=node.op == "call_function" and node.target is not operator.getitem,
         grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
-        attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)))
+        attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)),
+        head_dim=_head_dim(node) if op_packet(node) in FUSED_ATTENTION else None)
+
+
+def _head_dim(node: Node) -> int | None:
+    """The query's last dim, where it is a number (it is for every traced attention: heads are static)."""
+    query = tensor_info(node.args[0]) if node.args else None
+    size = query.shape[-1] if query is not None and query.shape else None
+    return int(size) if size is not None and getattr(size, "is_number", True) else None
 
 
 def local_fraction(placement, tp: int) -> float:
@@ -152,6 +163,9 @@ class Pricing:
         kinds = calibration.other_kind_efficiency if calibration is not None else {}
         self.kind_efficiency = {kind: replace(efficiency, other=fraction) for kind, fraction in kinds.items()
                                 if efficiency == device.efficiency}
+        # fused attention's line per head dim, likewise only with the device's own efficiency
+        self.attention_line = calibration.attention_line if calibration is not None and \
+            calibration.attention_by_head_dim and efficiency == device.efficiency else None
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)
@@ -169,11 +183,20 @@ class Pricing:
     def compute(self, facts: NodeFacts, fraction: float) -> float:
         """Roofline seconds (forward + backward) of a node's local share."""
         values = self.values
+        efficiency = self.kind_efficiency.get(facts.kind, self.efficiency)
+        line = self._attention_line(facts)
+        if line is not None:
+            efficiency = replace(efficiency, attention=line[0])
         seconds = compute_time(values[facts.total] * fraction, values[facts.traffic] * facts.byte_scale * fraction,
-                               self.device, self.precision,
-                               efficiency=self.kind_efficiency.get(facts.kind, self.efficiency), is_matmul=facts.matmul,
+                               self.device, self.precision, efficiency=efficiency, is_matmul=facts.matmul,
                                is_attention=facts.attention)
         return seconds + self.op_overhead(facts)
+
+    def _attention_line(self, facts: NodeFacts):
+        """(rate fraction, fixed seconds) of a fused attention node's head dim, where measured."""
+        if not facts.attention or self.attention_line is None or facts.head_dim is None:
+            return None
+        return self.attention_line(facts.head_dim)
 
     def op_overhead(self, facts: NodeFacts) -> float:
         """Fixed seconds of one node, forward + backward (see the module docstring)."""
@@ -189,6 +212,9 @@ class Pricing:
         if not self.op_fixed:
             return 0.0
         if facts.attention:
+            line = self._attention_line(facts)
+            if line is not None:
+                return line[1] * (1.0 if facts.needs_grad else 1 / 3)
             name, forward_share = "attention", 1 / 3  # the backward computes twice the forward's products
         elif facts.matmul:
             name, forward_share = "matmul", 1 / 3  # one product forward, two for the gradients
