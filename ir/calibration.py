@@ -172,11 +172,11 @@ class Calibration:
       the kind's own samples, ``calibrate_op_classes.other_samples``): the cost model prices a node of
       that kind at it, any other non-matmul node at ``Efficiency.other``. Empty: not measured (files
       written before; every kind at the class rate).
-    - ``attention_by_head_dim``: per head dim timed apart, fused attention's (rate as a fraction of the
-      fp32 matmul peak, fixed seconds per call beyond its dispatches), each from its own line: a CPU's
-      flash-attention kernel runs head dim 32 at about half its head-dim-64 rate. The cost model prices
-      a node at the line of the nearest head dim; empty (files written before): at
-      ``Efficiency.attention`` and ``op_fixed_s["attention"]``.
+    - ``attention_by_seq``: per sequence length timed apart, fused attention's (rate as a fraction of
+      the fp32 matmul peak, fixed seconds per call beyond its dispatches), each from its own line: a
+      CPU's flash-attention kernel runs seq 128 at about two thirds of its seq-512 rate per counted
+      FLOP. The cost model prices a node at the line of the nearest sequence length; empty (files
+      written before): at ``Efficiency.attention`` and ``op_fixed_s["attention"]``.
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -194,7 +194,7 @@ class Calibration:
     pipeline_message_s: Optional[tuple] = None
     split_backward_extra: float = 0.0
     other_kind_efficiency: Mapping[str, float] = field(default_factory=dict)
-    attention_by_head_dim: Mapping[int, tuple] = field(default_factory=dict)
+    attention_by_seq: Mapping[int, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -245,26 +245,26 @@ class Calibration:
         object.__setattr__(self, "other_kind_efficiency",
                            MappingProxyType({name: float(value) for name, value in kinds.items()}))
         lines = {}
-        for dim, line in dict(self.attention_by_head_dim).items():
-            where = f"Calibration attention_by_head_dim[{dim!r}]"
-            key = int(dim) if isinstance(dim, str) and dim.isdigit() else dim  # JSON keys are strings
+        for seq, line in dict(self.attention_by_seq).items():
+            where = f"Calibration attention_by_seq[{seq!r}]"
+            key = int(seq) if isinstance(seq, str) and seq.isdigit() else seq  # JSON keys are strings
             if isinstance(key, bool) or not isinstance(key, int) or key < 1 or not isinstance(line, (list, tuple)) \
                     or len(line) != 2:
-                raise InvalidValue(f"{where} must map a positive head dim to (rate fraction, fixed seconds), "
-                                   f"got {dim!r}: {line!r}")
+                raise InvalidValue(f"{where} must map a positive sequence length to (rate fraction, fixed "
+                                   f"seconds), got {seq!r}: {line!r}")
             rate, fixed = (_number(value, where) for value in line)
             if not 0 < rate <= 1:
                 raise InvalidValue(f"{where}: the rate must be a fraction in (0, 1], got {rate!r}")
             lines[key] = (rate, fixed)
-        object.__setattr__(self, "attention_by_head_dim", MappingProxyType(dict(sorted(lines.items()))))
+        object.__setattr__(self, "attention_by_seq", MappingProxyType(dict(sorted(lines.items()))))
 
-    def attention_line(self, head_dim: int) -> Optional[tuple]:
-        """``attention_by_head_dim``'s line at the measured head dim nearest ``head_dim`` (by ratio), or
-        None where none was measured."""
-        if not self.attention_by_head_dim:
+    def attention_line(self, seq: float) -> Optional[tuple]:
+        """``attention_by_seq``'s line at the measured sequence length nearest ``seq`` (by ratio), or None
+        where none was measured."""
+        if not self.attention_by_seq or not seq > 0:
             return None
-        nearest = min(self.attention_by_head_dim, key=lambda dim: (abs(math.log(dim / head_dim)), dim))
-        return self.attention_by_head_dim[nearest]
+        nearest = min(self.attention_by_seq, key=lambda measured: (abs(math.log(measured / seq)), measured))
+        return self.attention_by_seq[nearest]
 
     def pipeline_message_seconds(self, nbytes: float) -> float:
         """``pipeline_message_s`` (measured) at a message of ``nbytes``."""
@@ -281,7 +281,7 @@ class Calibration:
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
                      self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s,
                      self.pipeline_message_s, self.split_backward_extra,
-                     tuple(sorted(self.other_kind_efficiency.items())), tuple(self.attention_by_head_dim.items())))
+                     tuple(sorted(self.other_kind_efficiency.items())), tuple(self.attention_by_seq.items())))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -291,7 +291,7 @@ class Calibration:
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
                               self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s),
                               self.recompute_saved_s, self.pipeline_message_s, self.split_backward_extra,
-                              dict(self.other_kind_efficiency), dict(self.attention_by_head_dim)))
+                              dict(self.other_kind_efficiency), dict(self.attention_by_seq)))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
@@ -303,7 +303,7 @@ class Calibration:
                 "pipeline_message_s": list(self.pipeline_message_s) if self.pipeline_message_s else None,
                 "split_backward_extra": self.split_backward_extra,
                 "other_kind_efficiency": dict(self.other_kind_efficiency),
-                "attention_by_head_dim": {str(dim): list(line) for dim, line in self.attention_by_head_dim.items()},
+                "attention_by_seq": {str(seq): list(line) for seq, line in self.attention_by_seq.items()},
                 "raw": _plain(self.raw)}
 
     @classmethod
@@ -322,7 +322,7 @@ class Calibration:
                    data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0),
                    data.get("pipeline_message_s"), data.get("split_backward_extra", 0.0),
                    data.get("other_kind_efficiency", {}),
-                   data.get("attention_by_head_dim", {}))
+                   data.get("attention_by_seq", {}))
 
 
 def _plain(value):

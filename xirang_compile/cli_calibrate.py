@@ -52,10 +52,10 @@ def describe_calibration(world) -> str:
              *(["  kinds   " + ", ".join(f"{kind} {device.peak('fp32') * fraction / 1e9:.2f}"
                                          for kind, fraction in calibration.other_kind_efficiency.items())
                 + " GFLOP/s per rank (each priced at its own)"] if calibration.other_kind_efficiency else []),
-             *(["  attention by head dim " + ", ".join(
-                 f"{dim}: {device.peak('fp32') * rate / 1e9:.2f} GFLOP/s + {fixed * 1e3:.2f} ms a call"
-                 for dim, (rate, fixed) in calibration.attention_by_head_dim.items())
-                + " per rank (each node at the nearest head dim's)"] if calibration.attention_by_head_dim else []),
+             *(["  attention by seq " + ", ".join(
+                 f"{seq}: {device.peak('fp32') * rate / 1e9:.2f} GFLOP/s + {fixed * 1e3:.2f} ms a call"
+                 for seq, (rate, fixed) in calibration.attention_by_seq.items())
+                + " per rank (each node at the nearest sequence length's)"] if calibration.attention_by_seq else []),
              f"  ranks   {calibration.parallel_ranks or calibration.ranks:.2f} of {calibration.ranks} run at full "
              f"speed at once while training; a waiting rank costs {calibration.waiting_share:.2f} of a busy one"
              + (f"; training ranks beside each other take {calibration.raw['training_slowdown']:.2f}x the CPU "

@@ -2,11 +2,11 @@
 
 Collectives run on all N local ranks at once, as training runs them, so what ranks sharing cores
 (or a PCIe switch, or a NIC) take from each other is in their figures. Compute is timed by rank 0
-alone on its device, the others waiting; where the ranks share the host's cores both are timed in
+alone on its device, the others waiting. Where the ranks share the host's cores, both are timed in
 three passes, at the start, middle and end of the calibration, each sample the median of the three
-(``_compute_pass``, ``_collective_pass``: the machine's speed drifts over a calibration); where the ranks share
-the host's cores, ``calibrate_sharing`` times what training ranks take of each other for
-``calibrated_world`` to scale it by:
+(``_compute_pass``, ``_collective_pass``: the machine's speed drifts over a calibration), and
+``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to scale
+the compute by:
 
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
   the emitted program calls, forward and backward through autograd: the forward product, both
@@ -14,13 +14,14 @@ the host's cores, ``calibrate_sharing`` times what training ranks take of each o
   (memory-bound) and the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, each kind
   apart, forward and backward: the roofline's ``Efficiency.other`` and each kind's own rate, at the
   FLOPs the analysis counts for them), these three timed cold (``cache_flush``: inputs out of cache, as
-  training meets them, not hot in cache as back-to-back calls leave them; a small matmul's weights and
-  activations hot in cache ran 20-50% faster on the development box, 1 thread, than after a flush,
-  the large ones alike), fused attention forward and backward (``Efficiency.attention``, at the
-  analysis's attention FLOPs), a tiny op's dispatch (the fixed per-op cost: eager dispatch on CPU, a
-  kernel launch on GPU) and the backward's per-op cost (an autograd node and its gradient op on a tiny
-  tensor), and a block stack with and without ``torch.utils.checkpoint`` (what a recomputed region
-  costs beyond its forward). Each op is called the way emitted programs call it (``torch.ops.aten``).
+  training meets them, not hot in cache as back-to-back calls leave them: on the development box, 1
+  thread, a 50-100 MFLOP linear ran 20-50% faster hot than after a flush, the large ones the same),
+  fused attention forward and backward at head dims 32 and 64 (``Efficiency.attention`` and a line per
+  head dim, at the analysis's attention FLOPs), a tiny op's dispatch (the fixed per-op cost: eager
+  dispatch on CPU, a kernel launch on GPU) and the backward's per-op cost (an autograd node and its
+  gradient op on a tiny tensor), and a block stack with and without ``torch.utils.checkpoint`` (what a
+  recomputed region costs beyond its forward). Each op is called the way emitted programs call it
+  (``torch.ops.aten``).
 - collectives: every kind the runtime issues, on every group size 2, 4, ... N that divides N (all
   groups of that size running at once, as the dp or tp groups of a mesh do), with the calls the
   runtime makes (all_gather/reduce_scatter as ``codegen/ops/collectives.py`` runs them, send as the

@@ -71,7 +71,7 @@ def collective_call(kind: str, nbytes: int, group, size: int, group_ranks: Seque
                 work = dist.isend(buffer, dst=peer) if sending else dist.irecv(buffer, src=peer)
                 work.wait()
         return ping_pong
-    raise XirangError(f"no microbenchmark for collective {kind!r}", where="codegen/runtime/calibrate.py",
+    raise XirangError(f"no microbenchmark for collective {kind!r}", where="codegen/runtime/calibrate_collectives.py",
                       hint=f"known kinds: {', '.join(COLLECTIVE_KINDS)}")
 
 

@@ -21,12 +21,13 @@ from xirang.passes.analysis.flops import PER_ELEMENT
 # (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
 OTHER_SHAPES = ((128, 256), (256, 256), (512, 1024), (1024, 1024), (256, 2048))
 QUICK_OTHER_SHAPES = ((64, 128), (128, 256))
-# (batch, heads, seq, head dim) of the timed fused attention, causal as decoders train: three sizes at
-# each head dim a hidden 256-512 model has (32, 64), since the CPU kernel's rate depends on it (alone on
-# one core of the development box, 52 GFLOP/s at head dim 32 and seq 128 against 80-150 at head dim 64,
-# so one line through both priced head dim 32 up to 35% fast)
-ATTENTION_SHAPES = ((1, 8, 128, 32), (2, 8, 128, 32), (4, 8, 128, 32), (2, 8, 128, 64), (2, 4, 256, 64),
-                    (1, 8, 512, 64))
+# (batch, heads, seq, head dim) of the timed fused attention, causal as decoders train: at least two
+# sizes at each sequence length, since the CPU kernel's rate per counted FLOP grows with it (its blocks,
+# and the masked ones it skips): alone on one core of the development box 41-61 GFLOP/s at seq 128,
+# 53-78 at 256, 68-85 at 512, head dims 32 and 64 alike within that; one line through seq 128 to 512
+# priced tp8's attention (seq 128) 35% fast
+ATTENTION_SHAPES = ((1, 8, 128, 32), (2, 8, 128, 32), (4, 8, 128, 32), (1, 8, 256, 32), (2, 4, 256, 64),
+                    (1, 4, 512, 32), (1, 8, 512, 64))
 QUICK_ATTENTION_SHAPES = ((1, 2, 64, 32), (1, 2, 128, 32))
 
 
@@ -72,8 +73,8 @@ def _kind_calls(device: str, rows: int, width: int) -> dict:
 
 
 def attention_samples(device: str, quick: bool, timed, iters: int) -> list:
-    """[FLOPs, seconds, head dim] of fused causal attention forward and backward at each (batch, heads,
-    seq, head dim): FLOPs as the analysis counts them (QKᵀ and AV in full, 4·B·H·s²·d, backward twice)."""
+    """[FLOPs, seconds, seq] of fused causal attention forward and backward at each (batch, heads, seq,
+    head dim): FLOPs as the analysis counts them (QKᵀ and AV in full, 4·B·H·s²·d, backward twice)."""
     samples = []
     for batch, heads, seq, dim in (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES):
         q, k, v = (torch.randn(batch, heads, seq, dim, device=device, requires_grad=True) for _ in range(3))
@@ -81,7 +82,7 @@ def attention_samples(device: str, quick: bool, timed, iters: int) -> list:
 
         def forward_and_backward(q=q, k=k, v=v, grad=grad):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-        samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters), dim])
+        samples.append([3 * 4.0 * batch * heads * seq * seq * dim, timed(forward_and_backward, device, iters), seq])
     return samples
 
 

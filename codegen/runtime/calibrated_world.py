@@ -171,18 +171,18 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
             fixed["other"] = max(0.0, raw["elementwise"]["intercept_s"] - op_forward)
         else:  # results from before the kinds were timed apart: a class sample is three ops, one gradient each
             fixed["other"] = max(0.0, raw["other_flops"]["intercept_s"] / 3 - op_forward - op_backward)
-    by_head_dim = {}  # head dim -> (rate fraction, fixed seconds): Calibration.attention_by_head_dim
+    by_seq = {}  # sequence length -> (rate fraction, fixed seconds): Calibration.attention_by_seq
     if compute.get("attention"):
-        samples = compute["attention"]  # [FLOPs, seconds] or, timed per head dim, [FLOPs, seconds, head dim]
+        samples = compute["attention"]  # [FLOPs, seconds] or, timed per sequence length, [FLOPs, seconds, seq]
         rate, raw["attention"] = _rate([s[:2] for s in samples], "fused attention")
         attention = min(1.0, rate / peaks["float32"])
         fixed["attention"] = max(0.0, raw["attention"]["intercept_s"] - op_forward - 3 * op_backward)
-        for dim in sorted({int(s[2]) for s in samples if len(s) > 2}):
-            rows = [s[:2] for s in samples if len(s) > 2 and int(s[2]) == dim]
+        for seq in sorted({int(s[2]) for s in samples if len(s) > 2}):
+            rows = [s[:2] for s in samples if len(s) > 2 and int(s[2]) == seq]
             if len(rows) > 1:  # a line needs two sizes
-                rate, raw[f"attention_d{dim}"] = _rate(rows, f"fused attention at head dim {dim}")
-                by_head_dim[dim] = (min(1.0, rate / peaks["float32"]),
-                                    max(0.0, raw[f"attention_d{dim}"]["intercept_s"] - op_forward - 3 * op_backward))
+                rate, raw[f"attention_seq{seq}"] = _rate(rows, f"fused attention at seq {seq}")
+                by_seq[seq] = (min(1.0, rate / peaks["float32"]),
+                               max(0.0, raw[f"attention_seq{seq}"]["intercept_s"] - op_forward - 3 * op_backward))
     recompute_saved = 0.0  # checkpoint's cost per saved tensor beyond the forward it runs again
     sample = compute.get("recompute")
     if sample and sample.get("saved_tensors"):
@@ -197,7 +197,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     bandwidth = bandwidth / slowdown
     op_forward, op_backward = op_forward * fixed_slowdown, op_backward * fixed_slowdown
     fixed = {name: seconds * fixed_slowdown for name, seconds in fixed.items()}
-    by_head_dim = {dim: (rate, seconds * fixed_slowdown) for dim, (rate, seconds) in by_head_dim.items()}
+    by_seq = {seq: (rate, seconds * fixed_slowdown) for seq, (rate, seconds) in by_seq.items()}
     recompute_saved *= fixed_slowdown  # hooks and bookkeeping: a per-call cost, as the fixed ones
     raw["collectives_in_context"] = sharing is not None
     raw["note"] = ("rates and per-op costs are one rank's with every rank busy (where ranks share cores: "
@@ -242,7 +242,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
                               waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved,
                               pipeline_message_s=message, split_backward_extra=split_extra or 0.0,
-                              attention_by_head_dim=by_head_dim,
+                              attention_by_seq=by_seq,
                               # fractions of the matmul peak: they follow its N / C x growth scaling
                               other_kind_efficiency=kinds)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

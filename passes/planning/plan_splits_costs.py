@@ -16,7 +16,8 @@ costs, what each link's collectives cost, and the per-node facts both read.
   Each trainable parameter pays it once more per micro-batch: autograd's AccumulateGrad node, which
   stores or adds the parameter's gradient into ``.grad`` (a hundred of them per GPT step here).
 - Fused attention at ``Efficiency.attention`` with the class's fixed cost, or on a calibrated World
-  that timed it per head dim (``Calibration.attention_by_head_dim``) at the line of the nearest head dim.
+  that timed it per sequence length (``Calibration.attention_by_seq``) at the line of the nearest one
+  to the node's query length at the point priced.
 - Non-matmul FLOPs at ``Efficiency.other``, except on a calibrated World a node of a kind timed on
   its own (``Calibration.other_kind_efficiency``: gelu, layer norm, softmax and log-softmax,
   cross-entropy; ``OTHER_KIND_OPS``), at that kind's measured rate, with its own fixed cost.
@@ -96,7 +97,7 @@ class NodeFacts:
     grad_inputs: int = 0  # inputs that take a gradient from this op's backward
     attention: bool = False  # a fused attention kernel (priced at Efficiency.attention where given)
     kind: str | None = None  # its kind where a calibration may time it apart (OTHER_KIND_OPS)
-    head_dim: int | None = None  # a fused attention's query head dim (Calibration.attention_by_head_dim)
+    query_length: int | None = None  # a fused attention's query length, ExprTable index (Calibration.attention_by_seq)
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
@@ -130,14 +131,13 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         dispatched=node.op == "call_function" and node.target is not operator.getitem,
         grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
         attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)),
-        head_dim=_head_dim(node) if op_packet(node) in FUSED_ATTENTION else None)
+        query_length=_query_length(node, table) if op_packet(node) in FUSED_ATTENTION else None)
 
 
-def _head_dim(node: Node) -> int | None:
-    """The query's last dim, where it is a number (it is for every traced attention: heads are static)."""
+def _query_length(node: Node, table: ExprTable) -> int | None:
+    """ExprTable index of the query's sequence length (its dim -2), or None where there is none."""
     query = tensor_info(node.args[0]) if node.args else None
-    size = query.shape[-1] if query is not None and query.shape else None
-    return int(size) if size is not None and getattr(size, "is_number", True) else None
+    return table.index(sympy.sympify(query.shape[-2])) if query is not None and len(query.shape) >= 2 else None
 
 
 def local_fraction(placement, tp: int) -> float:
@@ -163,9 +163,9 @@ class Pricing:
         kinds = calibration.other_kind_efficiency if calibration is not None else {}
         self.kind_efficiency = {kind: replace(efficiency, other=fraction) for kind, fraction in kinds.items()
                                 if efficiency == device.efficiency}
-        # fused attention's line per head dim, likewise only with the device's own efficiency
+        # fused attention's line per sequence length, likewise only with the device's own efficiency
         self.attention_line = calibration.attention_line if calibration is not None and \
-            calibration.attention_by_head_dim and efficiency == device.efficiency else None
+            calibration.attention_by_seq and efficiency == device.efficiency else None
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)
@@ -193,10 +193,10 @@ class Pricing:
         return seconds + self.op_overhead(facts)
 
     def _attention_line(self, facts: NodeFacts):
-        """(rate fraction, fixed seconds) of a fused attention node's head dim, where measured."""
-        if not facts.attention or self.attention_line is None or facts.head_dim is None:
+        """(rate fraction, fixed seconds) at a fused attention node's query length, where measured."""
+        if not facts.attention or self.attention_line is None or facts.query_length is None:
             return None
-        return self.attention_line(facts.head_dim)
+        return self.attention_line(float(self.values[facts.query_length]))
 
     def op_overhead(self, facts: NodeFacts) -> float:
         """Fixed seconds of one node, forward + backward (see the module docstring)."""

@@ -261,41 +261,48 @@ def test_the_split_counts_the_tensors_a_block_saves_into_its_full_recompute():
     assert prices["hooked"] - prices["plain"] > 2 * 10 * 1e-3
 
 
-def test_attention_timed_per_head_dim_gets_a_line_per_head_dim():
+def test_attention_timed_per_sequence_length_gets_a_line_per_sequence_length():
     results = _results()
-    compute = {**results[0]["compute"],  # 2.5 GFLOP/s, 2 ms a call at head dim 32; 5 GFLOP/s, 1 ms at 64
-               "attention": [[1e9, 2e-3 + 0.4, 32], [2e9, 2e-3 + 0.8, 32], [1e9, 1e-3 + 0.2, 64],
-                             [2e9, 1e-3 + 0.4, 64], [4e9, 1e-3 + 0.8, 64]]}
+    compute = {**results[0]["compute"],  # 2.5 GFLOP/s, 2 ms a call at seq 128; 5 GFLOP/s, 1 ms at 512
+               "attention": [[1e9, 2e-3 + 0.4, 128], [2e9, 2e-3 + 0.8, 128], [1e9, 1e-3 + 0.2, 512],
+                             [2e9, 1e-3 + 0.4, 512], [4e9, 1e-3 + 0.8, 512]]}
     world = calibrated_world([{**r, "compute": compute} for r in results], backend="gloo", device="cpu")
-    lines = world.calibration.attention_by_head_dim
-    assert set(lines) == {32, 64}
-    assert lines[32] == pytest.approx((0.25, 2e-3 - 1e-5 - 3 * 2e-5))  # of the 10 GFLOP/s matmul peak
-    assert lines[64] == pytest.approx((0.5, 1e-3 - 1e-5 - 3 * 2e-5))
-    assert world.calibration.attention_line(128) == lines[64] and world.calibration.attention_line(16) == lines[32]
-    assert world.calibration.attention_line(45) == lines[32] and world.calibration.attention_line(46) == lines[64]
+    lines = world.calibration.attention_by_seq
+    assert set(lines) == {128, 512}
+    assert lines[128] == pytest.approx((0.25, 2e-3 - 1e-5 - 3 * 2e-5))  # of the 10 GFLOP/s matmul peak
+    assert lines[512] == pytest.approx((0.5, 1e-3 - 1e-5 - 3 * 2e-5))
+    line = world.calibration.attention_line
+    assert line(4096) == lines[512] and line(16) == lines[128]
+    assert line(256) == lines[128] and line(257) == lines[512]  # nearest by ratio; a tie to the shorter
     again = Calibration.from_json(world.calibration.to_json())  # JSON keys are strings
-    assert again.attention_by_head_dim == lines and again == world.calibration
-    assert calibrated_world(_results(), backend="gloo", device="cpu").calibration.attention_by_head_dim == {}
-    with pytest.raises(XirangError, match="attention_by_head_dim"):
-        Calibration(2, "gloo", "cpu", attention_by_head_dim={0: (0.5, 1e-3)})
+    assert again.attention_by_seq == lines and again == world.calibration
+    assert calibrated_world(_results(), backend="gloo", device="cpu").calibration.attention_by_seq == {}
+    with pytest.raises(XirangError, match="attention_by_seq"):
+        Calibration(2, "gloo", "cpu", attention_by_seq={0: (0.5, 1e-3)})
     with pytest.raises(XirangError, match="fraction"):
-        Calibration(2, "gloo", "cpu", attention_by_head_dim={32: (1.5, 1e-3)})
+        Calibration(2, "gloo", "cpu", attention_by_seq={128: (1.5, 1e-3)})
 
 
-def test_an_attention_node_is_priced_at_the_line_of_its_head_dim():
-    gm = _gm()  # hidden 32, 2 heads: head dim 16
+def test_an_attention_node_is_priced_at_the_line_of_its_sequence_length():
+    gm = _gm()
     heads = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
     base = Calibration(2, "gloo", "cpu", (SEND,), op_fixed_s={"attention": 1e-2})
     device = DeviceSpec("cpu", {"fp32": 2e10}, 2**32, 1e10, efficiency=Efficiency(attention=0.5))
 
-    def total(calibration):
+    def total(calibration, seq=16):
         world = World((NodeSpec(2, device),), LINK, LINK, calibration)
-        return _total(SplitPricer(gm, world, precision="fp32").price(1, (0,), 2, 16))
-    plain = total(base)
-    flops = sum(FLOPS.get(n).total for n in heads).subs(  # at micro-batch 2, seq 16
-        {s: v for s, v in zip(sorted(FLOPS.get(heads[0]).total.free_symbols, key=str), (2, 16))})
-    slow = dataclasses.replace(base, attention_by_head_dim={16: (0.25, 2e-2), 64: (1.0, 0.0)})
-    # head dim 16's line: half the rate (twice the FLOP seconds) and 1e-2 more per call
-    assert total(slow) - plain == pytest.approx(float(flops) / (2e10 * 0.5) + len(heads) * 1e-2, rel=1e-6)
-    other = dataclasses.replace(base, attention_by_head_dim={64: (0.25, 2e-2)})  # the nearest, however far
-    assert total(other) == pytest.approx(total(slow))
+        return _total(SplitPricer(gm, world, precision="fp32").price(1, (0,), 2, seq))
+
+    def attention_flops(seq):
+        total_flops = sum(FLOPS.get(n).total for n in heads)
+        return float(total_flops.subs({s: {"batch": 2, "seq": seq}[s.name] for s in total_flops.free_symbols}))
+    by_seq = {16: (0.25, 2e-2), 64: (1.0, 0.0)}
+    slow = dataclasses.replace(base, attention_by_seq=by_seq)
+    # at seq 16 its line: half the rate (twice the FLOP seconds) and 1e-2 more per call
+    assert total(slow) - total(base) == pytest.approx(attention_flops(16) / (2e10 * 0.5) + len(heads) * 1e-2,
+                                                      rel=1e-6)
+    # at seq 64 the other line: twice the rate, no fixed cost
+    assert total(slow, 64) - total(base, 64) == pytest.approx(
+        attention_flops(64) / (2e10 * 1.0) - attention_flops(64) / (2e10 * 0.5) - len(heads) * 1e-2, rel=1e-6)
+    far = dataclasses.replace(base, attention_by_seq={4096: (0.25, 2e-2)})  # the nearest, however far
+    assert total(far) == pytest.approx(total(slow))
