@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.calibrate_collectives import collective_samples, message_cpu_samples
+from xirang.codegen.runtime.calibrate_collectives import collective_samples, measured_groups, message_cpu_samples
 from xirang.codegen.runtime.calibrate_op_classes import (attention_samples, other_samples, recompute_sample,
                                                          split_backward_sample)
 from xirang.codegen.runtime.calibrate_sharing import measure_sharing
@@ -169,7 +169,7 @@ def _compute_pass(rank: int, device: str, quick: bool, shared: bool) -> list:
     return samples
 
 
-def _collective_pass(device: str, quick: bool, shared: bool) -> list:
+def _collective_pass(device: str, quick: bool, shared: bool, groups: Sequence) -> list:
     """One more pass of every rank's collective samples where ranks share the host's cores (not
     --quick). Why: in context on shared cores one sample is a draw from a wide spread. On the 2-core
     development VM, 8 ranks, the median of 7 all-reduces of 512 KB after a matmul came out at 15.5-24.6
@@ -177,7 +177,7 @@ def _collective_pass(device: str, quick: bool, shared: bool) -> list:
     same all-reduce cost 20.6-22.5 ms a call in tp8's training steps (their step with and without it)."""
     if not shared or quick:
         return []
-    return [collective_samples(device, quick, in_context=True)]
+    return [collective_samples(device, quick, groups, in_context=True)]
 
 
 def median_of_passes(passes: Sequence):
@@ -206,15 +206,16 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
     shared = world_size > 1 and not device.startswith("cuda")
     passes = [_compute_samples(device, quick)] if rank == 0 else []
     dist.barrier()
-    calls = _collective_pass(device, quick, shared)
+    groups = measured_groups() if world_size > 1 else []
+    calls = _collective_pass(device, quick, shared, groups)
     sharing = measure_sharing(device, quick, lambda: sync_device(device)) if shared else None
     passes += _compute_pass(rank, device, quick, shared)
     # on shared cores (CPU ranks) a collective costs what it costs between ops; GPUs: back to back
     if world_size > 1:
-        calls.append(collective_samples(device, quick, in_context=shared))
+        calls.append(collective_samples(device, quick, groups, in_context=shared))
     messages = message_cpu_samples(device, quick) if shared else []
     passes += _compute_pass(rank, device, quick, shared)
-    calls += _collective_pass(device, quick, shared)
+    calls += _collective_pass(device, quick, shared, groups)
     compute = median_of_passes(passes) if passes else None
     collectives = median_of_passes(calls) if calls else {}
     return {"rank": rank, "threads": torch.get_num_threads(), "cores": usable_cores(), "compute": compute,

@@ -105,17 +105,25 @@ def in_context_time(call: Callable[[], None], device: str, iters: int, *, kind: 
     return median_time(call, device, iters, before=ops if kind == "send" else matmul)
 
 
-def collective_samples(device: str, quick: bool, in_context: bool = False) -> dict:
-    """{"kind/size": [[nbytes, median seconds on this rank], ...]} for every kind and group size;
-    ``in_context``: each call after a chunk of work (``in_context_time``), else back to back."""
+def measured_groups() -> list[tuple[int, object, list[int]]]:
+    """(size, this rank's group, its ranks) for every group size measured: the world cut into blocks of
+    that size, as the dp or tp groups of a mesh are. A collective: every rank creates every group."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    iters = 3 if quick else 7
-    out: dict = {}
+    found = []
     for size in group_sizes(world):
         blocks = [list(range(start, start + size)) for start in range(0, world, size)]
-        groups = [dist.new_group(block) for block in blocks]  # every rank creates every group
-        mine = rank // size
-        group, ranks = groups[mine], blocks[mine]
+        groups = [dist.new_group(block) for block in blocks]
+        found.append((size, groups[rank // size], blocks[rank // size]))
+    return found
+
+
+def collective_samples(device: str, quick: bool, groups: Sequence, in_context: bool = False) -> dict:
+    """{"kind/size": [[nbytes, median seconds on this rank], ...]} for every kind on each of ``groups``
+    (``measured_groups``, made once for every pass); ``in_context``: each call after a chunk of work
+    (``in_context_time``), else back to back."""
+    iters = 3 if quick else 7
+    out: dict = {}
+    for size, group, ranks in groups:
         for kind in COLLECTIVE_KINDS:
             rows = []
             for nbytes in (QUICK_MESSAGE_SIZES if quick else MESSAGE_SIZES):

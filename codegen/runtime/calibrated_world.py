@@ -152,7 +152,9 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     # each class's intercept less the dispatches the per-op costs already price (Calibration.op_fixed_s):
     # a matmul sample is one linear op whose backward gives three gradients, as is an attention
     # sample
-    fixed = {"matmul": max(0.0, raw["matmul_float32"]["intercept_s"] - op_forward - 3 * op_backward)}
+    def beyond_three_gradients(intercept: float) -> float:
+        return max(0.0, intercept - op_forward - 3 * op_backward)
+    fixed = {"matmul": beyond_three_gradients(raw["matmul_float32"]["intercept_s"])}
     other, attention = 1.0, None  # a calibration without these samples: as every rank's matmul rate
     kinds = {}  # each non-matmul kind's rate as a fraction of the matmul's (Calibration.other_kind_efficiency)
     if compute.get("other"):
@@ -176,13 +178,13 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         samples = compute["attention"]  # [FLOPs, seconds] or, timed per sequence length, [FLOPs, seconds, seq]
         rate, raw["attention"] = _rate([s[:2] for s in samples], "fused attention")
         attention = min(1.0, rate / peaks["float32"])
-        fixed["attention"] = max(0.0, raw["attention"]["intercept_s"] - op_forward - 3 * op_backward)
+        fixed["attention"] = beyond_three_gradients(raw["attention"]["intercept_s"])
         for seq in sorted({int(s[2]) for s in samples if len(s) > 2}):
             rows = [s[:2] for s in samples if len(s) > 2 and int(s[2]) == seq]
             if len(rows) > 1:  # a line needs two sizes
                 rate, raw[f"attention_seq{seq}"] = _rate(rows, f"fused attention at seq {seq}")
                 by_seq[seq] = (min(1.0, rate / peaks["float32"]),
-                               max(0.0, raw[f"attention_seq{seq}"]["intercept_s"] - op_forward - 3 * op_backward))
+                               beyond_three_gradients(raw[f"attention_seq{seq}"]["intercept_s"]))
     recompute_saved = 0.0  # checkpoint's cost per saved tensor beyond the forward it runs again
     sample = compute.get("recompute")
     if sample and sample.get("saved_tensors"):

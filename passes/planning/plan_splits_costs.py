@@ -209,12 +209,12 @@ class Pricing:
         """A calibrated World's fixed cost of the node's op class, or of its kind where one was timed
         apart (``Calibration.op_fixed_s``), measured for a call forward and backward: its forward share
         alone where no gradient is needed."""
+        line = self._attention_line(facts)
+        if line is not None:  # the line of its sequence length, forward share as the class's below
+            return line[1] * (1.0 if facts.needs_grad else 1 / 3)
         if not self.op_fixed:
             return 0.0
         if facts.attention:
-            line = self._attention_line(facts)
-            if line is not None:
-                return line[1] * (1.0 if facts.needs_grad else 1 / 3)
             name, forward_share = "attention", 1 / 3  # the backward computes twice the forward's products
         elif facts.matmul:
             name, forward_share = "matmul", 1 / 3  # one product forward, two for the gradients
