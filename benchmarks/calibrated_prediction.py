@@ -22,8 +22,14 @@
    predicted step less the priced collective causes says how far the compute price is off; the
    difference of the two measured steps against those causes, how far the collectives' is. A total
    within 15% can hide a compute price and a collective price off in opposite directions; this shows it.
+7. Host drift (unless ``--no-drift``): just before each mesh is timed, the calibration's own training
+   workload runs again on every rank (``calibrate_sharing.training_probe``, 3-4 s), and its time alone
+   and its CPU with every rank busy are printed over the calibration's: how much slower or faster the
+   host runs that same work now. The prediction times the CPU drift over the measured step is printed
+   beside the ratio as a diagnostic; the check stays on the prediction as made.
 
-    python benchmarks/calibrated_prediction.py [--world-file world.json] [--steps 5] [--calibrate-each] [--split-comm]
+    python benchmarks/calibrated_prediction.py [--world-file world.json] [--steps 5] [--calibrate-each]
+        [--split-comm] [--no-drift]
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/
 import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from xirang.codegen.runtime.calibrate import calibrate  # noqa: E402
+from xirang.codegen.runtime.calibrate_sharing import training_probe  # noqa: E402
 from xirang.codegen.runtime.launch import launch  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 
@@ -154,6 +161,24 @@ def split_comm_line(plan, world: World, args, measured_s: float, causes: dict) -
             f"measured {measured_comm * 1e3:7.1f} ms  ratio {comm_ratio}")
 
 
+def _probe(rank, world_size):
+    torch.set_num_threads(1)  # as the calibration's ranks ran it (1 thread each: 8 ranks on this box's cores)
+    return training_probe("cpu", lambda: None)
+
+
+def host_drift(world: World) -> dict | None:
+    """The host's speed now against the calibration's: the calibration's training workload timed again
+    on every rank (``calibrate_sharing.training_probe``), its rank-alone seconds and its together CPU
+    seconds each over what the calibration measured (above 1: the host now runs that work slower).
+    None where the calibration holds no such figures."""
+    calibrated = (world.calibration.raw.get("sharing") or {}).get("training") if world.calibration else None
+    if not calibrated or not calibrated.get("alone_s") or not calibrated.get("together_cpu_s"):
+        return None
+    now = launch(_probe, RANKS, (), timeout_s=600)[0]
+    return {"alone": now["alone_s"] / calibrated["alone_s"],
+            "together_cpu": now["together_cpu_s"] / calibrated["together_cpu_s"]}
+
+
 def _order(times: dict) -> list:
     return sorted(times, key=times.__getitem__)
 
@@ -169,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--details", action="store_true", help="print each mesh's re-pricing report (stages, scales)")
     parser.add_argument("--calibrate-each", action="store_true",
                         help="calibrate again just before each mesh is timed; its ratio from that calibration")
+    parser.add_argument("--no-drift", action="store_true",
+                        help="skip timing the calibration's training workload again before each mesh")
     parser.add_argument("--split-comm", action="store_true",
                         help="time each mesh again without its large collectives: compute and collectives apart")
     args = parser.parse_args(argv)
@@ -183,7 +210,7 @@ def main(argv=None) -> int:
     print(describe_calibration(world))
     print(f"\nGPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {SEQ}, vocab {CONFIG.vocab_size}, "
           f"global batch {GLOBAL_BATCH}, fp32, {RANKS} gloo ranks on {os.cpu_count()} cores")
-    predicted, measured, causes, repriced, picks, spread = {}, {}, {}, {}, {}, {}
+    predicted, measured, causes, repriced, picks, spread, drift = {}, {}, {}, {}, {}, {}, {}
     at_once = {}  # every mesh's prediction on the first calibration: the order is checked on these
     for name, pins in MESHES.items():
         if args.only and name not in args.only:
@@ -201,6 +228,7 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in causes[name].items() if v)
             print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  ({parts} ms)", flush=True)
             continue
+        drift[name] = host_drift(mesh_world) if not args.no_drift else None
         measured[name], costs, cpu, spread[name] = measure(plan, mesh_world, args.steps, args.warmup)
         report = xirang.reprice(plan, costs, model=build_gpt(CONFIG), example_kwargs=token_batch(2))
         repriced[name], picks[name] = report.repriced_current, report.best if report.another_wins else "itself"
@@ -208,6 +236,11 @@ def main(argv=None) -> int:
         print(f"{name:24s} predicted {predicted[name] * 1e3:8.1f} ms  measured {measured[name] * 1e3:8.1f} ms  "
               f"ratio {predicted[name] / measured[name]:5.2f}  re-priced {repriced[name] * 1e3:8.1f} ms "
               f"(ratio {repriced[name] / measured[name]:5.2f}; picks {picks[name]})   ({parts} ms)", flush=True)
+        if drift[name] is not None:
+            print(f"  host just before: the calibration's training workload x{drift[name]['alone']:.2f} its "
+                  f"calibrated time alone, x{drift[name]['together_cpu']:.2f} its CPU with every rank busy; "
+                  f"predicted x that / measured {predicted[name] * drift[name]['together_cpu'] / measured[name]:.2f}",
+                  flush=True)
         if args.split_comm:
             print(split_comm_line(plan, mesh_world, args, measured[name], causes[name]), flush=True)
         if args.details:
@@ -221,6 +254,12 @@ def main(argv=None) -> int:
     worst = max(abs(predicted[n] / measured[n] - 1) for n in predicted)
     print(f"\nworst |predicted/measured - 1|: {worst:.1%}")
     print(f"worst |re-priced/measured - 1|: {max(abs(repriced[n] / measured[n] - 1) for n in repriced):.1%}")
+    drifted = {n: predicted[n] * drift[n]["together_cpu"] / measured[n] for n in measured if drift.get(n)}
+    if drifted:
+        cpu_drift = [drift[n]["together_cpu"] for n in drifted]
+        print(f"worst |predicted x host drift/measured - 1| (a diagnostic, not the check): "
+              f"{max(abs(r - 1) for r in drifted.values()):.1%}; host drift over the meshes "
+              f"x{min(cpu_drift):.2f}-x{max(cpu_drift):.2f}")
     if args.calibrate_each:
         once = max(abs(at_once[n] / measured[n] - 1) for n in measured)
         print(f"worst |first calibration's prediction/measured - 1|: {once:.1%}")

@@ -121,17 +121,33 @@ def _alone_together(work: Callable[[], None], sync: Callable[[], None], rounds: 
             "together_cpu_s": mean_together_cpu.item() / dist.get_world_size()}
 
 
-def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
-    """Alone / together / beside-waiters seconds of the micro workload (top level, as files written
-    before had them) and of the training workload at each size (``"training"``, ``"training_small"``,
-    each with its ``rows`` and ``repeats``), and the empty barrier pair's."""
+def _empty_barrier_s(pairs: int) -> float:
+    """Median latency of an empty pair of barriers (what a together-window is measured less)."""
     empty = []
-    for _ in range(2 if quick else 6):
+    for _ in range(pairs):
         dist.barrier()
         start = time.perf_counter()
         dist.barrier()
         empty.append(time.perf_counter() - start)
-    empty_s, rounds = statistics.median(empty), 2 if quick else 10
+    return statistics.median(empty)
+
+
+def training_probe(device: str, sync: Callable[[], None], rounds: int = 5) -> dict:
+    """The training workload at its large size (``TRAINING_SHAPES["training"]``) timed alone and together
+    exactly as ``measure_sharing`` times it, for a later comparison with a calibration's figures
+    (``raw["sharing"]["training"]``): how far the host's speed has moved since. Why: on the 2-core
+    development VM one pp8 step's CPU, summed over its ranks, went from 1.06 to 1.18 s within four
+    minutes for the same work, and every prediction moves with it. Run on every rank at once."""
+    empty_s = _empty_barrier_s(6)
+    token = torch.zeros(1, device=device)
+    return _alone_together(_training_workload(device, TRAINING_SHAPES["training"]), sync, rounds, empty_s, token)
+
+
+def measure_sharing(device: str, quick: bool, sync: Callable[[], None]) -> dict:
+    """Alone / together / beside-waiters seconds of the micro workload (top level, as files written
+    before had them) and of the training workload at each size (``"training"``, ``"training_small"``,
+    each with its ``rows`` and ``repeats``), and the empty barrier pair's."""
+    empty_s, rounds = _empty_barrier_s(2 if quick else 6), 2 if quick else 10
     token = torch.zeros(1, device=device)
     micro = _alone_together(_micro_workload(device, quick), sync, rounds, empty_s, token)
     timed = {"barrier_s": empty_s}
