@@ -177,6 +177,14 @@ class Calibration:
       CPU's flash-attention kernel runs seq 128 at about two thirds of its seq-512 rate per counted
       FLOP. The cost model prices a node at the line of the nearest sequence length; empty (files
       written before): at ``Efficiency.attention`` and ``op_fixed_s["attention"]``.
+    - ``other_kind_bands``: per non-matmul op kind, its measured time between the sizes timed, as
+      bands of FLOPs (forward and backward, as the analysis counts them): ``[[up to FLOPs, rate fraction,
+      fixed seconds], ...]`` in increasing order, the last band open (``None``), each the line through
+      the two samples that bound it. Why: a CPU runs these ops at a rate that falls as their tensors
+      outgrow its caches (on the development box log-softmax 2.0 ns an element up to 2 M elements, 3.3
+      at 4 M, 4.4 at 8 M), so one line through every size priced a large cross-entropy 3x fast. The
+      cost model prices a node of that kind at the band of its local FLOPs; empty (files written
+      before): at ``other_kind_efficiency`` and the kind's ``op_fixed_s``.
     - ``raw``: every measurement (compute samples, fits' inputs) as JSON data, for people to read.
     """
 
@@ -195,6 +203,7 @@ class Calibration:
     split_backward_extra: float = 0.0
     other_kind_efficiency: Mapping[str, float] = field(default_factory=dict)
     attention_by_seq: Mapping[int, tuple] = field(default_factory=dict)
+    other_kind_bands: Mapping[str, tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -257,6 +266,8 @@ class Calibration:
                 raise InvalidValue(f"{where}: the rate must be a fraction in (0, 1], got {rate!r}")
             lines[key] = (rate, fixed)
         object.__setattr__(self, "attention_by_seq", MappingProxyType(dict(sorted(lines.items()))))
+        object.__setattr__(self, "other_kind_bands", MappingProxyType(
+            {kind: _bands(kind, bands) for kind, bands in dict(self.other_kind_bands).items()}))
 
     def attention_line(self, seq: float) -> Optional[tuple]:
         """``attention_by_seq``'s line at the measured sequence length nearest ``seq`` (by ratio), or None
@@ -265,6 +276,14 @@ class Calibration:
             return None
         nearest = min(self.attention_by_seq, key=lambda measured: (abs(math.log(measured / seq)), measured))
         return self.attention_by_seq[nearest]
+
+    def other_kind_line(self, kind: Optional[str], flops: float) -> Optional[tuple]:
+        """(rate fraction, fixed seconds) of ``other_kind_bands``' band holding ``flops`` for ``kind``, or
+        None where that kind has no bands."""
+        bands = self.other_kind_bands.get(kind) if kind is not None else None
+        if not bands:
+            return None
+        return next((rate, fixed) for upper, rate, fixed in bands if upper is None or flops <= upper)
 
     def pipeline_message_seconds(self, nbytes: float) -> float:
         """``pipeline_message_s`` (measured) at a message of ``nbytes``."""
@@ -281,7 +300,8 @@ class Calibration:
                      self.backward_op_overhead_s, self.comm_overlaps_compute, self.parallel_ranks,
                      self.waiting_share, tuple(sorted(self.op_fixed_s.items())), self.recompute_saved_s,
                      self.pipeline_message_s, self.split_backward_extra,
-                     tuple(sorted(self.other_kind_efficiency.items())), tuple(self.attention_by_seq.items())))
+                     tuple(sorted(self.other_kind_efficiency.items())), tuple(self.attention_by_seq.items()),
+                     tuple(self.other_kind_bands.items())))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Calibration) and self.to_json() == other.to_json()
@@ -291,7 +311,8 @@ class Calibration:
                               self.backward_op_overhead_s, self.comm_overlaps_compute, dict(self.raw),
                               self.parallel_ranks, self.waiting_share, dict(self.op_fixed_s),
                               self.recompute_saved_s, self.pipeline_message_s, self.split_backward_extra,
-                              dict(self.other_kind_efficiency), dict(self.attention_by_seq)))
+                              dict(self.other_kind_efficiency), dict(self.attention_by_seq),
+                              dict(self.other_kind_bands)))
 
     def to_json(self) -> dict:
         return {"version": CALIBRATION_VERSION, "ranks": self.ranks, "backend": self.backend,
@@ -304,6 +325,8 @@ class Calibration:
                 "split_backward_extra": self.split_backward_extra,
                 "other_kind_efficiency": dict(self.other_kind_efficiency),
                 "attention_by_seq": {str(seq): list(line) for seq, line in self.attention_by_seq.items()},
+                "other_kind_bands": {kind: [list(band) for band in bands]
+                                     for kind, bands in self.other_kind_bands.items()},
                 "raw": _plain(self.raw)}
 
     @classmethod
@@ -322,7 +345,32 @@ class Calibration:
                    data.get("op_fixed_s", {}), data.get("recompute_saved_s", 0.0),
                    data.get("pipeline_message_s"), data.get("split_backward_extra", 0.0),
                    data.get("other_kind_efficiency", {}),
-                   data.get("attention_by_seq", {}))
+                   data.get("attention_by_seq", {}), data.get("other_kind_bands", {}))
+
+
+def _bands(kind, bands) -> tuple:
+    """``Calibration.other_kind_bands[kind]`` checked: bands of increasing upper FLOPs, the last open."""
+    where = f"Calibration other_kind_bands[{kind!r}]"
+    if kind not in OTHER_KINDS:
+        raise InvalidValue(f"{where}: the kind must be among {OTHER_KINDS}")
+    checked, below = [], 0.0
+    for i, band in enumerate(bands if isinstance(bands, (list, tuple)) else [bands]):
+        if not isinstance(band, (list, tuple)) or len(band) != 3:
+            raise InvalidValue(f"{where} must be a list of [up to FLOPs (None: no limit), rate fraction, fixed "
+                               f"seconds], got {band!r}")
+        upper, rate, fixed = band
+        last = i == len(bands) - 1
+        if (upper is None) != last or (upper is not None and _number(upper, where) <= below):
+            raise InvalidValue(f"{where}: the bands' upper FLOPs must increase and only the last be None "
+                               f"(open), got {list(bands)!r}")
+        rate = _number(rate, where, positive=True)
+        if rate > 1:
+            raise InvalidValue(f"{where}: a rate must be a fraction in (0, 1], got {rate!r}")
+        checked.append((None if upper is None else float(upper), rate, _number(fixed, where)))
+        below = float(upper) if upper is not None else below
+    if not checked:
+        raise InvalidValue(f"{where}: give at least one band, the last open (None)")
+    return tuple(checked)
 
 
 def _plain(value):

@@ -52,6 +52,12 @@ def describe_calibration(world) -> str:
              *(["  kinds   " + ", ".join(f"{kind} {device.peak('fp32') * fraction / 1e9:.2f}"
                                          for kind, fraction in calibration.other_kind_efficiency.items())
                 + " GFLOP/s per rank (each priced at its own)"] if calibration.other_kind_efficiency else []),
+             *(["  by size " + ", ".join(
+                 f"{kind} {device.peak('fp32') * bands[0][1] / 1e9:.2f}-{device.peak('fp32') * bands[-1][1] / 1e9:.2f}"
+                 for kind, bands in calibration.other_kind_bands.items())
+                + " GFLOP/s per rank, the rate of the smallest sizes' band and of the largest's (each band a"
+                " line with its own fixed cost; each node at its size's)"]
+               if calibration.other_kind_bands else []),
              *(["  attention by seq " + ", ".join(
                  f"{seq}: {device.peak('fp32') * rate / 1e9:.2f} GFLOP/s + {fixed * 1e3:.2f} ms a call"
                  for seq, (rate, fixed) in calibration.attention_by_seq.items())

@@ -18,8 +18,11 @@ from xirang.codegen.runtime.split_backward import backward_input, backward_weigh
 from xirang.ir.calibration import OTHER_KINDS
 from xirang.passes.analysis.flops import PER_ELEMENT
 
-# (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation
-OTHER_SHAPES = ((128, 256), (256, 256), (512, 1024), (1024, 1024), (256, 2048))
+# (rows, width) of the timed non-matmul ops: micro-batch x seq rows of a hidden or MLP-wide activation,
+# or of logits, up to 8 M elements (32 MB: on the development box log-softmax ran 2.0 ns an element
+# up to 2 M elements, 3.3 at 4 M and 4.4 at 8 M, as the tensors outgrow its caches)
+OTHER_SHAPES = ((128, 256), (256, 256), (512, 1024), (1024, 1024), (256, 2048), (2048, 1024), (2048, 2048),
+                (2048, 4096))
 QUICK_OTHER_SHAPES = ((64, 128), (128, 256))
 # (batch, heads, seq, head dim) of the timed fused attention, causal as decoders train: at least two
 # sizes at each sequence length, since the CPU kernel's rate per counted FLOP grows with it (its blocks,

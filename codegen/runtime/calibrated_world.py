@@ -11,7 +11,9 @@
   the matmul's) and its intercept (``op_fixed_s[kind]``); the class rate is fitted over their sums,
   and the class's fixed cost, which the other non-matmul ops pay (adds and multiplies mostly), is the
   add's intercept. The add and those kinds are timed with their inputs out of cache
-  (``calibrate.cache_flush``), as training meets them.
+  (``calibrate.cache_flush``), as training meets them. Each kind also gets bands by size
+  (``Calibration.other_kind_bands``, ``size_bands``): between each two neighbouring sizes timed, the
+  line through those two, since these ops slow per element as their tensors outgrow the caches.
 - Ranks sharing cores (N ranks on C cores): compute is timed on rank 0 alone, and every figure is
   brought to every rank busy: seconds times N / C (each rank gets C / N of a core) times what the
   same work's CPU grows by beside the other ranks. That growth is the training workload's together
@@ -115,6 +117,23 @@ def other_kind_samples(other) -> tuple[dict, list]:
     return per_kind, class_samples
 
 
+def size_bands(samples, peak: float, dispatch_s: float) -> list:
+    """``Calibration.other_kind_bands`` of one kind (before the sharing scaling): [up to FLOPs, rate as a
+    fraction of ``peak``, fixed seconds beyond ``dispatch_s``] for each pair of neighbouring sizes timed
+    (samples at one size: their median), the line through the pair (``fit_line``: both terms kept
+    non-negative), the last band open. Fewer than two sizes: none."""
+    by_size: dict = {}
+    for flops, seconds in samples:
+        by_size.setdefault(float(flops), []).append(float(seconds))
+    points = sorted((flops, statistics.median(times)) for flops, times in by_size.items())
+    out = []
+    for i, ((f0, t0), (f1, t1)) in enumerate(zip(points, points[1:])):
+        alpha, beta, _ = fit_line([f0, f1], [t0, t1])
+        rate = min(1.0, 1.0 / beta / peak) if beta > 0 else 1.0
+        out.append([None if i == len(points) - 2 else f1, rate, max(0.0, alpha - dispatch_s)])
+    return out
+
+
 def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> World:
     """The World of one node of ``len(results)`` devices, every figure measured (see module doc)."""
     ranks = len(results)
@@ -157,6 +176,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     fixed = {"matmul": beyond_three_gradients(raw["matmul_float32"]["intercept_s"])}
     other, attention = 1.0, None  # a calibration without these samples: as every rank's matmul rate
     kinds = {}  # each non-matmul kind's rate as a fraction of the matmul's (Calibration.other_kind_efficiency)
+    bands = {}  # and its bands by size (Calibration.other_kind_bands)
     if compute.get("other"):
         per_kind, class_samples = other_kind_samples(compute["other"])
         rate, raw["other_flops"] = _rate(class_samples, "non-matmul ops")
@@ -166,6 +186,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
             kinds[kind] = min(1.0, rate / peaks["float32"])
             fixed[kind] = max(0.0, raw[f"other_{kind}"]["intercept_s"] - op_forward
                               - KIND_GRADIENTS[kind] * op_backward)
+            bands[kind] = size_bands(samples, peaks["float32"], op_forward + KIND_GRADIENTS[kind] * op_backward)
         if per_kind:
             # each kind pays its own; the class's fixed cost is then the rest's, adds and multiplies
             # mostly: the add's (its line's intercept, a forward alone). Their backward passes the
@@ -200,6 +221,8 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     op_forward, op_backward = op_forward * fixed_slowdown, op_backward * fixed_slowdown
     fixed = {name: seconds * fixed_slowdown for name, seconds in fixed.items()}
     by_seq = {seq: (rate, seconds * fixed_slowdown) for seq, (rate, seconds) in by_seq.items()}
+    bands = {kind: [(upper, rate, seconds * fixed_slowdown) for upper, rate, seconds in kind_bands]
+             for kind, kind_bands in bands.items() if kind_bands}
     recompute_saved *= fixed_slowdown  # hooks and bookkeeping: a per-call cost, as the fixed ones
     raw["collectives_in_context"] = sharing is not None
     raw["note"] = ("rates and per-op costs are one rank's with every rank busy (where ranks share cores: "
@@ -244,7 +267,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
                               comm_overlaps_compute=on_gpu, raw=raw, parallel_ranks=float(parallel),
                               waiting_share=waiting, op_fixed_s=fixed, recompute_saved_s=recompute_saved,
                               pipeline_message_s=message, split_backward_extra=split_extra or 0.0,
-                              attention_by_seq=by_seq,
+                              attention_by_seq=by_seq, other_kind_bands=bands,
                               # fractions of the matmul peak: they follow its N / C x growth scaling
                               other_kind_efficiency=kinds)
     return World((NodeSpec(ranks, spec),), link, link, calibration)

@@ -20,7 +20,9 @@ costs, what each link's collectives cost, and the per-node facts both read.
   to the node's query length at the point priced.
 - Non-matmul FLOPs at ``Efficiency.other``, except on a calibrated World a node of a kind timed on
   its own (``Calibration.other_kind_efficiency``: gelu, layer norm, softmax and log-softmax,
-  cross-entropy; ``OTHER_KIND_OPS``), at that kind's measured rate, with its own fixed cost.
+  cross-entropy; ``OTHER_KIND_OPS``), at that kind's measured rate, with its own fixed cost; where the
+  kind was timed at several sizes (``Calibration.other_kind_bands``), at the rate and fixed cost of the
+  band holding its local FLOPs (these ops slow per element as their tensors outgrow the caches).
 - Bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
 - Collectives: ``cost_collectives.collective_cost`` on the tp group (alpha-beta, cheapest algorithm).
 - Saved activations, by liveness: the storages the ops of a unit keep for the backward (each
@@ -166,6 +168,9 @@ class Pricing:
         # fused attention's line per sequence length, likewise only with the device's own efficiency
         self.attention_line = calibration.attention_line if calibration is not None and \
             calibration.attention_by_seq and efficiency == device.efficiency else None
+        # the measured kinds' bands by size, likewise
+        self.kind_band = calibration.other_kind_line if calibration is not None and \
+            calibration.other_kind_bands and efficiency == device.efficiency else None
 
     def collective(self, kind: str, nbytes: float) -> CollectiveCost:
         key = (kind, nbytes)
@@ -187,10 +192,22 @@ class Pricing:
         line = self._attention_line(facts)
         if line is not None:
             efficiency = replace(efficiency, attention=line[0])
+        band = self._kind_band(facts, fraction)
+        if band is not None:
+            efficiency = replace(efficiency, other=band[0])
         seconds = compute_time(values[facts.total] * fraction, values[facts.traffic] * facts.byte_scale * fraction,
                                self.device, self.precision, efficiency=efficiency, is_matmul=facts.matmul,
                                is_attention=facts.attention)
-        return seconds + self.op_overhead(facts)
+        return seconds + self.op_overhead(facts, fraction)
+
+    def _kind_band(self, facts: NodeFacts, fraction: float):
+        """(rate fraction, fixed seconds) of a measured kind's band at the node's local size, where
+        measured: its local FLOPs as the samples count them (forward and backward: a node that needs no
+        gradient is looked up at twice its forward's, the same tensors' size)."""
+        if facts.kind is None or self.kind_band is None:
+            return None
+        flops = self.values[facts.total] * fraction * (1.0 if facts.needs_grad else 2.0)
+        return self.kind_band(facts.kind, flops)
 
     def _attention_line(self, facts: NodeFacts):
         """(rate fraction, fixed seconds) at a fused attention node's query length, where measured."""
@@ -198,20 +215,24 @@ class Pricing:
             return None
         return self.attention_line(float(self.values[facts.query_length]))
 
-    def op_overhead(self, facts: NodeFacts) -> float:
-        """Fixed seconds of one node, forward + backward (see the module docstring)."""
+    def op_overhead(self, facts: NodeFacts, fraction: float = 1.0) -> float:
+        """Fixed seconds of one node (its local share ``fraction``), forward + backward (see the module
+        docstring)."""
         if not facts.dispatched:
             return 0.0
         backward = max(1, facts.grad_inputs) * self.backward_op_s if facts.needs_grad else 0.0
-        return self.device.op_overhead_s + backward + self.class_fixed(facts)
+        return self.device.op_overhead_s + backward + self.class_fixed(facts, fraction)
 
-    def class_fixed(self, facts: NodeFacts) -> float:
+    def class_fixed(self, facts: NodeFacts, fraction: float = 1.0) -> float:
         """A calibrated World's fixed cost of the node's op class, or of its kind where one was timed
-        apart (``Calibration.op_fixed_s``), measured for a call forward and backward: its forward share
-        alone where no gradient is needed."""
+        apart (``Calibration.op_fixed_s``, or the band of its local size where the kind has bands),
+        measured for a call forward and backward: its forward share alone where no gradient is needed."""
         line = self._attention_line(facts)
         if line is not None:  # the line of its sequence length, forward share as the class's below
             return line[1] * (1.0 if facts.needs_grad else 1 / 3)
+        band = self._kind_band(facts, fraction)
+        if band is not None:  # as a kind's op_fixed_s below
+            return band[1] * (1.0 if facts.needs_grad else 1 / 2)
         if not self.op_fixed:
             return 0.0
         if facts.attention:

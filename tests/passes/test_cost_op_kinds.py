@@ -1,7 +1,10 @@
 """Each non-matmul op kind a calibration times apart (gelu, layer norm, softmax, cross-entropy) keeps its
 own measured rate and fixed cost (``Calibration.other_kind_efficiency``, ``op_fixed_s``), fitted by
 ``calibrated_world`` and read by the split pricing for the nodes of that kind; older files without
-them load and price every kind at the class's rate, as before."""
+them load and price every kind at the class's rate, as before. A kind timed at several sizes is priced
+by size (``Calibration.other_kind_bands``): between each two neighbouring sizes timed, the line through
+those two (``calibrated_world.size_bands``), a node at the band holding its local FLOPs, since these ops
+slow per element as their tensors outgrow the caches, which one line through every size hides."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +16,7 @@ from conftest import token_batch
 from examples.gpt import GPTConfig, build_gpt
 import xirang
 from xirang.codegen.runtime.calibrate_op_classes import other_samples
-from xirang.codegen.runtime.calibrated_world import calibrated_world
+from xirang.codegen.runtime.calibrated_world import calibrated_world, size_bands
 from xirang.ir.calibration import OTHER_KINDS, Calibration, CollectiveFit
 from xirang.ir.device import DeviceSpec, Efficiency
 from xirang.ir.errors import XirangError
@@ -128,3 +131,68 @@ def test_a_node_of_a_measured_kind_is_priced_at_its_rate_and_fixed_cost():
     given = Efficiency(matmul=0.7, other=0.1, memory=0.35, attention=0.5)
     assert _total(Calibration(2, "gloo", "cpu", (SEND,), other_kind_efficiency={"gelu": 1e-3}), given) == \
         pytest.approx(_total(Calibration(2, "gloo", "cpu", (SEND,)), given))
+
+
+def test_each_band_is_the_line_through_its_two_neighbouring_sizes():
+    # 1 and 2 MFLOP on one line (1 ms + 1 ms per MFLOP), 4 MFLOP much slower (12 ms: out of cache); two
+    # samples at 2 MFLOP count as their median
+    samples = [[1e6, 2e-3], [2e6, 2.9e-3], [2e6, 3e-3], [2e6, 3.1e-3], [4e6, 12e-3]]
+    bands = size_bands(samples, peak=1e10, dispatch_s=1e-4)
+    assert len(bands) == 2
+    (upper, rate, fixed), (last, rate2, fixed2) = bands
+    assert upper == 2e6 and last is None
+    assert rate == pytest.approx(1e9 / 1e10) and fixed == pytest.approx(1e-3 - 1e-4)
+    # 2 -> 4 MFLOP: 9 ms more per 2 MFLOP; its intercept would be negative, so the line through the origin
+    # that fits the two samples best (both terms kept non-negative) and no fixed cost
+    assert fixed2 == 0.0 and 1 / (rate2 * 1e10) == pytest.approx((3e-3 / 2e6 + 12e-3 / 4e6) / 2, rel=0.2)
+    assert size_bands([[1e6, 1e-3]], peak=1e10, dispatch_s=0.0) == []  # one size: no band
+
+
+def test_bands_round_trip_look_up_by_flops_and_refuse_bad_orders():
+    bands = {"gelu": [[2e6, 0.01, 1e-4], [None, 0.005, 0.0]]}
+    calibration = Calibration(2, "gloo", "cpu", (SEND,), other_kind_bands=bands)
+    data = calibration.to_json()
+    assert Calibration.from_json(data) == calibration and pickle.loads(pickle.dumps(calibration)) == calibration
+    assert hash(Calibration.from_json(data)) == hash(calibration)
+    assert calibration.other_kind_line("gelu", 1e6) == (0.01, 1e-4)
+    assert calibration.other_kind_line("gelu", 2e6) == (0.01, 1e-4)  # a band holds its upper end
+    assert calibration.other_kind_line("gelu", 3e9) == (0.005, 0.0)
+    assert calibration.other_kind_line("softmax", 1e6) is None and calibration.other_kind_line(None, 1e6) is None
+    older = {k: v for k, v in data.items() if k != "other_kind_bands"}
+    assert dict(Calibration.from_json(older).other_kind_bands) == {}
+    for bad, match in (({"silu": [[None, 0.1, 0.0]]}, "kind"), ({"gelu": [[2e6, 0.1, 0.0]]}, "only the last"),
+                       ({"gelu": [[2e6, 0.1, 0.0], [1e6, 0.1, 0.0], [None, 0.1, 0.0]]}, "increase"),
+                       ({"gelu": [[None, 1.5, 0.0]]}, "fraction"), ({"gelu": []}, "at least one")):
+        with pytest.raises(XirangError, match=match):
+            Calibration(2, "gloo", "cpu", other_kind_bands=bad)
+
+
+def test_calibrated_world_gives_each_kind_bands_with_fixed_costs_scaled_as_the_kind_s():
+    results = _results()  # two sizes a kind: one band, the kind's own line
+    calibration = calibrated_world(results, backend="gloo", device="cpu").calibration
+    (upper, rate, fixed), = calibration.other_kind_bands["gelu"]
+    assert upper is None and rate == pytest.approx(calibration.other_kind_efficiency["gelu"])
+    assert fixed == pytest.approx(calibration.op_fixed_s["gelu"])
+    micro = {"alone_s": 0.1, "together_s": 0.4, "beside_waiters_s": 0.1, "alone_cpu_s": 0.1, "together_cpu_s": 0.1}
+    shared = calibrated_world([{**r, "sharing": micro, "cores": 2} for r in _results(8)], backend="gloo",
+                              device="cpu").calibration  # 8 ranks on 2 cores: fixed costs 4x, fractions kept
+    assert shared.other_kind_bands["gelu"][0][2] == pytest.approx(4 * fixed)
+    assert shared.other_kind_bands["gelu"][0][1] == pytest.approx(rate)
+
+
+def test_a_node_is_priced_at_the_band_of_its_local_flops():
+    gelu_flops = 2 * PER_ELEMENT["gelu"] * 2 * 16 * 4 * 32  # forward and backward, (batch 2, seq 16, 4 x hidden)
+    assert sum(1 for n in _gm().graph.nodes if "gelu" in str(n.target)) == 2
+
+    def priced(bands=None, kinds=None, fixed=None):
+        return _total(Calibration(2, "gloo", "cpu", (SEND,), other_kind_bands=bands or {},
+                                  other_kind_efficiency=kinds or {}, op_fixed_s=fixed or {}))
+    small, large = [gelu_flops * 2, 1e-3, 0.0], [None, 1e-2, 0.0]
+    # the node's FLOPs below the first band's upper end: that band's rate, whatever the kind's own line
+    assert priced({"gelu": [small, large]}, {"gelu": 0.05}) == pytest.approx(priced(kinds={"gelu": 1e-3}))
+    # above it: the open band's
+    above = [gelu_flops / 2, 1e-3, 0.0]
+    assert priced({"gelu": [above, large]}, {"gelu": 0.05}) == pytest.approx(priced(kinds={"gelu": 1e-2}))
+    # the band's fixed cost in place of the kind's, once per call forward and backward
+    assert priced({"gelu": [[None, 1e-2, 5e-3]]}, fixed={"gelu": 1.0}) == \
+        pytest.approx(priced(kinds={"gelu": 1e-2}, fixed={"gelu": 5e-3}))
