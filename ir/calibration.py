@@ -353,8 +353,10 @@ def _bands(kind, bands) -> tuple:
     where = f"Calibration other_kind_bands[{kind!r}]"
     if kind not in OTHER_KINDS:
         raise InvalidValue(f"{where}: the kind must be among {OTHER_KINDS}")
+    if not isinstance(bands, (list, tuple)):
+        raise InvalidValue(f"{where} must be a list of bands, got {bands!r}")
     checked, below = [], 0.0
-    for i, band in enumerate(bands if isinstance(bands, (list, tuple)) else [bands]):
+    for i, band in enumerate(bands):
         if not isinstance(band, (list, tuple)) or len(band) != 3:
             raise InvalidValue(f"{where} must be a list of [up to FLOPs (None: no limit), rate fraction, fixed "
                                f"seconds], got {band!r}")

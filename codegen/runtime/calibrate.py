@@ -11,13 +11,14 @@ the compute by:
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
   the emitted program calls, forward and backward through autograd: the forward product, both
   gradient products and the bias gradient, with the composite op's own dispatches), an elementwise add
-  (memory-bound) and the non-matmul FLOPs of a transformer (gelu, layer norm and log-softmax, each kind
-  apart, forward and backward: the roofline's ``Efficiency.other`` and each kind's own rate, at the
-  FLOPs the analysis counts for them), these three timed cold (``cache_flush``: inputs out of cache, as
+  (memory-bound) and the non-matmul FLOPs of a transformer (gelu, layer norm, log-softmax and
+  cross-entropy, each kind apart, forward and backward, at sizes up to 8 M elements: the roofline's
+  ``Efficiency.other``, each kind's own rate and its bands by size, at the FLOPs the analysis counts
+  for them), these three timed cold (``cache_flush``: inputs out of cache, as
   training meets them, not hot in cache as back-to-back calls leave them: on the development box, 1
   thread, a 50-100 MFLOP linear ran 20-50% faster hot than after a flush, the large ones the same),
-  fused attention forward and backward at head dims 32 and 64 (``Efficiency.attention`` and a line per
-  head dim, at the analysis's attention FLOPs), a tiny op's dispatch (the fixed per-op cost: eager
+  fused attention forward and backward at sequence lengths 128, 256 and 512 (``Efficiency.attention``
+  and a line per sequence length, at the analysis's attention FLOPs), a tiny op's dispatch (the fixed per-op cost: eager
   dispatch on CPU, a kernel launch on GPU) and the backward's per-op cost (an autograd node and its
   gradient op on a tiny tensor), and a block stack with and without ``torch.utils.checkpoint`` (what a
   recomputed region costs beyond its forward). Each op is called the way emitted programs call it

@@ -184,9 +184,9 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
         for kind, samples in per_kind.items():
             rate, raw[f"other_{kind}"] = _rate(samples, kind)
             kinds[kind] = min(1.0, rate / peaks["float32"])
-            fixed[kind] = max(0.0, raw[f"other_{kind}"]["intercept_s"] - op_forward
-                              - KIND_GRADIENTS[kind] * op_backward)
-            bands[kind] = size_bands(samples, peaks["float32"], op_forward + KIND_GRADIENTS[kind] * op_backward)
+            dispatches = op_forward + KIND_GRADIENTS[kind] * op_backward  # what the per-op costs price
+            fixed[kind] = max(0.0, raw[f"other_{kind}"]["intercept_s"] - dispatches)
+            bands[kind] = size_bands(samples, peaks["float32"], dispatches)
         if per_kind:
             # each kind pays its own; the class's fixed cost is then the rest's, adds and multiplies
             # mostly: the add's (its line's intercept, a forward alone). Their backward passes the
