@@ -47,3 +47,8 @@ from xirang.codegen.runtime.step_costs import MeasuredCosts  # noqa: E402
 from xirang.reprice import Repricing, reprice  # noqa: E402
 
 __all__ += ["reprice", "Repricing", "MeasuredCosts"]
+
+# from-scratch weights, tensor by tensor on their own streams: no rank builds the whole model
+from xirang.codegen.runtime.weight_init import init_weights, parameters_on_meta  # noqa: E402
+
+__all__ += ["init_weights", "parameters_on_meta"]

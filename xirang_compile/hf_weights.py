@@ -25,7 +25,6 @@ only when called.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from xirang.codegen.runtime.weight_init import parameters_on_meta
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 
@@ -63,23 +63,6 @@ def _checkpoint_files(directory) -> dict:
                       hint="pass a folder written by save_pretrained(..., safe_serialization=True)")
 
 
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Parameters made inside go to the meta device as they are registered; buffers stay real."""
-    register = torch.nn.Module.register_parameter
-
-    def to_meta(module, name, param):
-        if param is not None and not param.is_meta:  # a meta one is already moved (or tied: keep it one object)
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    torch.nn.Module.register_parameter = to_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
-
-
 def empty_pretrained(directory, dtype=torch.float32) -> torch.nn.Module:
     """The model of the folder's config (its ``architectures[0]``), every parameter a zero-memory
     placeholder of its shape, buffers real (see the module docstring)."""
@@ -90,7 +73,7 @@ def empty_pretrained(directory, dtype=torch.float32) -> torch.nn.Module:
     if model_class is None:
         raise XirangError(f"the config in {directory} names no model class transformers has ({architectures})",
                           where=f"{directory}/config.json", hint="save the model with save_pretrained")
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = model_class(config)
     placeholders = {}
     for module in model.modules():

@@ -6,31 +6,28 @@
     loss = compiled.train_step(**global_batch)    # every rank passes the same global batch
     optimizer.step(); optimizer.zero_grad()       # (pre_sharded=True: this dp rank's share)
 
-Construction takes the rank's ``Program`` (codegen/emit.py, made by the lowering passes), builds
-and checks the schedule, and binds this rank's stages to copies of the model's tensors
-(codegen/runtime/pipeline_state.py, which also loads and gathers them), each the rank's tp shard.
-A step: this dp rank's share of the batch, cut into the plan's micro-batches, goes through the
-executor (codegen/runtime/pipeline_executor.py); data-parallel gradients are averaged in buckets
-launched during each stage's last backward (codegen/runtime/grad_sync.py); then the gradients of
-tied parameters are summed over the ranks that hold them, and the loss -- the mean over the global
-batch, as on one device when every micro-batch counts the same number of loss terms (with
-``ignore_index`` labels spread unevenly it is the mean of the per-share means) -- is given to every
-rank.
+Construction takes the rank's ``Program`` (codegen/emit.py, made by the lowering passes), builds and checks the
+schedule, and binds this rank's stages to copies of the model's tensors (codegen/runtime/pipeline_state.py, which also
+loads and gathers them), each the rank's tp shard. A step: this dp rank's share of the batch, cut into the plan's
+micro-batches, goes through the executor (codegen/runtime/pipeline_executor.py); data-parallel gradients are averaged
+in buckets launched during each stage's last backward (codegen/runtime/grad_sync.py); then the gradients of tied
+parameters are summed over the ranks that hold them, and the loss -- the mean over the global batch, as on one device
+when every micro-batch counts the same number of loss terms (with ``ignore_index`` labels spread unevenly it is the
+mean of the per-share means) -- is given to every rank.
 
-Tied parameters: a tensor read by stages on different pipeline ranks (a token embedding tied to
-the LM head) is a copy on each. Each copy gets the gradient of its own uses only; summing them
-over a "tied" group (one per dp and tp index, the ranks holding the copies) gives every copy the
-full gradient, so the same optimizer step keeps them equal (Megatron-LM's embedding group). The
-sum runs after the dp average; both are linear, so the order does not matter.
+Tied parameters: a tensor read by stages on different pipeline ranks (a token embedding tied to the LM head) is a copy
+on each. Each copy gets the gradient of its own uses only; summing them over a "tied" group (one per dp and tp index,
+the ranks holding the copies) gives every copy the full gradient, so the same optimizer step keeps them equal
+(Megatron-LM's embedding group). The sum runs after the dp average; both are linear, so the order does not matter.
 
-Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by
-shard, which is exact for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a
-whole tensor (LAMB's trust ratio); clipping by total norm is ``clip_grad_norm_`` (grad_norm.py).
-ZeRO-1 and 3 (plan.zero_stage, dp > 1): ``parameters()`` are the shard parameters of dist_optimizer.py;
-under 3 the model's parameters are freed between steps (param_shards.py).
+Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by shard, which is exact
+for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a whole tensor (LAMB's trust ratio); clipping
+by total norm is ``clip_grad_norm_`` (grad_norm.py). ZeRO-1 and 3 (plan.zero_stage, dp > 1): ``parameters()`` are the
+shard parameters of dist_optimizer.py; under 3 the model's parameters are freed between steps (param_shards.py).
 """
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import nullcontext
 from typing import Callable, Optional
@@ -72,12 +69,14 @@ class CompiledModel:
     on; ``event_log``: receives the dp buckets' launch/wait events. ``source_of``: rank -> that rank's program
     source, for ``code(rank)`` of other ranks (given by ``xirang.compile``, which can lower the model for any
     rank). ``seed`` and ``rng`` ("streams" or "exact"): the random ops' streams (codegen/runtime/rng_streams.py).
+    A module built on ``meta`` is initialised per tensor from ``seed`` (``init``: per-module init function;
+    codegen/runtime/weight_init.py). No reference to ``model`` is kept: only its forward's signature.
     """
 
     def __init__(self, model, plan, program: Program, *, groups=None, bucket_bytes: Optional[int] = None,
                  device="cpu", counter=None, event_log: Optional[list] = None,
                  source_of: Optional[Callable[[int], str]] = None, seed: Optional[int] = None,
-                 rng: str = "streams"):
+                 rng: str = "streams", init: Optional[Callable] = None):
         self.groups = groups or build_mesh_groups(plan.mesh)
         self.rank = self.groups.rank
         self.tp, self.tp_rank = self.groups.axis_size("tp"), self.groups.axis_index("tp")
@@ -86,7 +85,7 @@ class CompiledModel:
         attach(program, tp_group=self.groups.tp, counter=counter, rng=self.rng)
         # plan.offload: the program's offloaded blocks share one ActivationOffload (None: no block offloads)
         self.activation_offload = attach_offload(program, device)
-        self._forward = model.forward if isinstance(model, torch.nn.Module) else None
+        self._forward = inspect.signature(model.forward) if isinstance(model, torch.nn.Module) else None
         self._source_of = source_of
         self.plan, self.device, self.program = plan, torch.device(device), program
         self.dp, self.dp_rank = self.groups.axis_size("dp"), self.groups.axis_index("dp")
@@ -102,7 +101,8 @@ class CompiledModel:
 
         local = self.schedule.stages_of(self.pp_rank)
         self._state = bind_state(model, [self.programs[i] for i in local], self._trainable, self.device,
-                                 shards=program.shards, tp_rank=self.tp_rank, tp=self.tp)
+                                 shards=program.shards, tp_rank=self.tp_rank, tp=self.tp,
+                                 seed=self.rng.seed, init=init)
         self._stages = stages = {i: LocalStage(self.programs[i], [self._state[fqn] for fqn in
                                                                  self.programs[i].parameter_names]) for i in local}
         self._tied = tied_groups(self.programs, plan.mesh, self.groups, self._trainable)

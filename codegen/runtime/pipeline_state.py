@@ -14,6 +14,8 @@ keeps them equal by summing their gradients over the tied group (codegen/runtime
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -22,37 +24,52 @@ from xirang.ir.placement import Replicate
 
 from xirang.codegen.ops.padding import shard_of
 from xirang.codegen.runtime.shard_params import full_tensor, load_local
+from xirang.codegen.runtime.weight_init import TensorInit, has_meta_tensors
 from xirang.ir.facts import ParamShard
 from xirang.passes.lowering.split_stages import tied_parameters
 
 
-def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, tp_rank: int, tp: int) -> dict:
+def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, tp_rank: int, tp: int,
+               seed: Optional[int] = None, init=None) -> dict:
     """FQN -> this rank's copy of every parameter/buffer its stages read; one tensor per FQN even
     when two local stages read it, so their gradients accumulate in one place. ``model`` is the
     module, or a mapping FQN -> tensor (a state dict: what launched ranks can be sent cheaply).
-    A tensor with an entry in ``shards`` is bound as this tp rank's shard of it."""
+    A tensor with an entry in ``shards`` is bound as this tp rank's shard of it.
+
+    A module built on meta is initialised from scratch, given ``seed`` (and ``init``, the per-module
+    init function): each tensor the model holds only on meta is made alone on its own stream
+    (codegen/runtime/weight_init.py), cut to this rank's shard and dropped, so the rank never holds
+    more of the model than its shards and one module's tensors."""
     from_module = isinstance(model, torch.nn.Module)  # a mapping says nothing of frozen parameters
     if from_module:
         state = dict(model.named_parameters(remove_duplicate=False))
         state.update(model.named_buffers(remove_duplicate=False))
     else:
         state = dict(model)
+    initial = TensorInit(model, seed, init).value if from_module and seed is not None and has_meta_tensors(model) \
+        else None
     bound = {}
     for program in programs:
         for placeholder, fqn in program.parameters:
             if fqn in bound:
                 continue
-            full = state.get(fqn, program.constants.get(fqn))  # a tensor made in forward: the trace's
-            if full is None or full.is_meta:
+            held = state.get(fqn, program.constants.get(fqn))  # a tensor made in forward: the trace's
+            if held is not None and held.is_meta and fqn not in state:
+                raise XirangError(f"stage {program.index} reads {fqn!r}, a tensor made inside forward, whose value "
+                                  f"the trace has only on the meta device", where=f"placeholder {placeholder} of "
+                                  f"stage {program.index}", hint="make it on the CPU in forward (not with "
+                                  "device= of a meta input), or trace with real example inputs")
+            if held is None or (held.is_meta and initial is None):
                 raise XirangError(f"stage {program.index} reads {fqn!r}, which the model "
-                                  f"{'has only on the meta device' if full is not None else 'does not have'}",
+                                  f"{'has only on the meta device' if held is not None else 'does not have'}",
                                   where=f"placeholder {placeholder} of stage {program.index}",
-                                  hint="build the runtime from the model that was planned, with real tensors")
-            local = full.detach()
-            if fqn in shards:
-                local = shard_of(local, shards[fqn].placement, tp_rank, tp)
+                                  hint="build the runtime from the model that was planned, with real tensors, "
+                                       "or from a module built on meta (initialised from scratch, given a seed)")
+            full = initial(fqn) if held.is_meta else held.detach()
+            local = shard_of(full, shards[fqn].placement, tp_rank, tp) if fqn in shards else full
             copy = local.to(device).clone()
-            trains = full.requires_grad if from_module else True
+            del full, local  # the next tensor's full value is made without this one's: one at a time
+            trains = held.requires_grad if from_module else True
             bound[fqn] = torch.nn.Parameter(copy, requires_grad=trains) if fqn in trainable else copy
     return bound
 

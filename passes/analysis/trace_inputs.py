@@ -14,12 +14,13 @@ def name_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, 
 
 
 def bind_inputs(forward, args: tuple, kwargs: dict, owner: str = "the model") -> dict[str, object]:
-    """Bind positional and keyword inputs to the names of the parameters of ``forward``."""
+    """Bind positional and keyword inputs to the names of the parameters of ``forward`` (the function,
+    or its ``inspect.Signature``: what a runtime keeps without keeping the model)."""
     if forward is None:
         raise TraceError("positional inputs need the model's forward to name them", where="train_step",
                          hint="pass the inputs by name (train_step(input_ids=..., labels=...))")
     try:
-        signature = inspect.signature(forward)
+        signature = forward if isinstance(forward, inspect.Signature) else inspect.signature(forward)
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError) as exc:
         raise TraceError(
