@@ -22,6 +22,7 @@ import torch
 from xirang.codegen.emit import check_emittable
 from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
+from xirang.codegen.runtime.devices import resolve_runtime_device
 from xirang.codegen.runtime.dp_balance import DpRebalancer
 from xirang.codegen.runtime.injection import AdaptiveInjection
 from xirang.codegen.runtime.launch import ensure_distributed
@@ -51,14 +52,19 @@ def check_plan_for_graph(plan: Plan, gm, world: World) -> None:
 
 def compile(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None,  # noqa: A001
             plan: Optional[Plan] = None, global_batch: Optional[int] = None, device=None,
-            runtime_device="cpu", bucket_bytes: Optional[int] = None, counter=None,
+            runtime_device=None, bucket_bytes: Optional[int] = None, counter=None,
             event_log: Optional[list] = None, dump_dir=None, seed: Optional[int] = None, rng: str = "streams",
             dp_shares=None, rebalance_every: Optional[int] = None, inject_every: Optional[int] = None,
             zero_stage: Optional[int] = None, **plan_pins) -> CompiledModel:
     """This rank's ``CompiledModel`` of ``model`` on ``world`` (see the module docstring).
 
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
-    ``runtime_device`` is where this rank's tensors live. ``plan_pins`` (tp=, pp=, dp=,
+    ``runtime_device`` is where this rank's tensors live: by default it follows the launcher and the
+    process group (codegen/runtime/devices.py): ``cuda:LOCAL_RANK`` under NCCL (without ``LOCAL_RANK``
+    refused, not guessed from the rank), the CPU under gloo or with no process group (a one-rank
+    program); ``compiled.device`` says which, and the batches go there. An explicit value wins, but
+    one the backend cannot move (NCCL with a CPU device, a CUDA device where torch.cuda is unavailable)
+    is refused before anything is built. ``plan_pins`` (tp=, pp=, dp=,
     micro_batch=, seq=, precision=, ...) go to ``xirang.plan`` when no plan is given.
     ``bucket_bytes``: re-bucket dp gradients by this size instead of the plan's buckets (``plan.buckets``, the
     default, each with the algorithm the plan chose for it); ``counter`` (a
@@ -114,6 +120,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
                               hint="pin choices when planning (xirang.plan(..., tp=2)), or drop them here")
         check_plan_for_graph(plan, gm, parsed)
     ensure_distributed(parsed.size)
+    runtime_device = resolve_runtime_device(runtime_device)  # the world is joined: its backend decides
     if plan is None:
         if global_batch is None:
             raise XirangError("compile needs global_batch= to plan (samples per optimizer step)",
