@@ -108,7 +108,8 @@ class PipelineExecutor:
             raise XirangError(f"pipeline rank {pp_rank} runs stages {missing} of schedule {schedule.name!r} but "
                               f"was given only stages {sorted(self.stages)}", where="PipelineExecutor",
                               hint="pass a LocalStage for every stage of schedule.stages_of(pp_rank)")
-        self.buffers = ReceiveBuffers(self._receive_specs(), device=device)
+        self.device = torch.device(device)  # this rank's: what it receives and what it sends are made there
+        self.buffers = ReceiveBuffers(self._receive_specs(), device=self.device)
         # The last backward of each stage in the step is the one that synchronises dp gradients.
         self._last_backward = {}
         for position, action in enumerate(self.actions):
@@ -345,7 +346,7 @@ class PipelineExecutor:
         program = self.stages[action.stage].program
         # A crossing input the loss does not depend on differentiably still gets a (zero) gradient:
         # the receiver posted a buffer for it.
-        sent = [grad if grad is not None else torch.zeros(spec.shape, dtype=spec.dtype)
+        sent = [grad if grad is not None else torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
                 for grad, leaf, spec in zip(grads, held.inputs, program.crossing_in) if spec.requires_grad]
         self._hand_over(GRADIENT, action.stage, action.micro_batch, sent)
 
