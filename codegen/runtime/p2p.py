@@ -103,6 +103,10 @@ class ReceiveBuffers:
         """Give a set back once its contents were consumed (activations: copied out first)."""
         self._free[(kind, stage)].append(buffers)
 
+    def tensors(self) -> list:
+        """Every buffer tensor free for reuse now (between steps: all of them)."""
+        return [tensor for sets in self._free.values() for buffers in sets for tensor in buffers]
+
     def most_allocated(self, kind: str = ACTIVATION) -> int:
         """The largest number of buffer sets any stage needed for ``kind`` (2 = double buffering)."""
         return max((count for (k, _), count in self.allocated.items() if k == kind), default=0)

@@ -23,6 +23,7 @@ from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo, evaluate
 from xirang.ir.meta_keys import RUN_DTYPE, SYMBOLS, TENSOR
 from xirang.ir.pass_spec import compiler_pass
+from xirang.passes.lowering.trace_device import on_device
 from xirang.passes.lowering.precision import COMPUTE_DTYPES, write_precision_casts
 
 
@@ -47,6 +48,19 @@ class _DtypeInterpreter(fx.Interpreter):
                               hint="plan with precision='fp32' for this model") from error
         if isinstance(value, torch.Tensor):
             self.found[node.name] = value.dtype
+        return value
+
+    def call_function(self, target, args, kwargs):
+        # a graph traced on meta makes or moves tensors onto meta inside forward: run it on CPU fakes
+        cpu = torch.device("cpu")
+        return super().call_function(target, on_device(args, cpu), on_device(kwargs, cpu))
+
+    def fetch_attr(self, target: str):
+        # A buffer or lifted constant of a model built on meta is a meta tensor; the inputs are CPU fakes.
+        # Only dtypes are asked for, so every held tensor is read as an empty CPU one of its dtype.
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return torch.empty(value.shape, dtype=value.dtype, device="cpu")
         return value
 
 

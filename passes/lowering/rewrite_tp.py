@@ -42,6 +42,7 @@ from xirang.passes.planning.sharding_rules import Strategy, gradient_placements
 
 from xirang.codegen.ops import collectives, local_ops
 from xirang.passes.lowering.local_sizes import localise_sizes, output_placement
+from xirang.passes.lowering.trace_device import on_device
 from xirang.passes.lowering.vocab_calls import VOCAB_PARALLEL_OPS, vocab_parallel_call
 
 R = Replicate()
@@ -125,8 +126,8 @@ class TpRewriter:
     def _call(self, node: Node) -> Node:
         strategy = self.layout(node)
         reads = self._inputs(node, strategy)
-        args = torch.fx.node.map_arg(node.args, lambda v: reads[v])
-        kwargs = {k: self._device(v) for k, v in torch.fx.node.map_arg(node.kwargs, lambda v: reads[v]).items()}
+        args = on_device(torch.fx.node.map_arg(node.args, lambda v: reads[v]), self.device)
+        kwargs = on_device(torch.fx.node.map_arg(node.kwargs, lambda v: reads[v]), self.device)
         first = next((reads_p for v, reads_p in zip(node.all_input_nodes, strategy.inputs) if _is_tensor(v)), None)
         if node.target in VOCAB_PARALLEL_OPS and strategy.strategy == "vocab_parallel" and self.tp_size > 1:
             return vocab_parallel_call(self, node, args, kwargs)
@@ -241,11 +242,6 @@ class TpRewriter:
         if key not in self.resharded:
             self.resharded[key] = self.call(local_ops.local_size, (self.env[size], self.tp_size))
         return self.resharded[key]
-
-    def _device(self, value):
-        if isinstance(value, torch.device) and value.type == "meta":
-            return self.device  # the trace ran on the meta device; the program runs on the real one
-        return value
 
 
 def _is_tensor(value) -> bool:

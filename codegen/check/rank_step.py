@@ -1,0 +1,134 @@
+"""One rank's training step, executed by the real runtime on fake tensors under a fake process group.
+
+``run_rank`` joins torch's fake process group as global rank ``rank`` of the plan's world (collectives
+return at once and move nothing; every group is created as on a real launch), builds the rank's
+``CompiledModel`` from its lowered ``Program`` with every model tensor a fake of its full shape (no
+memory: the runtime cuts its shards from them as from real ones), and runs what a training loop runs:
+AdamW's state made by a first optimizer step, then the measured step -- ``train_step`` on this dp rank's
+share of the batch, ``optimizer.step()``, ``zero_grad()`` -- inside a ``Recorder``. Nothing of the
+runtime is replaced: the executor, schedule, buckets, ZeRO gathers, recompute and offload regions,
+random streams and tied sums are the ones a launched rank runs.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
+from xirang.codegen.check.records import MemoryReport, RankLog
+from xirang.codegen.ops.comm_counter import CommCounter
+from xirang.codegen.runtime.compiled_model import CompiledModel
+from xirang.codegen.runtime.pipeline_executor import PipelineExecutor
+from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.ir.errors import XirangError
+
+
+# the executor's methods whose local ``action`` is the schedule action a call is issued in
+EXECUTOR_CODES = tuple(getattr(PipelineExecutor, name).__code__ for name in ("_compute", "_post_send", "_post_recv"))
+
+
+def join_fake_world(rank: int, world_size: int) -> None:
+    """Make this process global rank ``rank`` of a fake world of ``world_size`` ranks (leaving any earlier one)."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise XirangError("the dry run needs a process of its own, but torch.distributed is already "
+                              f"initialised here with {dist.get_backend()!r}", where="xirang.check",
+                              hint="run xirang check outside a launched job (it makes its own fake world)")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+
+
+def leave_fake_world() -> None:
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
+def share_batch(plan, program, inputs: dict, dp_rank: int, device) -> dict:
+    """Fake tensors of this dp rank's share of the batch: ``inputs`` maps each input name to (shape, dtype)
+    at any batch size; its batch dims are set to the share (micro-batches x micro-batch size)."""
+    share = plan.micro_batches_per_dp_rank[dp_rank] * plan.micro_batch
+    batch = {}
+    for name, (shape, dtype) in inputs.items():
+        shape = list(shape)
+        for dim, symbol in program.batch_dims.get(name, {}).items():
+            if symbol == "batch":
+                shape[dim] = share
+        batch[name] = torch.zeros(shape, dtype=dtype, device=device)
+    return batch
+
+
+def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="cpu", allocator: Optional[str] = None,
+             mutate: Optional[Callable] = None) -> RankLog:
+    """Dry-run global rank ``rank``'s step (module docstring). ``tensors``: FQN -> (shape, dtype) of every
+    model parameter and buffer, full size; ``inputs``: input name -> (shape, dtype); ``mutate(compiled)``,
+    for tests, changes the built program before the step (a fault the proofs must name). ``allocator``: the
+    device type whose allocator's rounding the memory figures take ("cuda" while the fakes live on meta)."""
+    device = torch.device(device)
+    started = time.perf_counter()
+    join_fake_world(rank, plan.mesh.size)
+    recorder = Recorder(device, executor_code=EXECUTOR_CODES, allocator=allocator)
+    log = RankLog(rank=rank, coords=plan.mesh.coords(rank))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # grad_sync's slot check
+            with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
+                groups = build_mesh_groups(plan.mesh)
+                state = {fqn: torch.empty(shape, dtype=dtype, device=device) for fqn, (shape, dtype) in tensors.items()}
+                counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
+                compiled = CompiledModel(state, plan, program, groups=groups, device=device, counter=counter, seed=0)
+                del state  # the rank keeps its shards only, as a launched rank does
+                if mutate is not None:
+                    mutate(compiled)
+                optimizer = torch.optim.AdamW(compiled.parameters())
+                for param in compiled.parameters():  # the optimizer's state exists from the first step on
+                    param.grad = torch.zeros_like(param)
+                optimizer.step()
+                optimizer.zero_grad()
+                batch = share_batch(plan, program, inputs, groups.axis_index("dp"), device)
+                recorder.calls.clear()
+                recorder.host_reads.clear()
+                recorder.counter = counter
+                recorder.peak, recorder.peak_at = recorder.live, len(recorder.events)
+                first_event = len(recorder.events)
+                compiled.train_step(**batch, pre_sharded=True)
+                held = _keys(recorder, compiled)
+                optimizer.step()
+                held["optimizer"] = {recorder.storage_key(t) for s in optimizer.state.values() for t in s.values()
+                                     if isinstance(t, torch.Tensor)} - {None}
+                optimizer.zero_grad()
+                del batch
+                log.memory = _memory(recorder, held, first_event)
+    finally:
+        leave_fake_world()
+    log.calls, log.host_reads = recorder.calls, recorder.host_reads
+    log.device_problems = recorder.device_problems
+    log.seconds = time.perf_counter() - started
+    return log
+
+
+def _keys(recorder: Recorder, compiled) -> dict:
+    """Storage keys of what the rank holds by part, read after the step (before the optimizer runs)."""
+    params = [t for _, t in compiled.named_parameters()] + list(compiled.parameters())
+    grads = [t.grad for t in params if t.grad is not None]
+    buffers = compiled.executor.buffers.tensors()
+    keys = lambda tensors: {recorder.storage_key(t) for t in tensors} - {None}  # noqa: E731
+    return {"parameters": keys(params), "gradients": keys(grads), "communication": keys(buffers)}
+
+
+def _memory(recorder: Recorder, held: dict, first_event: int) -> MemoryReport:
+    """The step's peak split by part: each storage live at the peak counted in the first part holding it,
+    what no part holds being the step's activations and working set."""
+    live = recorder.live_at_peak()
+    parts = {name: 0 for name in ("parameters", "gradients", "optimizer", "communication", "activations")}
+    for key, size in live.items():
+        part = next((name for name in ("parameters", "gradients", "optimizer", "communication")
+                     if key in held.get(name, ())), "activations")
+        parts[part] += size
+    return MemoryReport(peak=recorder.peak, parts=parts, resting=recorder.live,
+                        allocations=sum(1 for _, size in recorder.events[first_event:] if size > 0),
+                        peak_action=recorder.peak_action)

@@ -1,0 +1,154 @@
+"""``xirang.check``: prove a plan's program on every rank before launch, on this machine, on fake tensors.
+
+    report = xirang.check(plan, model_on_meta, example_kwargs=batch)   # or: xirang check plan.json --model F:fn
+    print(report.explain()); assert report.ok
+
+Ranks are grouped into classes whose programs are the same up to rank ids: the same pipeline rank and
+the same number of micro-batches (dp ranks of uneven shares differ); tp and dp ranks of one pipeline
+rank run one program on their own shards and groups. Each class's representative is lowered for the
+plan's device (``cuda`` for GPU presets) and its training step run by the real runtime on fake tensors
+(codegen/check/rank_step.py); the proofs (codegen/check/proofs.py) then cover every rank of the world:
+collectives, sends, deadlock and memory, plus tensors on the wrong device for the backend.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from xirang.codegen.check.proofs import (ClassLog, prove_collectives, prove_devices, prove_memory,
+                                         prove_no_deadlock, prove_sends)
+from xirang.codegen.check.rank_step import run_rank
+from xirang.ir.errors import XirangError
+from xirang.ir.plan import Plan
+
+from .analyze import analyze
+from .lower import lower
+
+
+MiB = 1024 ** 2
+
+
+def device_type_of(plan: Plan) -> str:
+    """What the plan's program runs on: ``cuda`` for a GPU preset, ``cpu`` for CPU ranks."""
+    return "cpu" if plan.world.device_of(0).name.startswith("cpu") else "cuda"
+
+
+def fake_device(device_type: str) -> str:
+    """The device the dry run's fake tensors live on. A CPU-only torch cannot fake CUDA tensors (a view of
+    one asks the CUDA hooks for its device), so a GPU program runs on ``meta`` fakes: the same ops, shapes,
+    dtypes and device checks (a CPU tensor met there is refused as it would be on a GPU), with the CUDA
+    allocator's rounding applied to every allocation (codegen/check/recorder.py)."""
+    return "cpu" if device_type == "cpu" else "meta"
+
+
+def rank_classes(plan: Plan, own: tuple = ()) -> dict:
+    """Representative rank -> member ranks, by (pipeline rank, micro-batches of the rank's dp share); ranks in
+    ``own`` (mutated in tests) are classes of their own."""
+    by_key: dict = {}
+    for rank in range(plan.mesh.size):
+        coords = plan.mesh.coords(rank)
+        key = ("own", rank) if rank in own else (coords["pp"], plan.micro_batches_per_dp_rank[coords["dp"]])
+        by_key.setdefault(key, []).append(rank)
+    return {members[0]: tuple(members) for members in by_key.values()}
+
+
+@dataclass
+class CheckReport:
+    """The check's result: one log per class, the violations found, and the seconds of each phase."""
+
+    plan: Plan
+    classes: list
+    violations: list
+    seconds: dict = field(default_factory=dict)
+    device: str = "cpu"
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def memory_rows(self) -> list:
+        """Per class: pipeline rank, ranks, measured peak and its parts, the plan's predicted bytes."""
+        predicted = self.plan.predicted.memory_bytes_per_device
+        rows = []
+        for klass in self.classes:
+            pp = klass.log.coords["pp"]
+            rows.append({"pp_rank": pp, "representative": klass.log.rank, "ranks": len(klass.members),
+                         "peak_bytes": klass.log.memory.peak, "parts": dict(klass.log.memory.parts),
+                         "predicted_bytes": predicted[pp] if pp < len(predicted) else None,
+                         "calls": len(klass.log.calls), "host_reads": len(klass.log.host_reads),
+                         "seconds": klass.log.seconds})
+        return rows
+
+    def explain(self) -> str:
+        plan = self.plan
+        lines = [f"xirang check: {plan.mesh} on {plan.world.describe()}, {len(self.classes)} class(es) of ranks run "
+                 f"on fake {self.device} tensors; " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()),
+                 "  pp rank  ranks  calls  host reads  peak MiB  predicted MiB  measured/predicted  at peak (MiB)"]
+        for row in self.memory_rows():
+            predicted = row["predicted_bytes"]
+            ratio = f"{row['peak_bytes'] / predicted:.2f}" if predicted else "-"
+            parts = " ".join(f"{name} {size / MiB:.1f}" for name, size in row["parts"].items() if size)
+            lines.append(f"  {row['pp_rank']:>7}  {row['ranks']:>5}  {row['calls']:>5}  {row['host_reads']:>10}  "
+                         f"{row['peak_bytes'] / MiB:>8.1f}  {(predicted or 0) / MiB:>13.1f}  {ratio:>18}  {parts}")
+        reads = {(read.op, read.where) for klass in self.classes for read in klass.log.host_reads}
+        if reads:
+            lines.append("host reads of device values per step (each a GPU synchronisation): " +
+                         "; ".join(f"{op} at {where}" for op, where in sorted(reads)))
+        if self.ok:
+            lines.append(f"proven on all {plan.mesh.size} ranks: every group's collectives agree, every send meets "
+                         f"its receive, no deadlock, every rank's peak fits its device")
+        else:
+            lines.append(f"{len(self.violations)} violation(s):")
+            lines += [violation.describe() for violation in self.violations]
+        return "\n".join(lines)
+
+
+def _specs(named) -> dict:
+    return {name: (tuple(t.shape), t.dtype) for name, t in named}
+
+
+def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: Optional[str] = None,
+          mutate: Optional[dict] = None, analysed=None) -> CheckReport:
+    """Dry-run every rank's program of ``plan`` for ``model`` (best built on ``meta``) and prove it (module
+    docstring). ``device``: "cuda" or "cpu" (default: the plan's devices'). ``mutate``: {rank: fn(compiled)}
+    changes those ranks' built programs before their step (tests: a fault the proofs must name)."""
+    from .compile_api import check_plan_for_graph  # the same refusals compile makes
+
+    if not isinstance(model, torch.nn.Module):
+        raise XirangError(f"xirang.check needs the model as a torch.nn.Module, got {type(model).__name__}",
+                          where="xirang.check(model=)", hint="pass the model the plan was made for, built on meta")
+    seconds = {}
+    started = time.perf_counter()
+    report = analysed or analyze(model, example_inputs, example_kwargs)
+    check_plan_for_graph(plan, report.graph_module, plan.world)
+    seconds["trace"] = time.perf_counter() - started
+    device = device or device_type_of(plan)
+    runs_on = fake_device(device)
+    tensors = _specs(list(model.named_parameters(remove_duplicate=False)) +
+                     list(model.named_buffers(remove_duplicate=False)))
+    inputs = _specs((name, value) for name, value in (example_kwargs or {}).items() if isinstance(value, torch.Tensor))
+    mutate = dict(mutate or {})
+    classes, lowering, running = [], 0.0, 0.0
+    for representative, members in rank_classes(plan, tuple(mutate)).items():
+        began = time.perf_counter()
+        program = lower(report.graph_module, plan, rank=representative, device=runs_on).program
+        lowering += time.perf_counter() - began
+        began = time.perf_counter()
+        log = run_rank(program, plan, representative, tensors=tensors, inputs=inputs, device=runs_on,
+                       allocator=device, mutate=mutate.get(representative))
+        running += time.perf_counter() - began
+        classes.append(ClassLog(log, members))
+    seconds["lower"], seconds["run"] = lowering, running
+    began = time.perf_counter()
+    symmetric = not plan.dp_shares and not mutate
+    violations = (prove_devices(classes) + prove_collectives(plan.mesh, classes) + prove_sends(plan.mesh, classes)
+                  + prove_no_deadlock(plan.mesh, classes, symmetric_dp=symmetric, ordered_pairs=device == "cuda")
+                  + prove_memory(plan, classes))
+    seconds["prove"] = time.perf_counter() - began
+    return CheckReport(plan, classes, violations, seconds, device)
+
+
+MutateFn = Callable  # fn(compiled) -> None
