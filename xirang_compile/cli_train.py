@@ -93,10 +93,9 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     import xirang
     from xirang.codegen.runtime.grad_norm import step_if_finite
     model, example_kwargs = token_model(args, global_batch)
-    # NCCL ranks (torchrun on GPUs) keep their tensors on their GPU; gloo ranks on the CPU
-    nccl = world > 1 and dist.is_initialized() and dist.get_backend() == "nccl"
-    device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
-    compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan, runtime_device=device)
+    # the runtime device follows the launcher: NCCL ranks (torchrun on GPUs) on cuda:LOCAL_RANK, gloo on the CPU
+    compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan)
+    device = compiled.device
     batches = _batches(args, model, example_kwargs, global_batch, compiled)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=args.lr, eps=ADAM_EPS, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
