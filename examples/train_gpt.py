@@ -5,7 +5,9 @@
 
 Every rank builds the same model (same seed), compiles it for the world torchrun set up, and trains
 a few steps on the same global batch; rank 0 prints the plan and the loss of every step. On GPUs
-with NCCL use the same script (the runtime device follows LOCAL_RANK when CUDA is available).
+use the same torchrun command: where CUDA is available the ranks join with NCCL and xirang.compile's
+runtime device follows the launcher (rank on cuda:LOCAL_RANK; under gloo, or run as one process, the
+CPU), and the script moves its batch to ``compiled.device``.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         print("\n".join(compiled.plan.explain().splitlines()[:8]), flush=True)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     for step in range(options.steps):
-        loss = compiled.train_step(**batch())
+        loss = compiled.train_step(**{name: value.to(compiled.device) for name, value in batch().items()})
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0:
