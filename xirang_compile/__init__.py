@@ -52,3 +52,8 @@ __all__ += ["reprice", "Repricing", "MeasuredCosts"]
 from xirang.codegen.runtime.weight_init import init_weights, parameters_on_meta  # noqa: E402
 
 __all__ += ["init_weights", "parameters_on_meta"]
+
+# the full-scale check: every rank's program run on fake tensors, collectives, sends, deadlock and memory proven
+from xirang.check_api import CheckReport, check  # noqa: E402
+
+__all__ += ["check", "CheckReport"]

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from xirang.codegen.check.proofs import (ClassLog, prove_collectives, prove_devices, prove_memory,
+from xirang.codegen.check.proofs import (ClassLog, Violation, prove_collectives, prove_devices, prove_memory,
                                          prove_no_deadlock, prove_sends)
 from xirang.codegen.check.rank_step import run_rank
 from xirang.ir.errors import XirangError
@@ -111,10 +111,12 @@ def _specs(named) -> dict:
 
 
 def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: Optional[str] = None,
-          mutate: Optional[dict] = None, analysed=None) -> CheckReport:
+          mutate: Optional[dict] = None, memory_bytes: Optional[int] = None, analysed=None) -> CheckReport:
     """Dry-run every rank's program of ``plan`` for ``model`` (best built on ``meta``) and prove it (module
     docstring). ``device``: "cuda" or "cpu" (default: the plan's devices'). ``mutate``: {rank: fn(compiled)}
-    changes those ranks' built programs before their step (tests: a fault the proofs must name)."""
+    changes those ranks' built programs before their step (tests: a fault the proofs must name).
+    ``memory_bytes``: prove memory against devices of this size instead of the plan's (what if they were
+    smaller)."""
     from .compile_api import check_plan_for_graph  # the same refusals compile makes
 
     if not isinstance(model, torch.nn.Module):
@@ -131,22 +133,29 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
                      list(model.named_buffers(remove_duplicate=False)))
     inputs = _specs((name, value) for name, value in (example_kwargs or {}).items() if isinstance(value, torch.Tensor))
     mutate = dict(mutate or {})
-    classes, lowering, running = [], 0.0, 0.0
+    classes, failed, lowering, running = [], [], 0.0, 0.0
     for representative, members in rank_classes(plan, tuple(mutate)).items():
         began = time.perf_counter()
         program = lower(report.graph_module, plan, rank=representative, device=runs_on).program
         lowering += time.perf_counter() - began
         began = time.perf_counter()
-        log = run_rank(program, plan, representative, tensors=tensors, inputs=inputs, device=runs_on,
-                       allocator=device, mutate=mutate.get(representative))
-        running += time.perf_counter() - began
+        try:
+            log = run_rank(program, plan, representative, tensors=tensors, inputs=inputs, device=runs_on,
+                           allocator=device, mutate=mutate.get(representative))
+        except Exception as error:  # noqa: BLE001 - the step itself failing is the finding, named with its ranks
+            failed.append(Violation("step", f"the step of rank {representative} failed: {type(error).__name__}: "
+                                    f"{error}", ranks=members,
+                                    hint="run this rank's program on CPU ranks (xirang run) to see the error"))
+            continue
+        finally:
+            running += time.perf_counter() - began
         classes.append(ClassLog(log, members))
     seconds["lower"], seconds["run"] = lowering, running
     began = time.perf_counter()
     symmetric = not plan.dp_shares and not mutate
-    violations = (prove_devices(classes) + prove_collectives(plan.mesh, classes) + prove_sends(plan.mesh, classes)
+    violations = failed + (prove_devices(classes) + prove_collectives(plan.mesh, classes) + prove_sends(plan.mesh, classes)
                   + prove_no_deadlock(plan.mesh, classes, symmetric_dp=symmetric, ordered_pairs=device == "cuda")
-                  + prove_memory(plan, classes))
+                  + prove_memory(plan, classes, memory_bytes=memory_bytes))
     seconds["prove"] = time.perf_counter() - began
     return CheckReport(plan, classes, violations, seconds, device)
 

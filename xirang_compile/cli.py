@@ -59,6 +59,10 @@ def cmd_plan(args) -> int:
     print(plan.explain())
     if args.json:
         print(f"\nplan written to {args.json}")
+    if args.check:
+        from xirang.cli_check import run_check
+        print()
+        return run_check(plan, model, example_kwargs)
     return 0
 
 
@@ -145,6 +149,7 @@ def main(argv=None) -> int:
         plan.add_argument(f"--{name}", type=kind, help=f"pin the {text} (default: searched)")
     plan.add_argument("--json", metavar="OUT", help="save the plan as JSON to OUT (replaced if it exists; its "
                                                     "folder must exist)")
+    plan.add_argument("--check", action="store_true", help="then run the full-scale check on the plan (xirang check)")
     plan.set_defaults(run=cmd_plan)
 
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
@@ -153,6 +158,9 @@ def main(argv=None) -> int:
     explain.add_argument("--picture", metavar="PNG", help="draw the predicted memory per pipeline rank against "
                                                           "the usable limit into PNG")
     explain.set_defaults(run=cmd_explain)
+
+    from xirang.cli_check import add_check_command
+    add_check_command(commands)
 
     from xirang.cli_inspect import cmd_inspect
     inspect_ = commands.add_parser("inspect", help="one rank of a saved plan: mesh place, stages, placements, "

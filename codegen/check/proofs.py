@@ -288,21 +288,22 @@ def prove_no_deadlock(mesh, classes: list, *, symmetric_dp: bool, ordered_pairs:
                            "that must progress together into one group (torch.distributed.batch_isend_irecv)")]
 
 
-def prove_memory(plan, classes: list) -> list:
-    """(d): each class's measured peak fits its device at the plan's usable fraction."""
+def prove_memory(plan, classes: list, memory_bytes=None) -> list:
+    """(d): each class's measured peak fits its device at the plan's usable fraction (of ``memory_bytes``
+    where given, else of the plan's device)."""
     violations = []
     for klass in classes:
         rank = klass.log.rank
         device = plan.world.device_of(rank)
         fraction = min(stage.memory_limit_bytes for stage in plan.stages) / device.memory_bytes
-        usable = fraction * device.memory_bytes
+        usable = fraction * (memory_bytes or device.memory_bytes)
         peak = klass.log.memory.peak
         if peak > usable:
             parts = ", ".join(f"{name} {size / GiB:.2f}" for name, size in klass.log.memory.parts.items())
             violations.append(Violation(
                 "memory", f"pipeline rank {klass.log.coords['pp']} peaks at {peak / GiB:.2f} GiB, over the "
                 f"{usable / GiB:.2f} GiB the plan may use of its {device.name} ({fraction:.0%} of "
-                f"{device.memory_bytes / GiB:.1f} GiB); at the peak (GiB): {parts}",
+                f"{(memory_bytes or device.memory_bytes) / GiB:.1f} GiB); at the peak (GiB): {parts}",
                 ranks=klass.members, calls=(f"peak during {klass.log.memory.peak_action or 'the step'}",),
                 hint="re-plan with more pipeline stages, recompute, ZeRO or a smaller micro-batch"))
     return violations

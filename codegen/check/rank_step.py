@@ -50,7 +50,8 @@ def leave_fake_world() -> None:
 
 def share_batch(plan, program, inputs: dict, dp_rank: int, device) -> dict:
     """Fake tensors of this dp rank's share of the batch: ``inputs`` maps each input name to (shape, dtype)
-    at any batch size; its batch dims are set to the share (micro-batches x micro-batch size)."""
+    at any size; its batch dims are set to the share (micro-batches x micro-batch size) and its other
+    symbolic dims (the sequence) to the plan's values, so the step runs at the size the plan was made for."""
     share = plan.micro_batches_per_dp_rank[dp_rank] * plan.micro_batch
     batch = {}
     for name, (shape, dtype) in inputs.items():
@@ -58,6 +59,8 @@ def share_batch(plan, program, inputs: dict, dp_rank: int, device) -> dict:
         for dim, symbol in program.batch_dims.get(name, {}).items():
             if symbol == "batch":
                 shape[dim] = share
+            elif isinstance(program.symbols.get(symbol), int):
+                shape[dim] = program.symbols[symbol]
         batch[name] = torch.zeros(shape, dtype=dtype, device=device)
     return batch
 

@@ -26,7 +26,14 @@ from xirang.codegen.ops.padding import shard_of
 from xirang.codegen.runtime.shard_params import full_tensor, load_local
 from xirang.codegen.runtime.weight_init import TensorInit, has_meta_tensors
 from xirang.ir.facts import ParamShard
+from torch._subclasses.fake_tensor import FakeTensor
+
 from xirang.passes.lowering.split_stages import tied_parameters
+
+
+def _valueless(tensor) -> bool:
+    """A tensor on meta holds no values; a fake tensor (the dry run's, codegen/check/) stands for one that does."""
+    return tensor.is_meta and not isinstance(tensor, FakeTensor)
 
 
 def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, tp_rank: int, tp: int,
@@ -54,20 +61,21 @@ def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, t
             if fqn in bound:
                 continue
             held = state.get(fqn, program.constants.get(fqn))  # a tensor made in forward: the trace's
-            if held is not None and held.is_meta and fqn not in state:
+            if held is not None and _valueless(held) and fqn not in state:
                 raise XirangError(f"stage {program.index} reads {fqn!r}, a tensor made inside forward, whose value "
                                   f"the trace has only on the meta device", where=f"placeholder {placeholder} of "
                                   f"stage {program.index}", hint="make it on the CPU in forward (not with "
                                   "device= of a meta input), or trace with real example inputs")
-            if held is None or (held.is_meta and initial is None):
+            if held is None or (_valueless(held) and initial is None):
                 raise XirangError(f"stage {program.index} reads {fqn!r}, which the model "
                                   f"{'has only on the meta device' if held is not None else 'does not have'}",
                                   where=f"placeholder {placeholder} of stage {program.index}",
                                   hint="build the runtime from the model that was planned, with real tensors, "
                                        "or from a module built on meta (initialised from scratch, given a seed)")
-            full = initial(fqn) if held.is_meta else held.detach()
+            made = _valueless(held)  # made here from scratch: no one else holds it, so no copy is needed
+            full = initial(fqn) if made else held.detach()
             local = shard_of(full, shards[fqn].placement, tp_rank, tp) if fqn in shards else full
-            copy = local.to(device).clone()
+            copy = local.to(device) if made else local.to(device).clone()
             del full, local  # the next tensor's full value is made without this one's: one at a time
             trains = held.requires_grad if from_module else True
             bound[fqn] = torch.nn.Parameter(copy, requires_grad=trains) if fqn in trainable else copy

@@ -1,0 +1,109 @@
+"""xirang.check on a real 3D plan of the in-repo GPT (dp 2 x tp 2 x pp 2, made on meta at a sequence
+length where every axis splits): the unmodified program is proven on all 8 ranks, and each fault
+injected into one rank's built program is named with its ranks, group and call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xirang
+from examples.gpt import build_gpt
+from xirang.ir.placement import Shard
+
+GLOBAL, SEQ = 8, 16
+
+
+def _example():
+    ids = torch.zeros(GLOBAL, SEQ, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = build_gpt("tiny", device="meta")
+    example = _example()
+    report = xirang.analyze(model, example_kwargs=example)
+    plan = xirang.plan(model, world=8, device="cpu", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2, pp=2,
+                       schedule="1f1b", micro_batch=1, seq=4096, analysed=report)  # at seq 4096 tp shards weights
+    assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (2, 2, 2)
+    assert any(c.node.startswith("bucket:") for c in plan.collectives)  # dp really reduces
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    assert sharded, "the plan shards no parameter, so tp would be vacuous"
+    return model, example, report, plan
+
+
+def _check(setup, **kwargs):
+    model, example, report, plan = setup
+    return xirang.check(plan, model, example_kwargs=example, analysed=report, **kwargs)
+
+
+def test_unmodified_plan_is_proven_on_every_rank(setup):
+    report = _check(setup)
+    assert report.ok, report.explain()
+    assert sorted(r for klass in report.classes for r in klass.members) == list(range(8))
+    assert len(report.classes) == 2  # one per pipeline rank
+    kinds = {call.kind for klass in report.classes for call in klass.log.calls}
+    assert {"all_reduce", "send", "recv", "broadcast"} <= kinds
+    labels = {call.label for klass in report.classes for call in klass.log.calls}
+    planned = {c.node for c in setup[3].collectives if c.node.startswith(("bucket:", "tied:"))}
+    assert planned <= labels  # every planned bucket and tied sum was issued by the runtime
+    assert all(klass.log.memory.peak > 0 for klass in report.classes)
+    assert "proven on all 8 ranks" in report.explain()
+
+
+def _only(report, proof):
+    found = [v for v in report.violations if v.proof == proof]
+    assert found, report.explain()
+    return found
+
+
+def test_a_rank_that_skips_its_tied_sum_is_named_with_the_group(setup):
+    def skip_tied(compiled):
+        compiled._tied = []  # the fault: this rank never joins the tied embedding's sum
+    report = _check(setup, mutate={0: skip_tied})
+    violation = _only(report, "collectives")[0]
+    assert 0 in violation.ranks and set(violation.group) == {0, 2}
+    assert "tied:tok_emb.weight" in " ".join(violation.calls)
+
+
+def test_a_collective_in_another_dtype_is_named(setup):
+    def bf16_buckets(compiled):
+        for buckets in compiled.grad_buckets.values():
+            buckets.reduce_dtype = torch.bfloat16  # the fault: this dp rank reduces in bf16, its peer in fp32
+    report = _check(setup, mutate={1: bf16_buckets})
+    violation = _only(report, "collectives")[0]
+    assert set(violation.group) == {1, 5} and {1, 5} == set(violation.ranks)
+    assert "bfloat16" in " ".join(violation.calls) and "float32" in " ".join(violation.calls)
+    assert "bucket:" in " ".join(violation.calls)
+
+
+def test_a_send_to_the_wrong_peer_is_named(setup):
+    def wrong_peer(compiled):
+        executor = compiled.executor
+        executor.peers = (executor.peers[0], executor.peers[1] + 1)  # the next stage's tp neighbour instead
+    report = _check(setup, mutate={0: wrong_peer})
+    violations = _only(report, "sends")
+    assert any(set(v.ranks) == {0, 3} for v in violations), report.explain()
+    assert any(set(v.ranks) == {0, 2} for v in violations)  # rank 2 waits for messages that never come
+
+
+def test_two_swapped_schedule_actions_are_named(setup):
+    def swap(compiled):
+        actions = list(compiled.executor.actions)
+        forwards = [i for i, a in enumerate(actions) if type(a).__name__ == "Forward"][:2]
+        sends = [i for i, a in enumerate(actions) if type(a).__name__ == "Send"][:2]
+        for pair in (forwards, sends):  # the fault: micro-batches 0 and 1 run and sent in the other order
+            actions[pair[0]], actions[pair[1]] = actions[pair[1]], actions[pair[0]]
+        compiled.executor.actions = actions
+    report = _check(setup, mutate={0: swap})
+    violation = _only(report, "sends")[0]
+    assert set(violation.ranks) == {0, 2}
+    assert "Send(" in " ".join(violation.calls)  # the schedule action is named
+
+
+def test_a_smaller_device_is_named_per_pipeline_rank(setup):
+    report = _check(setup, memory_bytes=1024 ** 2)  # 1 MiB devices
+    violations = _only(report, "memory")
+    assert {v.ranks for v in violations} == {klass.members for klass in report.classes
+                                            if klass.log.memory.peak > 0.9 * 1024 ** 2}
+    assert "pipeline rank" in violations[0].what and "GiB" in violations[0].what
