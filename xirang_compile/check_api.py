@@ -153,7 +153,8 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
     seconds["lower"], seconds["run"] = lowering, running
     began = time.perf_counter()
     symmetric = not plan.dp_shares and not mutate
-    violations = failed + (prove_devices(classes) + prove_collectives(plan.mesh, classes) + prove_sends(plan.mesh, classes)
+    violations = (failed + prove_devices(classes) + prove_collectives(plan.mesh, classes)
+                  + prove_sends(plan.mesh, classes)
                   + prove_no_deadlock(plan.mesh, classes, symmetric_dp=symmetric, ordered_pairs=device == "cuda")
                   + prove_memory(plan, classes, memory_bytes=memory_bytes))
     seconds["prove"] = time.perf_counter() - began
