@@ -34,7 +34,9 @@ from xirang.codegen.runtime.launch import launch  # noqa: E402
 from xirang.ir.placement import Shard  # noqa: E402
 
 MODELS = {"gpt2-medium": GPTConfig(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
-          "gpt-small": GPTConfig(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12)}
+          "gpt-small": GPTConfig(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
+          # GPT-2 small's blocks with a small vocabulary: no one tensor is a large share of the model
+          "gpt-small-vocab8k": GPTConfig(vocab_size=8192, seq_len=1024, hidden=768, heads=12, layers=12)}
 PLAN_SEQ, RUN_SEQ, GLOBAL_BATCH, SEED, MiB = 512, 16, 4, 0, 2**20
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 
@@ -57,7 +59,8 @@ def _status(field: str) -> int:
 def _tensor_bytes() -> int:
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta or isinstance(obj, torch._subclasses.FakeTensor):
+        kind = type(obj)  # not isinstance: it reads __class__, which deprecated torch objects warn on
+        if not issubclass(kind, torch.Tensor) or issubclass(kind, torch._subclasses.FakeTensor) or obj.is_meta:
             continue
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())

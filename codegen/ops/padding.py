@@ -58,8 +58,13 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
     _check_pieces(full.shape[dim], placement, f"shard_of(shape {tuple(full.shape)}, {placement})")
     piece_size = full.shape[dim] // placement.chunks
     per_rank = -(-piece_size // size)  # ceiling split of one piece, as local_shape does
-    local = [pad_dim(full.narrow(dim, j * piece_size, piece_size), dim, size)
-             .narrow(dim, rank * per_rank, per_rank) for j in range(placement.chunks)]
+    local = []
+    for j in range(placement.chunks):  # this rank's rows of each piece, padded alone (never the whole piece)
+        start, stop = (min(piece_size, r * per_rank) for r in (rank, rank + 1))
+        part = full.narrow(dim, j * piece_size + start, stop - start)
+        if stop - start < per_rank:
+            part = F.pad(part, [0, 0] * (full.dim() - 1 - dim) + [0, per_rank - (stop - start)])
+        local.append(part)
     return torch.cat(local, dim=dim)  # cat copies even one piece: no aliasing of ``full``
 
 
