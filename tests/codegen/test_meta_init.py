@@ -152,6 +152,8 @@ def test_compiled_model_keeps_no_reference_to_the_model():
         gc.collect()
         assert alive() is None, f"{device}: something keeps the model"
         assert compiled.train_step(inputs["input_ids"], inputs["labels"]).isfinite()  # positional: the signature
+        with pytest.raises(XirangError, match="train_step's inputs do not match the model's forward"):
+            compiled.train_step(inputs["input_ids"], inputs["labels"], inputs["labels"])
 
 
 # --- 8 ranks at (2, 2, 2), from meta -------------------------------------------------------------------
