@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from xirang.codegen.check.gpu_semantics import FusedAttention
 from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
 from xirang.codegen.check.records import MemoryReport, RankLog
 from xirang.codegen.ops.comm_counter import CommCounter
@@ -51,7 +53,8 @@ def leave_fake_world() -> None:
 def share_batch(plan, program, inputs: dict, dp_rank: int, device) -> dict:
     """Fake tensors of this dp rank's share of the batch: ``inputs`` maps each input name to (shape, dtype)
     at any size; its batch dims are set to the share (micro-batches x micro-batch size) and its other
-    symbolic dims (the sequence) to the plan's values, so the step runs at the size the plan was made for."""
+    symbolic dims (the sequence) to the traced example's values, which are the plan's when the example was
+    made at the sizes the plan is for (as planning on meta wants)."""
     share = plan.micro_batches_per_dp_rank[dp_rank] * plan.micro_batch
     batch = {}
     for name, (shape, dtype) in inputs.items():
@@ -79,7 +82,8 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # grad_sync's slot check
-            with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
+            gpu = FusedAttention() if torch.device(allocator or device.type).type == "cuda" else nullcontext()
+            with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder), gpu:
                 groups = build_mesh_groups(plan.mesh)
                 state = {fqn: torch.empty(shape, dtype=dtype, device=device) for fqn, (shape, dtype) in tensors.items()}
                 counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
@@ -98,12 +102,14 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
                 recorder.counter = counter
                 recorder.peak, recorder.peak_at = recorder.live, len(recorder.events)
                 first_event = len(recorder.events)
+                counter.reset()
                 compiled.train_step(**batch, pre_sharded=True)
                 held = _keys(recorder, compiled)
                 optimizer.step()
                 held["optimizer"] = {recorder.storage_key(t) for s in optimizer.state.values() for t in s.values()
                                      if isinstance(t, torch.Tensor)} - {None}
                 optimizer.zero_grad()
+                log.counter_records = list(counter.records)
                 del batch
                 log.memory = _memory(recorder, held, first_event)
     finally:

@@ -60,9 +60,15 @@ class Call:
             f"at {self.where}" if self.where and not self.source else "") if part)
         return f"#{self.index} {what}" + (f" ({context})" if context else "")
 
+    @property
+    def fields(self) -> tuple:
+        """What a real run's call must equal: kind, group, dtype, count, op, root, peer, tag."""
+        return (self.kind, tuple(self.group), self.dtype, self.count, self.op, self.root, self.peer, self.tag)
+
     def translated(self, move) -> "Call":
-        """This call as issued by the rank ``move`` maps this one's rank to (``move``: global rank -> global rank)."""
-        return replace(self, group=tuple(move(r) for r in self.group),
+        """This call as issued by the rank ``move`` maps this one's rank to (``move``: global rank -> global rank;
+        a group's ranks stay sorted, as torch keeps them)."""
+        return replace(self, group=tuple(sorted(move(r) for r in self.group)),
                        root=None if self.root is None else move(self.root),
                        peer=None if self.peer is None else move(self.peer))
 
@@ -99,4 +105,5 @@ class RankLog:
     host_reads: list = field(default_factory=list)
     memory: MemoryReport = field(default_factory=MemoryReport)
     device_problems: list = field(default_factory=list)  # a CPU tensor met on a GPU rank, with where
+    counter_records: list = field(default_factory=list)  # the runtime's CommCounter records of the step
     seconds: float = 0.0
