@@ -5,7 +5,7 @@ A GPU plan's program runs on ``meta`` fakes (xirang_compile/check_api.py says wh
 memory-efficient kernel, which keeps for the backward only q, k, v, the output and a log-sum-exp (the
 analysis prices it so: passes/analysis/attention_core.py). On meta it decomposes into the math path,
 which keeps the seq x seq scores and probabilities: at Llama-2-70B's sequence of 4096 about 8 GiB a layer
-and micro-batch, more than a GPU holds. ``FusedAttention`` sends each call to the memory-efficient
+and micro-batch, more than a GPU holds. ``fuse_attention`` points each call at the memory-efficient
 kernel's own op (``_scaled_dot_product_efficient_attention``: a causal flag and an additive mask, as CUDA
 runs it), so the ops, what autograd saves and the peak are the GPU's. A call with dropout is left alone
 (the runtime's random streams own its draws), and grouped-query calls (``enable_gqa``) have k and v
@@ -14,35 +14,41 @@ repeated to the query's heads first, as the CUDA kernels without native GQA do.
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch import fx
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
-_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
-class FusedAttention(TorchFunctionMode):
-    """Runs every scaled-dot-product attention without dropout as CUDA's memory-efficient kernel (module docstring)."""
+def efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                        enable_gqa=False):
+    """``scaled_dot_product_attention`` as CUDA's memory-efficient kernel runs it (module docstring)."""
+    if dropout_p:
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeat = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes an additive bias
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    output, *_ = _EFFICIENT(query, key, value, attn_mask, query.requires_grad or key.requires_grad, 0.0,
+                            bool(is_causal), scale=scale)
+    return output
 
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is not _SDPA:
-            return func(*args, **kwargs)
-        bound = {**dict(zip(_ARGUMENTS, args)), **kwargs}
-        if bound.get("dropout_p", 0.0):
-            return func(*args, **kwargs)
-        query, key, value = bound["query"], bound["key"], bound["value"]
-        if bound.get("enable_gqa") and key.size(-3) != query.size(-3):
-            repeat = query.size(-3) // key.size(-3)
-            key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
-        mask = bound.get("attn_mask")
-        if mask is not None and mask.dtype == torch.bool:  # the kernel takes an additive bias
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-        self.calls += 1
-        output, *_ = _EFFICIENT(query, key, value, mask, query.requires_grad or key.requires_grad, 0.0,
-                                bool(bound.get("is_causal", False)), scale=bound.get("scale"))
-        return output
+def fuse_attention(program) -> int:
+    """Point every attention node of ``program``'s stage modules (and the recompute and offload regions
+    outlined in them) at ``efficient_attention``; returns how many. The rewrite is of the graph, not a mode,
+    so a recomputation in the backward runs the same kernel as the forward did."""
+    count = 0
+    for stage in program.stages:
+        for module in stage.module.modules():
+            if not isinstance(module, fx.GraphModule):
+                continue
+            found = [node for node in module.graph.nodes if node.op == "call_function" and node.target is _SDPA]
+            for node in found:
+                node.target = efficient_attention
+            if found:
+                module.recompile()
+                count += len(found)
+    return count

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xirang.codegen.check.gpu_semantics import FusedAttention
+from xirang.codegen.check.gpu_semantics import fuse_attention
 from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
 from xirang.codegen.check.records import MemoryReport, RankLog
 from xirang.codegen.ops.comm_counter import CommCounter
@@ -31,7 +30,8 @@ from xirang.ir.errors import XirangError
 
 
 # the executor's methods whose local ``action`` is the schedule action a call is issued in
-EXECUTOR_CODES = tuple(getattr(PipelineExecutor, name).__code__ for name in ("_compute", "_post_send", "_post_recv"))
+EXECUTOR_CODES = tuple(getattr(PipelineExecutor, name).__code__ for name in (
+    "_compute", "_post_send", "_post_recv", "_backward", "_backward_input", "_backward_weight"))
 
 
 def join_fake_world(rank: int, world_size: int) -> None:
@@ -82,8 +82,9 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # grad_sync's slot check
-            gpu = FusedAttention() if torch.device(allocator or device.type).type == "cuda" else nullcontext()
-            with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder), gpu:
+            if torch.device(allocator or device.type).type == "cuda":
+                fuse_attention(program)  # the kernel a GPU runs (codegen/check/gpu_semantics.py)
+            with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
                 groups = build_mesh_groups(plan.mesh)
                 state = {fqn: torch.empty(shape, dtype=dtype, device=device) for fqn, (shape, dtype) in tensors.items()}
                 counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
@@ -130,14 +131,16 @@ def _keys(recorder: Recorder, compiled) -> dict:
 
 
 def _memory(recorder: Recorder, held: dict, first_event: int) -> MemoryReport:
-    """The step's peak split by part: each storage live at the peak counted in the first part holding it,
-    what no part holds being the step's activations and working set."""
+    """The step's peak split by part: a storage the rank holds after the step is counted as what holds it
+    (parameters, gradients, optimizer state, receive buffers); any other by where it was made (the recorder's
+    allocation sites: gathered ZeRO-3 parameters, gradient buckets, the backward's working set, weight casts,
+    activations)."""
     live = recorder.live_at_peak()
-    parts = {name: 0 for name in ("parameters", "gradients", "optimizer", "communication", "activations")}
+    parts: dict = {}
     for key, size in live.items():
         part = next((name for name in ("parameters", "gradients", "optimizer", "communication")
-                     if key in held.get(name, ())), "activations")
-        parts[part] += size
+                     if key in held.get(name, ())), None) or recorder.part_of.get(key, "activations")
+        parts[part] = parts.get(part, 0) + size
     return MemoryReport(peak=recorder.peak, parts=parts, resting=recorder.live,
                         allocations=sum(1 for _, size in recorder.events[first_event:] if size > 0),
                         peak_action=recorder.peak_action)

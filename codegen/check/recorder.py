@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xirang.codegen.check.records import Call, HostRead
-from xirang.ir.meta_keys import SOURCE
+from xirang.ir.meta_keys import INSERTED, SOURCE
 
 CUDA_BLOCK_BYTES = 512  # the caching allocator's smallest block and rounding (c10/cuda/CUDACachingAllocator.cpp)
 
@@ -73,6 +73,7 @@ class Recorder(TorchDispatchMode):
         self.counter = None  # the rank's CommCounter: its newest record labels a call
         self._labelled = 0
         self._executor_codes = tuple(executor_code or ())  # the executor's methods whose local ``action`` is running
+        self._backward_codes = tuple(code for code in self._executor_codes if "backward" in code.co_name)
         self.live = 0
         self.peak = 0
         self.peak_at = 0  # events recorded when the peak was reached
@@ -82,6 +83,7 @@ class Recorder(TorchDispatchMode):
         self._keys = 0
         self._ids: dict = {}  # id(storage object) -> key, while live
         self.in_object_collective = 0
+        self.part_of: dict = {}  # storage key -> the part of memory its allocation site says it is
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class Recorder(TorchDispatchMode):
         size = allocator_bytes(storage.nbytes(), self.allocator) if on_device else 0
         self._ids[id(storage)] = key
         self.sizes[key] = size
+        self.part_of[key] = self._part() if size else "activations"
         self.events.append((key, size))
         self.live += size
         if self.live > self.peak:
@@ -114,6 +117,28 @@ class Recorder(TorchDispatchMode):
         size = self.sizes.pop(key, 0)
         self.live -= size
         self.events.append((key, -size))
+
+    def _part(self) -> str:
+        """Which part of a rank's memory a storage made now is, by where it is made (ALLOCATION_SITES; inside a
+        backward action the rest is the backward's working set; in a stage module a cast of a parameter is a
+        weight copy; else an activation)."""
+        backward = False
+        cast = False
+        for frame in self._frames():
+            code = frame.f_code
+            if code in self._backward_codes:
+                backward = True
+                break
+            name = code.co_filename
+            for site, part in ALLOCATION_SITES:
+                if site in name:
+                    return part
+            if not cast and name.startswith("<eval_with_key>"):
+                node = _node_at(frame)
+                cast = node is not None and _casts_a_parameter(node)
+        if backward:
+            return "working_set"
+        return "weight_casts" if cast else "activations"
 
     def live_at_peak(self) -> dict:
         """Storage key -> bytes of what was live when the peak was reached."""
@@ -208,6 +233,20 @@ class Recorder(TorchDispatchMode):
                                root=root, peer=peer, tag=tag, shape=shape, label=label,
                                blocking=kind not in ("send", "recv") and not bound.get("async_op", True),
                                **self._context()))
+
+
+# (a path fragment of the file making a storage, the part of memory it is), innermost frame first
+ALLOCATION_SITES = (("codegen/runtime/param_shards.py", "parameters"),
+                    ("codegen/runtime/dist_optimizer.py", "parameters"),
+                    ("codegen/runtime/grad_sync.py", "gradients"), ("codegen/runtime/p2p.py", "communication"),
+                    ("/torch/optim/", "optimizer"))
+
+
+def _casts_a_parameter(node) -> bool:
+    """Whether ``node`` makes a half-precision copy of a parameter (the precision pass's cast of a weight)."""
+    inputs = node.all_input_nodes
+    return str(INSERTED.get(node, "")).startswith("precision") and len(inputs) == 1 \
+        and inputs[0].op == "placeholder" and inputs[0].name.startswith("p_")  # torch.export names parameters p_
 
 
 def _node_at(frame):
