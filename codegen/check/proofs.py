@@ -97,10 +97,12 @@ class ClassLog:
 
 
 def _collectives_by_group(log) -> dict:
+    """(channel, sorted group) -> [call]: two process groups over the same ranks (a pipeline group and a tied
+    weight's) are two communicators, each pairing its own calls."""
     by_group: dict = {}
     for call in log.calls:
         if call.kind not in P2P_KINDS:
-            by_group.setdefault(tuple(sorted(call.group)), []).append(call)
+            by_group.setdefault((call.channel, tuple(sorted(call.group))), []).append(call)
     return by_group
 
 
@@ -110,19 +112,19 @@ def prove_collectives(mesh, classes: list) -> list:
     for index, klass in enumerate(classes):
         rep = klass.log.rank
         groups = _collectives_by_group(klass.log)
-        spanned = {group: {axis for axis in mesh.coords(rep) if _spans(mesh, group, axis)} for group in groups}
+        spanned = {key: {axis for axis in mesh.coords(rep) if _spans(mesh, key[1], axis)} for key in groups}
         moves = {}
         for member in klass.members:
             move = move_between(mesh, rep, member)
-            for group in groups:  # the moved group depends only on the shift along axes it does not span
-                key = (group, tuple(0 if axis in spanned[group] else move.delta[axis] % mesh.axis_size(axis)
+            for own in groups:  # the moved group depends only on the shift along axes it does not span
+                shift = (own, tuple(0 if axis in spanned[own] else move.delta[axis] % mesh.axis_size(axis)
                                     for axis in move.delta))
-                moved = moves.get(key)
+                moved = moves.get(shift)
                 if moved is None:
-                    moved = moves[key] = move.group(group)
-                issued.setdefault(moved, []).append((member, index, group))
+                    moved = moves[shift] = (own[0], move.group(own[1]))
+                issued.setdefault(moved, []).append((member, index, own))
     violations = []
-    for group, members in issued.items():
+    for (_, group), members in issued.items():
         missing = sorted(set(group) - {member for member, _, _ in members})
         if missing:
             member, index, own = members[0]
@@ -136,7 +138,7 @@ def prove_collectives(mesh, classes: list) -> list:
         for member, index, own in members:
             sequences.setdefault((index, own), []).append(member)
         if len(sequences) > 1:
-            violations += _compare_sequences(classes, group, sequences)
+            violations += _compare_sequences(mesh, classes, group, sequences)
     return violations
 
 
@@ -146,12 +148,19 @@ def _spans(mesh, group: tuple, axis: str) -> bool:
     return size > 1 and len({mesh.coords(rank)[axis] for rank in group}) == size
 
 
-def _compare_sequences(classes, group, sequences: dict) -> list:
+def _compare_sequences(mesh, classes, group, sequences: dict) -> list:
+    """Each (class, representative's group)'s calls on ``group``, moved to its first member (so a broadcast's
+    root is a rank of ``group``), against the first one's."""
+    def moved(key, members):
+        index, own = key
+        move = move_between(mesh, classes[index].log.rank, members[0])
+        return [call.translated(move) for call in _collectives_by_group(classes[index].log)[own]]
+
     (first_key, first_members), *others = sequences.items()
-    reference = _collectives_by_group(classes[first_key[0]].log)[first_key[1]]
+    reference = moved(first_key, first_members)
     found = []
-    for (index, own), members in others:
-        mine = _collectives_by_group(classes[index].log)[own]
+    for key, members in others:
+        mine = moved(key, members)
         for k in range(max(len(reference), len(mine))):
             a = reference[k] if k < len(reference) else None
             b = mine[k] if k < len(mine) else None
@@ -168,11 +177,12 @@ def _compare_sequences(classes, group, sequences: dict) -> list:
 
 
 def _messages(log) -> dict:
-    """(kind, peer) -> [call] of one log's sends and receives, in issue order."""
+    """(kind, peer, channel) -> [call] of one log's sends and receives, in issue order (each process group is
+    its own communicator: messages match within it)."""
     found: dict = {}
     for call in log.calls:
         if call.kind in P2P_KINDS:
-            found.setdefault((call.kind, call.peer), []).append(call)
+            found.setdefault((call.kind, call.peer, call.channel), []).append(call)
     return found
 
 
@@ -185,7 +195,7 @@ def prove_sends(mesh, classes: list) -> list:
         rep = klass.log.rank
         for member in klass.members:
             move = move_between(mesh, rep, member)
-            for (kind, peer0), calls in messages[index].items():
+            for (kind, peer0, channel), calls in messages[index].items():
                 peer = move(peer0)
                 sender, receiver = (member, peer) if kind == "send" else (peer, member)
                 other = class_of.get(peer)
@@ -195,8 +205,8 @@ def prove_sends(mesh, classes: list) -> list:
                     continue
                 back = move_between(mesh, peer, classes[other].log.rank)
                 mirror = "recv" if kind == "send" else "send"
-                theirs = messages[other].get((mirror, back(member)), [])
-                key = (index, kind, peer0, other, back(member))
+                theirs = messages[other].get((mirror, back(member), channel), [])
+                key = (index, kind, peer0, channel, other, back(member))
                 if key in checked:
                     continue
                 checked.add(key)
@@ -255,19 +265,19 @@ def prove_no_deadlock(mesh, classes: list, *, symmetric_dp: bool, ordered_pairs:
                 pair = (rank, peer) if call.kind == "send" else (peer, rank)
                 shift = mesh.coords(pair[0])["dp"] if symmetric_dp else 0
                 pair = (to_slice(pair[0]), Move(mesh, {"dp": -shift, "pp": 0, "tp": 0})(pair[1]))
-                key = ("p2p", pair)
+                key = ("p2p", pair, call.channel)
             else:
                 group = move.group(tuple(sorted(call.group)))
                 if group not in orbits:
                     orbits[group] = orbit(group)
-                key = ("group", orbits[group])
+                key = ("group", orbits[group], call.channel)
             seen[key] = seen.get(key, 0) + 1
             node = (*key, seen[key])
             parties = where.setdefault(node, [])
             if len(parties) < 2:
                 parties.append(f"rank {rank}: {call.describe()}")
             graph.add_node(node)
-            channel = ("p2p", frozenset(key[1])) if key[0] == "p2p" else key
+            channel = ("p2p", frozenset(key[1]), key[2]) if key[0] == "p2p" else key
             behind = [waited]
             if key[0] != "p2p" or ordered_pairs:
                 behind.append(on_channel.get(channel))

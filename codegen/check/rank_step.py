@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers torch's "fake" backend)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from xirang.codegen.check.gpu_semantics import fuse_attention

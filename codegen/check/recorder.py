@@ -232,6 +232,7 @@ class Recorder(TorchDispatchMode):
         self.calls.append(Call(index=len(self.calls), kind=kind, group=ranks, dtype=dtype, count=count, op=op,
                                root=root, peer=peer, tag=tag, shape=shape, label=label,
                                blocking=kind not in ("send", "recv") and not bound.get("async_op", True),
+                               channel=getattr(group, "group_desc", ""),
                                **self._context()))
 
 

@@ -43,6 +43,7 @@ class Call:
     source: str = ""
     where: str = ""  # the runtime's own file:line that issued it
     blocking: bool = False  # the host waits for it before going on (a synchronous collective, an object collective)
+    channel: str = ""  # the process group's description ("default_pg", "dp", "pp_gradients"): its communicator
 
     @property
     def signature(self) -> tuple:
@@ -50,7 +51,8 @@ class Call:
         return (self.kind, self.dtype, self.count, self.op, self.root)
 
     def describe(self) -> str:
-        what = f"{self.kind} {self.dtype} x{self.count}" + (f" op={self.op}" if self.op else "")
+        what = f"{self.kind} {self.dtype} x{self.count}" + (f" op={self.op}" if self.op else "") \
+            + (f" root {self.root}" if self.root is not None else "")
         if self.kind in P2P_KINDS:
             what = f"{self.kind} {self.dtype}{list(self.shape)} {'to' if self.kind == 'send' else 'from'} " \
                    f"rank {self.peer} (tag {self.tag})"

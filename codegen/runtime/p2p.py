@@ -8,7 +8,11 @@ ahead (where the schedule lists its ``Recv``) overlaps the compute before its co
 Matching: every message carries a tag made of (kind, receiving stage, micro-batch, tensor index).
 gloo matches by tag, so a transfer can never land in another micro-batch's buffer; NCCL ignores
 tags and matches per pair of ranks in posting order, which ``schedule_check`` proves the schedule
-keeps. Sizes are known statically (passes/lowering/split_stages.py), so nothing but the payload is sent.
+keeps. NCCL also runs a communicator's sends and receives between two ranks in order, each blocking
+until its peer's call runs, so the executor sends activations and gradients on different groups
+(``MeshGroups.pp_gradients``): one direction per channel, so a receive posted ahead never waits behind
+the other direction's send (``xirang check`` proves it, codegen/check/proofs.py). Sizes are known
+statically (passes/lowering/split_stages.py), so nothing but the payload is sent.
 
 ``ReceiveBuffers`` keeps, per (kind, stage), the buffer sets of finished receives for reuse: with
 the schedules' rule that a receive is posted one compute ahead, two sets per kind are live at most
@@ -58,15 +62,16 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(wire_dtype) if wire_dtype is not None else tensor
 
 
-def post_send(tensors, peer: int, tags) -> Transfer:
-    """isend each of ``tensors`` to global rank ``peer``; the Transfer keeps them alive until sent."""
+def post_send(tensors, peer: int, tags, group=None) -> Transfer:
+    """isend each of ``tensors`` to global rank ``peer`` on ``group`` (None: the default group); the Transfer
+    keeps them alive until sent."""
     wired = [_wire(tensor) for tensor in tensors]
-    return Transfer(wired, [dist.isend(tensor, dst=peer, tag=tag) for tensor, tag in zip(wired, tags)])
+    return Transfer(wired, [dist.isend(tensor, dst=peer, tag=tag, group=group) for tensor, tag in zip(wired, tags)])
 
 
-def post_recv(buffers, peer: int, tags) -> Transfer:
-    """irecv into each of ``buffers`` (from ``ReceiveBuffers.acquire``) from global rank ``peer``."""
-    works = [dist.irecv(_wire_view(buffer), src=peer, tag=tag) for buffer, tag in zip(buffers, tags)]
+def post_recv(buffers, peer: int, tags, group=None) -> Transfer:
+    """irecv into each of ``buffers`` (from ``ReceiveBuffers.acquire``) from global rank ``peer`` on ``group``."""
+    works = [dist.irecv(_wire_view(buffer), src=peer, tag=tag, group=group) for buffer, tag in zip(buffers, tags)]
     return Transfer(list(buffers), works)
 
 

@@ -36,6 +36,10 @@ class MeshGroups:
     dp: Optional[object]  # torch.distributed.ProcessGroup, or None where the axis has size 1
     pp: Optional[object]
     tp: Optional[object]
+    # the pipeline's gradients travel on a group of their own (the pp ranks again), activations on the default
+    # group: NCCL runs a communicator's messages between two ranks in order on one stream, so one channel per
+    # direction keeps a rank's posted receive of the next activation from waiting behind its gradient send
+    pp_gradients: Optional[object] = None
 
     def group(self, axis: str):
         """The process group along mesh axis ``axis`` (``None``: size 1, collectives are identity).
@@ -88,13 +92,18 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
         if mesh.axis_size(axis) == 1:
             continue  # every rank skips the same axes, so the new_group order still agrees
         for members in mesh.groups(axis):
-            group = dist.new_group(list(members))
+            group = dist.new_group(list(members), group_desc=axis)
             if rank in members:
                 handles[axis] = group
+    if mesh.axis_size("pp") > 1:  # after the axes, in the same order on every rank
+        for members in mesh.groups("pp"):
+            group = dist.new_group(list(members), group_desc="pp_gradients")
+            if rank in members:
+                handles["pp_gradients"] = group
     return MeshGroups(mesh=mesh, rank=rank, coords=coords,
                       dp_ranks=mesh.group("dp", rank), pp_ranks=mesh.group("pp", rank),
                       tp_ranks=mesh.group("tp", rank), dp=handles.get("dp"),
-                      pp=handles.get("pp"), tp=handles.get("tp"))
+                      pp=handles.get("pp"), tp=handles.get("tp"), pp_gradients=handles.get("pp_gradients"))
 
 
 @dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity
