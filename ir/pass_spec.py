@@ -6,7 +6,7 @@ pass manager can check a whole pass list before running anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Optional, Any, Callable
 
 from xirang.ir.meta_keys import MetaKey
 
@@ -27,11 +27,14 @@ class CompileContext:
 @dataclass(frozen=True)
 class LoweringContext:
     """What the lowering passes turn an analysed graph into: ``rank``'s program under ``plan``
-    (a ``xirang.ir.plan.Plan``), its tensors on ``device``."""
+    (a ``xirang.ir.plan.Plan``), its tensors on ``device``. ``shared``: facts a pass derives from the
+    analysed graph and the plan alone, the same for every rank, kept by a caller that lowers many ranks of
+    one plan (``xirang.check``) so they are derived once; None derives them each time."""
 
     plan: Any
     rank: int
     device: Any = "cpu"
+    shared: Optional[dict] = None
 
     @property
     def coords(self) -> dict:

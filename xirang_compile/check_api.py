@@ -12,9 +12,10 @@ collectives, sends, deadlock and memory, plus tensors on the wrong device for th
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -23,8 +24,11 @@ from xirang.codegen.check.proofs import (ClassLog, Violation, prove_collectives,
 from xirang.codegen.check.rank_step import run_rank
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
+from xirang.passes.lowering.compute_dtypes import compute_dtypes
+from xirang.passes.lowering.precision import COMPUTE_DTYPES
 
 from .analyze import analyze
+from .check_workers import run_jobs
 from .lower import lower
 
 
@@ -111,12 +115,13 @@ def _specs(named) -> dict:
 
 
 def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: Optional[str] = None,
-          mutate: Optional[dict] = None, memory_bytes: Optional[int] = None, analysed=None) -> CheckReport:
+          mutate: Optional[dict] = None, memory_bytes: Optional[int] = None, workers: Optional[int] = None,
+          analysed=None) -> CheckReport:
     """Dry-run every rank's program of ``plan`` for ``model`` (best built on ``meta``) and prove it (module
     docstring). ``device``: "cuda" or "cpu" (default: the plan's devices'). ``mutate``: {rank: fn(compiled)}
     changes those ranks' built programs before their step (tests: a fault the proofs must name).
     ``memory_bytes``: prove memory against devices of this size instead of the plan's (what if they were
-    smaller)."""
+    smaller). ``workers``: classes run side by side in forked processes (default: one per core; 1: here)."""
     from .compile_api import check_plan_for_graph  # the same refusals compile makes
 
     if not isinstance(model, torch.nn.Module):
@@ -133,24 +138,35 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
                      list(model.named_buffers(remove_duplicate=False)))
     inputs = _specs((name, value) for name, value in (example_kwargs or {}).items() if isinstance(value, torch.Tensor))
     mutate = dict(mutate or {})
-    classes, failed, lowering, running = [], [], 0.0, 0.0
-    for representative, members in rank_classes(plan, tuple(mutate)).items():
-        began = time.perf_counter()
-        program = lower(report.graph_module, plan, rank=representative, device=runs_on).program
-        lowering += time.perf_counter() - began
-        began = time.perf_counter()
-        try:
+    shared: dict = {}  # what every rank's lowering derives alike (the run-time dtypes), derived once, here
+    if plan.precision != "fp32":
+        dtype = COMPUTE_DTYPES[plan.precision]
+        shared[("run_dtypes", dtype)] = compute_dtypes(report.graph_module, dtype)
+
+    def job(representative):
+        def run():
+            began = time.perf_counter()
+            program = lower(report.graph_module, plan, rank=representative, device=runs_on, shared=shared).program
+            lowered = time.perf_counter() - began
             log = run_rank(program, plan, representative, tensors=tensors, inputs=inputs, device=runs_on,
                            allocator=device, mutate=mutate.get(representative))
-        except Exception as error:  # noqa: BLE001 - the step itself failing is the finding, named with its ranks
-            failed.append(Violation("step", f"the step of rank {representative} failed: {type(error).__name__}: "
-                                    f"{error}", ranks=members,
-                                    hint="run this rank's program on CPU ranks (xirang run) to see the error"))
+            return log, lowered
+        return run
+
+    classes_of = rank_classes(plan, tuple(mutate))
+    began = time.perf_counter()
+    results = run_jobs([job(rep) for rep in classes_of], workers if workers is not None else (os.cpu_count() or 1))
+    seconds["classes"] = time.perf_counter() - began
+    classes, failed, lowering, running = [], [], 0.0, 0.0
+    for (representative, members), result in zip(classes_of.items(), results):
+        if result[0] != "ok":  # the step itself failing is the finding, named with its ranks
+            failed.append(Violation("step", f"the step of rank {representative} failed: {result[1]}", ranks=members,
+                                    hint="run this rank's program on CPU ranks (xirang run) to see it fail"))
             continue
-        finally:
-            running += time.perf_counter() - began
+        log, lowered = result[1]
+        lowering, running = lowering + lowered, running + log.seconds
         classes.append(ClassLog(log, members))
-    seconds["lower"], seconds["run"] = lowering, running
+    seconds["lower (summed)"], seconds["run (summed)"] = lowering, running
     began = time.perf_counter()
     symmetric = not plan.dp_shares and not mutate
     violations = (failed + prove_devices(classes) + prove_collectives(plan.mesh, classes)
@@ -160,5 +176,3 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
     seconds["prove"] = time.perf_counter() - began
     return CheckReport(plan, classes, violations, seconds, device)
 
-
-MutateFn = Callable  # fn(compiled) -> None

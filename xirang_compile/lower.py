@@ -29,11 +29,13 @@ class LoweredRank:
     run: PassRun  # the lowered graph and each pass's time
 
 
-def lower(gm, plan, *, rank: int, device="cpu", dump_dir: Optional[str | Path] = None) -> LoweredRank:
-    """Run ``LOWERING_PASSES`` on ``gm`` (analysed, the graph ``plan`` was made for) for ``rank``."""
+def lower(gm, plan, *, rank: int, device="cpu", dump_dir: Optional[str | Path] = None,
+          shared: Optional[dict] = None) -> LoweredRank:
+    """Run ``LOWERING_PASSES`` on ``gm`` (analysed, the graph ``plan`` was made for) for ``rank``; ``shared``
+    (a dict kept across calls for one gm and plan) keeps what every rank derives alike (LoweringContext)."""
     check_emittable(plan)
     manager = PassManager(LOWERING_PASSES, available=ANALYSIS_PROVIDES, dump_dir=dump_dir)
-    run = manager.run(gm, LoweringContext(plan, rank, torch.device(device)))
+    run = manager.run(gm, LoweringContext(plan, rank, torch.device(device), shared))
     return LoweredRank(emit_program(run.gm, plan), run)
 
 

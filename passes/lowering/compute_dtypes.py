@@ -93,7 +93,10 @@ def plan_run_dtypes(gm, ctx):
     dtype = COMPUTE_DTYPES[ctx.plan.precision]
     if dtype == torch.float32:
         return gm
-    found = compute_dtypes(gm, dtype)
+    shared = ctx.shared if ctx.shared is not None else {}
+    found = shared.get(("run_dtypes", dtype))  # rank-independent: one graph, one precision
+    if found is None:
+        found = shared[("run_dtypes", dtype)] = compute_dtypes(gm, dtype)
     for node in gm.graph.nodes:
         if node.name in found:
             RUN_DTYPE.set(node, str(found[node.name]).removeprefix("torch."))
