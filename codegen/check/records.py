@@ -43,7 +43,7 @@ class Call:
     source: str = ""
     where: str = ""  # the runtime's own file:line that issued it
     blocking: bool = False  # the host waits for it before going on (a synchronous collective, an object collective)
-    channel: str = ""  # the process group's description ("default_pg", "dp", "pp_gradients"): its communicator
+    channel: str = ""  # the process group's description ("default_pg", "dp", "pp_down"): its communicator
 
     @property
     def signature(self) -> tuple:

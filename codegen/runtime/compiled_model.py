@@ -131,7 +131,7 @@ class CompiledModel:
         cut, groups = max((len(p.crossing_in) for p in self.programs), default=1) or 1, self.groups
         return PipelineExecutor(self.schedule, self.pp_rank, self._stages, peers=groups.pp_ranks, device=self.device,
                                 tensors_per_cut=cut, grad_buckets=self.grad_buckets or None, rng=self.rng,
-                                offload=self.activation_offload, gradient_group=groups.pp_gradients)
+                                offload=self.activation_offload, down_group=groups.pp_down)
 
     def _weigh_share(self) -> None:
         """This dp rank's weight in the step's averages (loss and gradients): n_i * dp / N for its

@@ -9,10 +9,12 @@ Matching: every message carries a tag made of (kind, receiving stage, micro-batc
 gloo matches by tag, so a transfer can never land in another micro-batch's buffer; NCCL ignores
 tags and matches per pair of ranks in posting order, which ``schedule_check`` proves the schedule
 keeps. NCCL also runs a communicator's sends and receives between two ranks in order, each blocking
-until its peer's call runs, so the executor sends activations and gradients on different groups
-(``MeshGroups.pp_gradients``): one direction per channel, so a receive posted ahead never waits behind
-the other direction's send (``xirang check`` proves it, codegen/check/proofs.py). Sizes are known
-statically (passes/lowering/split_stages.py), so nothing but the payload is sent.
+until its peer's call runs, so the executor sends messages to a lower pipeline rank on a group of their
+own (``MeshGroups.pp_down``) and those to a higher one on the default group: one direction per channel
+(interleaved schedules at pp = 2 send activations both ways between the same two ranks), so a receive
+posted ahead never waits behind the other direction's send (``xirang check`` proves it,
+codegen/check/proofs.py). Sizes are known statically (passes/lowering/split_stages.py), so nothing but the
+payload is sent.
 
 ``ReceiveBuffers`` keeps, per (kind, stage), the buffer sets of finished receives for reuse: with
 the schedules' rule that a receive is posted one compute ahead, two sets per kind are live at most

@@ -94,17 +94,18 @@ class PipelineExecutor:
     carries (for message tags; the same on every rank). ``offload``: the ``ActivationOffload`` the
     stages' offloaded blocks use (told which (stage, micro-batch) runs, and when its backward starts
     and ends), or None. ``rng``: the programs' ``RngContext`` (codegen/ops/random_ops.py), or None.
-    ``gradient_group``: the process group gradients are sent on (``MeshGroups.pp_gradients``; p2p.py says why).
+    ``down_group``: the process group of messages to a lower pipeline rank (``MeshGroups.pp_down``; p2p.py
+    says why); messages to a higher one use the default group.
     """
 
     def __init__(self, schedule: Schedule, pp_rank: int, stages: dict, *, peers, tensors_per_cut: int,
-                 device="cpu", grad_buckets: dict | None = None, offload=None, rng=None, gradient_group=None):
+                 device="cpu", grad_buckets: dict | None = None, offload=None, rng=None, down_group=None):
         self.schedule, self.pp_rank, self.stages = schedule, pp_rank, dict(stages)
         self.offload = offload  # codegen/runtime/offload.ActivationOffload when blocks offload, else None
         self.rng = rng  # codegen/ops/random_ops.RngContext: told the micro-batch of every compute
         self.actions = schedule.ranks[pp_rank]
         self.peers, self.tensors_per_cut, self.grad_buckets = tuple(peers), tensors_per_cut, grad_buckets or {}
-        self.channels = {GRADIENT: gradient_group}  # the group each kind travels on (None: the default group; p2p.py)
+        self.down_group = down_group  # messages to a lower pipeline rank; to a higher one: the default group
         missing = sorted(set(schedule.stages_of(pp_rank)) - set(self.stages))
         if missing:
             raise XirangError(f"pipeline rank {pp_rank} runs stages {missing} of schedule {schedule.name!r} but "
@@ -219,7 +220,8 @@ class PipelineExecutor:
     def _post_recv(self, action: Recv) -> None:
         buffers = self.buffers.acquire(action.kind, action.stage)
         tags = [self._tag(action.kind, action.stage, action.micro_batch, i) for i in range(len(buffers))]
-        transfer = post_recv(buffers, self.peers[action.peer], tags, self.channels.get(action.kind))
+        transfer = post_recv(buffers, self.peers[action.peer], tags, self._channel(receiver=self.pp_rank,
+                                                                                  sender=action.peer))
         self._pending[(action.kind, action.stage, action.micro_batch)] = (transfer, buffers)
 
     def _post_send(self, action: Send) -> None:
@@ -229,7 +231,12 @@ class PipelineExecutor:
         # Drop finished sends first: holding their tensors to the end of the step would keep every
         # micro-batch's outputs alive and break 1F1B's memory bound.
         self._sends = [transfer for transfer in self._sends if not transfer.done()]
-        self._sends.append(post_send(tensors, self.peers[action.peer], tags, self.channels.get(action.kind)))
+        self._sends.append(post_send(tensors, self.peers[action.peer], tags,
+                                     self._channel(sender=self.pp_rank, receiver=action.peer)))
+
+    def _channel(self, *, sender: int, receiver: int):
+        """The group a message between two pipeline ranks travels on: one per direction (p2p.py)."""
+        return self.down_group if receiver < sender else None
 
     def _tag(self, kind, receiving_stage, mb, index) -> int:
         return message_tag(kind, receiving_stage, mb, index, num_stages=self.schedule.num_stages,

@@ -36,10 +36,10 @@ class MeshGroups:
     dp: Optional[object]  # torch.distributed.ProcessGroup, or None where the axis has size 1
     pp: Optional[object]
     tp: Optional[object]
-    # the pipeline's gradients travel on a group of their own (the pp ranks again), activations on the default
-    # group: NCCL runs a communicator's messages between two ranks in order on one stream, so one channel per
-    # direction keeps a rank's posted receive of the next activation from waiting behind its gradient send
-    pp_gradients: Optional[object] = None
+    # messages to a lower pipeline rank travel on a group of their own (the pp ranks again), those to a higher
+    # one on the default group: NCCL runs a communicator's messages between two ranks in order on one stream,
+    # so one channel per direction keeps a posted receive from waiting behind the other direction's send
+    pp_down: Optional[object] = None
 
     def group(self, axis: str):
         """The process group along mesh axis ``axis`` (``None``: size 1, collectives are identity).
@@ -97,13 +97,13 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
                 handles[axis] = group
     if mesh.axis_size("pp") > 1:  # after the axes, in the same order on every rank
         for members in mesh.groups("pp"):
-            group = dist.new_group(list(members), group_desc="pp_gradients")
+            group = dist.new_group(list(members), group_desc="pp_down")
             if rank in members:
-                handles["pp_gradients"] = group
+                handles["pp_down"] = group
     return MeshGroups(mesh=mesh, rank=rank, coords=coords,
                       dp_ranks=mesh.group("dp", rank), pp_ranks=mesh.group("pp", rank),
                       tp_ranks=mesh.group("tp", rank), dp=handles.get("dp"),
-                      pp=handles.get("pp"), tp=handles.get("tp"), pp_gradients=handles.get("pp_gradients"))
+                      pp=handles.get("pp"), tp=handles.get("tp"), pp_down=handles.get("pp_down"))
 
 
 @dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity

@@ -83,7 +83,7 @@ def test_a_send_to_the_wrong_peer_is_named(setup):
         executor.peers = (executor.peers[0], executor.peers[1] + 1)  # the next stage's tp neighbour instead
     report = _check(setup, mutate={0: wrong_peer})
     # the activation reaches rank 3, which never posts its receive; the gradient's receive from rank 3 on the
-    # pipeline's gradient group (ranks 0 and 2) is refused by torch at once: both are named with rank 0
+    # pipeline's downward group (ranks 0 and 2) is refused by torch at once: both are named with rank 0
     named = [v for v in report.violations if v.proof in ("sends", "step") and 0 in v.ranks]
     assert named, report.explain()
     assert any("3" in v.what or any("rank 3" in call for call in v.calls) for v in named)
@@ -114,7 +114,7 @@ def test_a_smaller_device_is_named_per_pipeline_rank(setup):
 def test_gpu_pipeline_sends_each_direction_on_its_own_channel(setup):
     """Under NCCL a communicator runs a pair's sends and receives in order, each blocking until its peer's
     call runs; a stage posts the next activation's receive before its gradient send. On one channel the two
-    pipeline ranks would wait on each other; the runtime sends gradients on a group of their own."""
+    pipeline ranks would wait on each other; the runtime sends each direction on a group of its own."""
     model, example, report, _ = setup
     plan = xirang.plan(model, world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
                        pp=2, schedule="1f1b", micro_batch=1, seq=4096, analysed=report)
@@ -123,7 +123,7 @@ def test_gpu_pipeline_sends_each_direction_on_its_own_channel(setup):
     assert proven.device == "cuda"
 
     def one_channel(compiled):
-        compiled.executor.channels = {}  # gradients back on the default group, as before
+        compiled.executor.down_group = None  # both directions on the default group, as before
     broken = xirang.check(plan, model, example_kwargs=example, analysed=report,
                           mutate={rank: one_channel for rank in range(8)})
     deadlock = _only(broken, "deadlock")[0]
