@@ -81,6 +81,7 @@ class CheckReport:
             pp = klass.log.coords["pp"]
             rows.append({"pp_rank": pp, "representative": klass.log.rank, "ranks": len(klass.members),
                          "peak_bytes": klass.log.memory.peak, "parts": dict(klass.log.memory.parts),
+                         "host_peak_bytes": klass.log.memory.host_peak,
                          "predicted_bytes": predicted[pp] if pp < len(predicted) else None,
                          "calls": len(klass.log.calls), "host_reads": len(klass.log.host_reads),
                          "seconds": klass.log.seconds})
@@ -95,6 +96,8 @@ class CheckReport:
             predicted = row["predicted_bytes"]
             ratio = f"{row['peak_bytes'] / predicted:.2f}" if predicted else "-"
             parts = " ".join(f"{name} {size / MiB:.1f}" for name, size in row["parts"].items() if size)
+            if row["host_peak_bytes"]:
+                parts += f"; host memory {row['host_peak_bytes'] / MiB:.1f}"
             lines.append(f"  {row['pp_rank']:>7}  {row['ranks']:>5}  {row['calls']:>5}  {row['host_reads']:>10}  "
                          f"{row['peak_bytes'] / MiB:>8.1f}  {(predicted or 0) / MiB:>13.1f}  {ratio:>18}  {parts}")
         reads = {(read.op, read.where) for klass in self.classes for read in klass.log.host_reads}

@@ -10,6 +10,10 @@ kernel's own op (``_scaled_dot_product_efficient_attention``: a causal flag and 
 runs it), so the ops, what autograd saves and the peak are the GPU's. A call with dropout is left alone
 (the runtime's random streams own its draws), and grouped-query calls (``enable_gqa``) have k and v
 repeated to the query's heads first, as the CUDA kernels without native GQA do.
+
+Activation offload copies what a block saves to host memory on a GPU (pinned, on a side stream), freeing
+the device's copy; on the fakes' device the CPU path would clone it on the device. ``HostCopies`` copies to
+fake CPU tensors and back, in order, so the device's peak drops as a GPU's does and the host's holds them.
 """
 from __future__ import annotations
 
@@ -52,3 +56,23 @@ def fuse_attention(program) -> int:
                 module.recompile()
                 count += len(found)
     return count
+
+
+class _Done:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def wait(self):
+        return self.tensor
+
+
+class HostCopies:
+    """The offload engine's copies as a GPU makes them (module docstring): out to host memory, back to the device."""
+
+    def to_host(self, tensor):
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        host.copy_(tensor.detach())
+        return _Done(host)
+
+    def to_device(self, host, device):
+        return _Done(host.wait().to(device))

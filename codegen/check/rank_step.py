@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers torch's "fake" backend)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from xirang.codegen.check.gpu_semantics import fuse_attention
+from xirang.codegen.check.gpu_semantics import HostCopies, fuse_attention
 from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
 from xirang.codegen.check.records import MemoryReport, RankLog
 from xirang.codegen.ops.comm_counter import CommCounter
@@ -91,6 +91,8 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
                 counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
                 compiled = CompiledModel(state, plan, program, groups=groups, device=device, counter=counter, seed=0)
                 del state  # the rank keeps its shards only, as a launched rank does
+                if compiled.activation_offload is not None and torch.device(allocator or device.type).type == "cuda":
+                    compiled.activation_offload.use_copier(HostCopies())  # to host memory, as a GPU copies
                 if mutate is not None:
                     mutate(compiled)
                 optimizer = torch.optim.AdamW(compiled.parameters())
@@ -144,4 +146,4 @@ def _memory(recorder: Recorder, held: dict, first_event: int) -> MemoryReport:
         parts[part] = parts.get(part, 0) + size
     return MemoryReport(peak=recorder.peak, parts=parts, resting=recorder.live,
                         allocations=sum(1 for _, size in recorder.events[first_event:] if size > 0),
-                        peak_action=recorder.peak_action)
+                        peak_action=recorder.peak_action, host_peak=recorder.host_peak)

@@ -84,6 +84,8 @@ class Recorder(TorchDispatchMode):
         self._ids: dict = {}  # id(storage object) -> key, while live
         self.in_object_collective = 0
         self.part_of: dict = {}  # storage key -> the part of memory its allocation site says it is
+        self.host_live = self.host_peak = 0  # a GPU rank's host memory the step's tensors hold (offload copies)
+        self._host_sizes: dict = {}
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -101,6 +103,10 @@ class Recorder(TorchDispatchMode):
         key = self._keys
         on_device = tensor.device.type == self.device.type  # a GPU rank's host buffers (offload) are not device memory
         size = allocator_bytes(storage.nbytes(), self.allocator) if on_device else 0
+        if not on_device:  # host memory of a GPU rank: counted apart
+            self.host_live += storage.nbytes()
+            self.host_peak = max(self.host_peak, self.host_live)
+            self._host_sizes[id(storage)] = storage.nbytes()
         self._ids[id(storage)] = key
         self.sizes[key] = size
         self.part_of[key] = self._part() if size else "activations"
@@ -112,6 +118,7 @@ class Recorder(TorchDispatchMode):
         weakref.finalize(storage, self._free, id(storage), key)
 
     def _free(self, storage_id: int, key: int) -> None:
+        self.host_live -= self._host_sizes.pop(storage_id, 0) if self._ids.get(storage_id) == key else 0
         if self._ids.get(storage_id) == key:
             del self._ids[storage_id]
         size = self.sizes.pop(key, 0)

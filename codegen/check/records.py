@@ -95,6 +95,7 @@ class MemoryReport:
     resting: int = 0
     allocations: int = 0
     peak_action: str = ""
+    host_peak: int = 0  # a GPU rank's host memory its step's tensors held at most (offloaded activations)
 
 
 @dataclass

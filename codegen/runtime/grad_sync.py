@@ -40,6 +40,7 @@ from xirang.ir.plan_parts import ENACTED_ALGORITHM
 
 from xirang.codegen.ops.collectives import all_gather_flat, group_size, reduce_scatter_flat
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
+from xirang.codegen.runtime.storage_identity import element_key, storage_key
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -99,7 +100,7 @@ class _Bucket:
     ready: set = field(default_factory=set)  # id() of params whose gradient arrived this step
     buffer: Optional[torch.Tensor] = None    # flat, averaged-in-flight gradients (a view of ``storage``)
     storage: Optional[torch.Tensor] = None   # the bucket's flat buffer, kept from step to step
-    slots: dict = field(default_factory=dict)  # id(param) -> (its view of ``storage``, that view's data_ptr)
+    slots: dict = field(default_factory=dict)  # id(param) -> (its view of ``storage``, that view's element_key)
     divisor: Optional[torch.Tensor] = None   # the dp group size, for ``storage``'s dtype (group_divisor)
     shard: Optional[torch.Tensor] = None     # hierarchical: this rank's 1/k of the buffer
     phase: int = 0                           # hierarchical: 1 reduce-scatter, 2 cross-node, 3 gather
@@ -247,7 +248,7 @@ class GradientBuckets:
         if held is None or held.numel() != size or held.dtype != dtype or held.device != first.device:
             held = bucket.storage = torch.zeros(size, dtype=dtype, device=first.device)  # padding stays 0
             views = held[:sum(numels)].split(numels)  # back to back, in the bucket's (gradient-ready) order
-            bucket.slots = {id(p): (v.view(p.shape), v.data_ptr()) for p, v in zip(bucket.params, views)}
+            bucket.slots = {id(p): (v.view(p.shape), element_key(v)) for p, v in zip(bucket.params, views)}
             bucket.divisor = group_divisor(self._world, dtype)
         return held
 
@@ -259,7 +260,7 @@ class GradientBuckets:
         Runs once per parameter per step, so everything it needs is made beforehand (``_storage``)."""
         slot, slot_address = bucket.slots[id(param)]
         grad = param.grad
-        in_place = grad.data_ptr() == slot_address and grad.stride() == slot.stride()
+        in_place = element_key(grad) == slot_address and grad.stride() == slot.stride()
         if not in_place and grad.dtype == slot.dtype and self.share_weight == 1.0:
             torch.div(grad, bucket.divisor, out=slot)  # one fused pass, the common case
         else:
@@ -339,7 +340,7 @@ class GradientBuckets:
                     param.grad = None  # the full gradient is not kept: the shard's slice is the result
             for param in () if bucket.scatter else bucket.params:
                 averaged, address = bucket.slots[id(param)]
-                if param.grad.data_ptr() != address:  # a reduce-dtype copy, not the slot
+                if element_key(param.grad) != address:  # a reduce-dtype copy, not the slot
                     param.grad.copy_(averaged)
             bucket.ready.clear()
             bucket.buffer = bucket.handle = bucket.shard = None
@@ -360,9 +361,8 @@ class GradientBuckets:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is in a bucket buffer (a gradient kept as its slot: the next backward overwrites it)."""
-        where = tensor.untyped_storage().data_ptr()
-        return any(bucket.storage is not None and bucket.storage.untyped_storage().data_ptr() == where
-                   for bucket in self.buckets)
+        where = storage_key(tensor)
+        return any(bucket.storage is not None and storage_key(bucket.storage) == where for bucket in self.buckets)
 
     @property
     def bucket_params(self) -> tuple:

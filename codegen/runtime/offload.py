@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from xirang.codegen.ops.activations import OffloadedBlock
+from xirang.codegen.runtime.storage_identity import storage_key
 
 
 @dataclass
@@ -81,6 +82,12 @@ class ActivationOffload:
         if self._copier is None:
             self._copier = _StreamCopier(self.device) if self.device.type == "cuda" else _ThreadCopier()
         return self._copier
+
+    def use_copier(self, copier) -> None:
+        """Copy with ``copier`` (``to_host(tensor)`` and ``to_device(host, device)``, each returning something
+        to ``wait()`` on) instead of the device's own: the dry run's GPU copies to host memory on fake tensors
+        (codegen/check/gpu_semantics.py)."""
+        self._copier = copier
 
     # --- called by the executor -------------------------------------------------------------
 
@@ -146,7 +153,7 @@ class ActivationOffload:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    return storage_key(tensor)
 
 
 class _Block:
