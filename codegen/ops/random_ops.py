@@ -113,8 +113,8 @@ def _live(rng) -> RngContext:
 
 
 def generator(seed: int, device) -> torch.Generator:
-    """A fresh generator on ``device`` seeded with ``seed``: one per draw, nothing to restore."""
-    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+    """A fresh generator on ``device`` seeded with ``seed``, one per draw (meta, valueless, draws on the CPU's)."""
+    return torch.Generator(device="cpu" if torch.device(device).type == "meta" else device).manual_seed(seed)
 
 
 @contextmanager
@@ -122,7 +122,7 @@ def seeded_default_generator(device, seed: int):
     """Run the block with ``device``'s default generator seeded with ``seed``, restored after (for
     kernels that take no generator: fused attention, ops without a rule of their own)."""
     device = torch.device(device)
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # a meta tensor has no generator of its own (``generator``)
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             yield
