@@ -108,23 +108,28 @@ def _collectives_by_group(log) -> dict:
 
 def prove_collectives(mesh, classes: list) -> list:
     """(a): every group's members issue equal sequences of calls on it (module docstring)."""
-    issued: dict = {}  # group -> [(member, class index, representative's group)]
+    issued: dict = {}  # moved group's id -> [(member, class index, representative's group)]
+    ids: dict = {}  # (channel, group) -> a small id: a world group is thousands of ranks, hashed once
+    groups_of: dict = {}  # id -> (channel, group)
     for index, klass in enumerate(classes):
         rep = klass.log.rank
-        groups = _collectives_by_group(klass.log)
-        spanned = {key: {axis for axis in mesh.coords(rep) if _spans(mesh, key[1], axis)} for key in groups}
-        moves = {}
+        groups = list(_collectives_by_group(klass.log))
+        spanned = [{axis for axis in mesh.coords(rep) if _spans(mesh, key[1], axis)} for key in groups]
+        moves: dict = {}
         for member in klass.members:
             move = move_between(mesh, rep, member)
-            for own in groups:  # the moved group depends only on the shift along axes it does not span
-                shift = (own, tuple(0 if axis in spanned[own] else move.delta[axis] % mesh.axis_size(axis)
-                                    for axis in move.delta))
+            for position, own in enumerate(groups):  # the moved group depends only on the shift along axes
+                shift = (position, tuple(0 if axis in spanned[position]  # it does not span
+                                         else move.delta[axis] % mesh.axis_size(axis) for axis in move.delta))
                 moved = moves.get(shift)
                 if moved is None:
-                    moved = moves[shift] = (own[0], move.group(own[1]))
+                    key = (own[0], move.group(own[1]))
+                    moved = moves[shift] = ids.setdefault(key, len(ids))
+                    groups_of[moved] = key
                 issued.setdefault(moved, []).append((member, index, own))
     violations = []
-    for (_, group), members in issued.items():
+    for moved, members in issued.items():
+        group = groups_of[moved][1]
         missing = sorted(set(group) - {member for member, _, _ in members})
         if missing:
             member, index, own = members[0]

@@ -230,6 +230,7 @@ class Recorder(TorchDispatchMode):
         if kind in ("send", "recv"):
             peer = ranks[bound["dst" if kind == "send" else "src"]]
             tag, shape = bound["tag"], tuple(buffer[0].shape) if buffer else ()
+            ranks = (dist.get_rank(), peer)  # the pair, not the whole group it travels on (the world's, often)
         if kind == "broadcast":
             root = ranks[bound["root_rank"]]
         label = ""

@@ -69,8 +69,9 @@ class Call:
 
     def translated(self, move) -> "Call":
         """This call as issued by the rank ``move`` maps this one's rank to (``move``: global rank -> global rank;
-        a group's ranks stay sorted, as torch keeps them)."""
-        return replace(self, group=tuple(sorted(move(r) for r in self.group)),
+        a group's ranks stay sorted, as torch keeps them; a message's pair stays (self, peer))."""
+        moved = [move(r) for r in self.group]
+        return replace(self, group=tuple(moved) if self.kind in P2P_KINDS else tuple(sorted(moved)),
                        root=None if self.root is None else move(self.root),
                        peer=None if self.peer is None else move(self.peer))
 
