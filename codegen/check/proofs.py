@@ -108,7 +108,7 @@ def _collectives_by_group(log) -> dict:
 
 def prove_collectives(mesh, classes: list) -> list:
     """(a): every group's members issue equal sequences of calls on it (module docstring)."""
-    issued: dict = {}  # moved group's id -> [(member, class index, representative's group)]
+    issued: dict = {}  # moved group's id -> [(member, class index, the representative's group's position)]
     ids: dict = {}  # (channel, group) -> a small id: a world group is thousands of ranks, hashed once
     groups_of: dict = {}  # id -> (channel, group)
     for index, klass in enumerate(classes):
@@ -126,22 +126,23 @@ def prove_collectives(mesh, classes: list) -> list:
                     key = (own[0], move.group(own[1]))
                     moved = moves[shift] = ids.setdefault(key, len(ids))
                     groups_of[moved] = key
-                issued.setdefault(moved, []).append((member, index, own))
+                issued.setdefault(moved, []).append((member, index, position))
     violations = []
     for moved, members in issued.items():
         group = groups_of[moved][1]
         missing = sorted(set(group) - {member for member, _, _ in members})
         if missing:
-            member, index, own = members[0]
-            first = _collectives_by_group(classes[index].log)[own][0]
+            member, index, position = members[0]
+            calls = list(_collectives_by_group(classes[index].log).values())[position]
+            first = calls[0]
             violations.append(Violation(
                 "collectives", f"{len(missing)} member(s) of the group never call on it, while rank {member} issues "
-                f"{len(_collectives_by_group(classes[index].log)[own])} call(s) on it", ranks=tuple(missing),
+                f"{len(calls)} call(s) on it", ranks=tuple(missing),
                 group=group, calls=(f"rank {member}: {first.describe()}",),
                 hint="every member of a process group must issue the same collectives on it"))
         sequences: dict = {}
-        for member, index, own in members:
-            sequences.setdefault((index, own), []).append(member)
+        for member, index, position in members:
+            sequences.setdefault((index, position), []).append(member)
         if len(sequences) > 1:
             violations += _compare_sequences(mesh, classes, group, sequences)
     return violations
@@ -157,9 +158,9 @@ def _compare_sequences(mesh, classes, group, sequences: dict) -> list:
     """Each (class, representative's group)'s calls on ``group``, moved to its first member (so a broadcast's
     root is a rank of ``group``), against the first one's."""
     def moved(key, members):
-        index, own = key
+        index, position = key
         move = move_between(mesh, classes[index].log.rank, members[0])
-        return [call.translated(move) for call in _collectives_by_group(classes[index].log)[own]]
+        return [call.translated(move) for call in list(_collectives_by_group(classes[index].log).values())[position]]
 
     (first_key, first_members), *others = sequences.items()
     reference = moved(first_key, first_members)
