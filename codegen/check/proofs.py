@@ -127,13 +127,15 @@ def prove_collectives(mesh, classes: list) -> list:
                     moved = moves[shift] = ids.setdefault(key, len(ids))
                     groups_of[moved] = key
                 issued.setdefault(moved, []).append((member, index, position))
-    violations = []
+    violations, cache = [], {}
+    by_class = [list(_collectives_by_group(klass.log).values()) for klass in classes]
+    representatives = [klass.log.rank for klass in classes]
     for moved, members in issued.items():
         group = groups_of[moved][1]
         missing = sorted(set(group) - {member for member, _, _ in members})
         if missing:
             member, index, position = members[0]
-            calls = list(_collectives_by_group(classes[index].log).values())[position]
+            calls = by_class[index][position]
             first = calls[0]
             violations.append(Violation(
                 "collectives", f"{len(missing)} member(s) of the group never call on it, while rank {member} issues "
@@ -144,7 +146,7 @@ def prove_collectives(mesh, classes: list) -> list:
         for member, index, position in members:
             sequences.setdefault((index, position), []).append(member)
         if len(sequences) > 1:
-            violations += _compare_sequences(mesh, classes, group, sequences)
+            violations += _compare_sequences(mesh, by_class, representatives, group, sequences, cache)
     return violations
 
 
@@ -154,31 +156,40 @@ def _spans(mesh, group: tuple, axis: str) -> bool:
     return size > 1 and len({mesh.coords(rank)[axis] for rank in group}) == size
 
 
-def _compare_sequences(mesh, classes, group, sequences: dict) -> list:
+def _compare_sequences(mesh, by_class: list, representatives: list, group, sequences: dict, cache: dict) -> list:
     """Each (class, representative's group)'s calls on ``group``, moved to its first member (so a broadcast's
-    root is a rank of ``group``), against the first one's."""
-    def moved(key, members):
+    root is a rank of ``group``), against the first one's. ``by_class[i]``: class i's calls per group, in
+    ``_collectives_by_group``'s order; ``cache`` keeps each sequence's signatures (a pipeline or tied group
+    is compared once per group, hundreds of times, on the same logs)."""
+    def moved(key, member):
         index, position = key
-        move = move_between(mesh, classes[index].log.rank, members[0])
-        return [call.translated(move) for call in list(_collectives_by_group(classes[index].log).values())[position]]
+        calls = by_class[index][position]
+        if not any(call.root is not None for call in calls):  # nothing rank-dependent: one tuple per sequence
+            if key not in cache:
+                cache[key] = (tuple(call.signature for call in calls), calls)
+            return cache[key]
+        move = move_between(mesh, representatives[index], member)
+        translated = [call.translated(move) for call in calls]
+        return tuple(call.signature for call in translated), translated
 
     (first_key, first_members), *others = sequences.items()
-    reference = moved(first_key, first_members)
+    reference, reference_calls = moved(first_key, first_members[0])
     found = []
     for key, members in others:
-        mine = moved(key, members)
-        for k in range(max(len(reference), len(mine))):
-            a = reference[k] if k < len(reference) else None
-            b = mine[k] if k < len(mine) else None
-            if a is None or b is None or a.signature != b.signature:
-                found.append(Violation(
-                    "collectives", f"the members of the group disagree at their call #{k} on it"
-                    + (" (one has no such call)" if a is None or b is None else ""),
-                    ranks=(first_members[0], members[0]), group=group,
-                    calls=(f"rank {first_members[0]}: {a.describe() if a else 'no call'}",
-                           f"rank {members[0]}: {b.describe() if b else 'no call'}"),
-                    hint="the ranks would pair different collectives (NCCL hangs or reduces the wrong buffers)"))
-                break
+        mine, my_calls = moved(key, members[0])
+        if mine == reference:
+            continue
+        k = next(k for k in range(max(len(reference), len(mine)))
+                 if k >= len(reference) or k >= len(mine) or reference[k] != mine[k])
+        a = reference_calls[k] if k < len(reference_calls) else None
+        b = my_calls[k] if k < len(my_calls) else None
+        found.append(Violation(
+            "collectives", f"the members of the group disagree at their call #{k} on it"
+            + (" (one has no such call)" if a is None or b is None else ""),
+            ranks=(first_members[0], members[0]), group=group,
+            calls=(f"rank {first_members[0]}: {a.describe() if a else 'no call'}",
+                   f"rank {members[0]}: {b.describe() if b else 'no call'}"),
+            hint="the ranks would pair different collectives (NCCL hangs or reduces the wrong buffers)"))
     return found
 
 
