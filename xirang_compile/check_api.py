@@ -168,6 +168,13 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
             continue
         log, lowered = result[1]
         lowering, running = lowering + lowered, running + log.seconds
+        if log.failure:  # named, with what it found before failing; its partial calls prove nothing
+            during = f" during {log.failed_in}" if log.failed_in else ""
+            failed.append(Violation("step", f"the step of rank {representative} failed{during}: {log.failure}",
+                                    ranks=members, hint="the violations above it may say why; run this rank's "
+                                                        "program on CPU ranks (xirang run) to see it fail"))
+            failed += prove_devices([ClassLog(log, members)])
+            continue
         classes.append(ClassLog(log, members))
     seconds["lower (summed)"], seconds["run (summed)"] = lowering, running
     symmetric = not plan.dp_shares and not mutate

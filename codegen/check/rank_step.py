@@ -12,7 +12,6 @@ random streams and tied sums are the ones a launched rank runs.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -81,47 +80,58 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
     recorder = Recorder(device, executor_code=EXECUTOR_CODES, allocator=allocator)
     log = RankLog(rank=rank, coords=plan.mesh.coords(rank))
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # grad_sync's slot check
-            if torch.device(allocator or device.type).type == "cuda":
-                fuse_attention(program)  # the kernel a GPU runs (codegen/check/gpu_semantics.py)
-            with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
-                groups = build_mesh_groups(plan.mesh)
-                state = {fqn: torch.empty(shape, dtype=dtype, device=device) for fqn, (shape, dtype) in tensors.items()}
-                counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
-                compiled = CompiledModel(state, plan, program, groups=groups, device=device, counter=counter, seed=0)
-                del state  # the rank keeps its shards only, as a launched rank does
-                if compiled.activation_offload is not None and torch.device(allocator or device.type).type == "cuda":
-                    compiled.activation_offload.use_copier(HostCopies())  # to host memory, as a GPU copies
-                if mutate is not None:
-                    mutate(compiled)
-                optimizer = torch.optim.AdamW(compiled.parameters())
-                for param in compiled.parameters():  # the optimizer's state exists from the first step on
-                    param.grad = torch.zeros_like(param)
-                optimizer.step()
-                optimizer.zero_grad()
-                batch = share_batch(plan, program, inputs, groups.axis_index("dp"), device)
-                recorder.calls.clear()
-                recorder.host_reads.clear()
-                recorder.counter = counter
-                recorder.peak, recorder.peak_at = recorder.live, len(recorder.events)
-                first_event = len(recorder.events)
-                counter.reset()
-                compiled.train_step(**batch, pre_sharded=True)
-                held = _keys(recorder, compiled)
-                optimizer.step()
-                held["optimizer"] = {recorder.storage_key(t) for s in optimizer.state.values() for t in s.values()
-                                     if isinstance(t, torch.Tensor)} - {None}
-                optimizer.zero_grad()
-                log.counter_records = list(counter.records)
-                del batch
-                log.memory = _memory(recorder, held, first_event)
+        if torch.device(allocator or device.type).type == "cuda":
+            fuse_attention(program)  # the kernel a GPU runs (codegen/check/gpu_semantics.py)
+        with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
+            groups = build_mesh_groups(plan.mesh)
+            state = {fqn: torch.empty(shape, dtype=dtype, device=device) for fqn, (shape, dtype) in tensors.items()}
+            counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
+            compiled = CompiledModel(state, plan, program, groups=groups, device=device, counter=counter, seed=0)
+            del state  # the rank keeps its shards only, as a launched rank does
+            if compiled.activation_offload is not None and torch.device(allocator or device.type).type == "cuda":
+                compiled.activation_offload.use_copier(HostCopies())  # to host memory, as a GPU copies
+            if mutate is not None:
+                mutate(compiled)
+            optimizer = torch.optim.AdamW(compiled.parameters())
+            for param in compiled.parameters():  # the optimizer's state exists from the first step on
+                param.grad = torch.zeros_like(param)
+            optimizer.step()
+            optimizer.zero_grad()
+            batch = share_batch(plan, program, inputs, groups.axis_index("dp"), device)
+            recorder.calls.clear()
+            recorder.host_reads.clear()
+            recorder.counter = counter
+            recorder.peak, recorder.peak_at = recorder.live, len(recorder.events)
+            first_event = len(recorder.events)
+            counter.reset()
+            compiled.train_step(**batch, pre_sharded=True)
+            held = _keys(recorder, compiled)
+            optimizer.step()
+            held["optimizer"] = {recorder.storage_key(t) for s in optimizer.state.values() for t in s.values()
+                                 if isinstance(t, torch.Tensor)} - {None}
+            optimizer.zero_grad()
+            log.counter_records = list(counter.records)
+            del batch
+            log.memory = _memory(recorder, held, first_event)
+    except Exception as error:  # noqa: BLE001 - the step failing is a finding: kept with what ran before it
+        log.failure = f"{type(error).__name__}: {error}"
+        log.failed_in = _failing_action(error)
     finally:
         leave_fake_world()
     log.calls, log.host_reads = recorder.calls, recorder.host_reads
     log.device_problems = recorder.device_problems
     log.seconds = time.perf_counter() - started
     return log
+
+
+def _failing_action(error: BaseException) -> str:
+    """The schedule action the step was running when ``error`` was raised ("" outside the schedule)."""
+    found, trace = "", error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code in EXECUTOR_CODES:
+            found = str(trace.tb_frame.f_locals.get("action", found))
+        trace = trace.tb_next
+    return found
 
 
 def _keys(recorder: Recorder, compiled) -> dict:

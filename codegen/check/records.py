@@ -110,4 +110,6 @@ class RankLog:
     memory: MemoryReport = field(default_factory=MemoryReport)
     device_problems: list = field(default_factory=list)  # a CPU tensor met on a GPU rank, with where
     counter_records: list = field(default_factory=list)  # the runtime's CommCounter records of the step
+    failure: str = ""  # the error the step raised ("" when it completed); the calls are those before it
+    failed_in: str = ""  # the schedule action that raised it
     seconds: float = 0.0

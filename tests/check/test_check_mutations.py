@@ -144,3 +144,19 @@ def test_offloaded_activations_leave_the_gpu_for_host_memory(setup):
         assert away.log.memory.host_peak > stay.log.memory.host_peak + 100_000, moved.explain()
         # (the device's peak is the optimizer step's at this size, so it does not move)
         assert away.log.memory.peak <= stay.log.memory.peak
+
+
+def test_a_cpu_tensor_handed_to_nccl_on_a_gpu_rank_is_named(setup):
+    """Code that makes a tensor without the rank's device works on CPU ranks and fails on a GPU's first NCCL
+    call; the dry run of a GPU plan names it (here: one rank's receive buffers made on the CPU)."""
+    from xirang.codegen.runtime.p2p import ReceiveBuffers
+    model, example, report, _ = setup
+    plan = xirang.plan(model, world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
+                       pp=2, schedule="1f1b", micro_batch=1, seq=4096, analysed=report)
+
+    def cpu_buffers(compiled):
+        executor = compiled.executor
+        executor.buffers = ReceiveBuffers(executor.buffers.specs, device="cpu")
+    report_ = xirang.check(plan, model, example_kwargs=example, analysed=report, mutate={2: cpu_buffers})
+    named = _only(report_, "device")
+    assert 2 in named[0].ranks and "recv on a cpu tensor" in named[0].what and "p2p.py" in named[0].what
