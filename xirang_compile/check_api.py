@@ -146,11 +146,27 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
         dtype = COMPUTE_DTYPES[plan.precision]
         shared[("run_dtypes", dtype)] = compute_dtypes(report.graph_module, dtype)
 
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    # A rank's program depends on the rank only through its tp coordinate (the lowering passes read no other),
+    # so forked workers share one lowering per tp coordinate, made here before they fork.
+    programs: dict = {}
+    if workers > 1:
+        for representative in rank_classes(plan, tuple(mutate)):
+            tp_rank = plan.mesh.coords(representative)["tp"]
+            if tp_rank not in programs:
+                began = time.perf_counter()
+                programs[tp_rank] = (lower(report.graph_module, plan, rank=representative, device=runs_on,
+                                           shared=shared).program, time.perf_counter() - began)
+
     def job(representative):
         def run():
             began = time.perf_counter()
-            program = lower(report.graph_module, plan, rank=representative, device=runs_on, shared=shared).program
-            lowered = time.perf_counter() - began
+            if plan.mesh.coords(representative)["tp"] in programs:  # a forked copy of the shared lowering
+                program, lowered = programs[plan.mesh.coords(representative)["tp"]][0], 0.0
+            else:
+                program = lower(report.graph_module, plan, rank=representative, device=runs_on,
+                                shared=shared).program
+                lowered = time.perf_counter() - began
             log = run_rank(program, plan, representative, tensors=tensors, inputs=inputs, device=runs_on,
                            allocator=device, mutate=mutate.get(representative))
             return log, lowered
@@ -158,9 +174,10 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
 
     classes_of = rank_classes(plan, tuple(mutate))
     began = time.perf_counter()
-    results = run_jobs([job(rep) for rep in classes_of], workers if workers is not None else (os.cpu_count() or 1))
+    results = run_jobs([job(rep) for rep in classes_of], workers)
     seconds["classes"] = time.perf_counter() - began
-    classes, failed, lowering, running = [], [], 0.0, 0.0
+    classes, failed, running = [], [], 0.0
+    lowering = sum(seconds for _, seconds in programs.values())
     for (representative, members), result in zip(classes_of.items(), results):
         if result[0] != "ok":  # the step itself failing is the finding, named with its ranks
             failed.append(Violation("step", f"the step of rank {representative} failed: {result[1]}", ranks=members,

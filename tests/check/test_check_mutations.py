@@ -160,3 +160,15 @@ def test_a_cpu_tensor_handed_to_nccl_on_a_gpu_rank_is_named(setup):
     report_ = xirang.check(plan, model, example_kwargs=example, analysed=report, mutate={2: cpu_buffers})
     named = _only(report_, "device")
     assert 2 in named[0].ranks and "recv on a cpu tensor" in named[0].what and "p2p.py" in named[0].what
+
+
+def test_a_ranks_program_depends_only_on_its_tp_coordinate(setup):
+    """What lets the check's workers share one lowering per tp coordinate (xirang_compile/check_api.py)."""
+    from xirang.lower import lower
+    _, _, report, plan = setup
+    for tp_rank in range(plan.mesh.tp):
+        ranks = [r for r in range(plan.mesh.size) if plan.mesh.coords(r)["tp"] == tp_rank]
+        programs = [lower(report.graph_module, plan, rank=r, device="meta").program for r in ranks]
+        codes = [[stage.module.code for stage in program.stages] for program in programs]
+        assert all(code == codes[0] for code in codes), f"tp rank {tp_rank}: ranks {ranks} lower differently"
+        assert all(p.shards == programs[0].shards and p.batch_dims == programs[0].batch_dims for p in programs)
