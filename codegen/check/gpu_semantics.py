@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from xirang.codegen.runtime.offload import Ready
+
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
 
@@ -58,21 +60,13 @@ def fuse_attention(program) -> int:
     return count
 
 
-class _Done:
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def wait(self):
-        return self.tensor
-
-
 class HostCopies:
     """The offload engine's copies as a GPU makes them (module docstring): out to host memory, back to the device."""
 
     def to_host(self, tensor):
         host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
         host.copy_(tensor.detach())
-        return _Done(host)
+        return Ready(host)
 
     def to_device(self, host, device):
-        return _Done(host.wait().to(device))
+        return Ready(host.wait().to(device))

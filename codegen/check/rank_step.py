@@ -79,8 +79,9 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
     join_fake_world(rank, plan.mesh.size)
     recorder = Recorder(device, executor_code=EXECUTOR_CODES, allocator=allocator)
     log = RankLog(rank=rank, coords=plan.mesh.coords(rank))
+    gpu = torch.device(allocator or device.type).type == "cuda"  # a GPU program on meta fakes
     try:
-        if torch.device(allocator or device.type).type == "cuda":
+        if gpu:
             fuse_attention(program)  # the kernel a GPU runs (codegen/check/gpu_semantics.py)
         with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
             groups = build_mesh_groups(plan.mesh)
@@ -88,7 +89,7 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
             counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
             compiled = CompiledModel(state, plan, program, groups=groups, device=device, counter=counter, seed=0)
             del state  # the rank keeps its shards only, as a launched rank does
-            if compiled.activation_offload is not None and torch.device(allocator or device.type).type == "cuda":
+            if compiled.activation_offload is not None and gpu:
                 compiled.activation_offload.use_copier(HostCopies())  # to host memory, as a GPU copies
             if mutate is not None:
                 mutate(compiled)

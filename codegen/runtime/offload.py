@@ -271,7 +271,7 @@ class _StreamCopier:
         with torch.cuda.stream(self.stream):
             host.copy_(tensor, non_blocking=True)
         tensor.record_stream(self.stream)  # its memory is not reused before the copy is done
-        return _Ready(host)
+        return Ready(host)
 
     def to_device(self, host, device):
         with torch.cuda.stream(self.stream):  # after the copy out: one stream, in order
@@ -281,7 +281,9 @@ class _StreamCopier:
         return _Arriving(tensor, done)
 
 
-class _Ready:
+class Ready:
+    """A copy already made: ``wait()`` returns it (the copiers' common answer)."""
+
     def __init__(self, tensor):
         self.tensor = tensor
 
