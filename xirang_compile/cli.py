@@ -116,7 +116,9 @@ def cmd_demo(args) -> int:
     return 0 if result["ranks_agree"] and result["worst"] < 1e-4 else 1
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``xirang`` command's parser, every subcommand registered (the docs' CLI reference is generated
+    from it: docs/hooks/cli_reference.py)."""
     parser = argparse.ArgumentParser(prog="xirang", description="Compile a PyTorch model for 3D-parallel training.")
     commands = parser.add_subparsers(dest="command", required=True)
     analyze = commands.add_parser("analyze", help="trace a model and report parameters, FLOPs and memory per block")
@@ -238,7 +240,11 @@ def main(argv=None) -> int:
     add_checkpoint_parser(commands)
     from xirang.cli_train import add_train_parser
     add_train_parser(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         return args.run(args)
