@@ -3,6 +3,15 @@ wrong, where (module path, op, source line, plan field) and what to do. Every la
 the CLI catches the root alone."""
 from __future__ import annotations
 
+import os
+
+DEBUG_ENV = "XIRANG_DEBUG"  # set (not "0"): Xirang's errors come with their Python traceback (`xirang --debug`)
+
+
+def tracebacks_wanted() -> bool:
+    """Whether the user asked for the traceback of Xirang's own errors (``XIRANG_DEBUG=1``)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
 
 class XirangError(Exception):
     """Base of every error Xirang raises on purpose.

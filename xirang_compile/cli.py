@@ -8,9 +8,10 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
-from xirang.ir.errors import XirangError
+from xirang.ir.errors import DEBUG_ENV, XirangError, tracebacks_wanted
 
 from .cli_args import (check_output_dir, check_output_file, nonnegative_float, nonnegative_int, positive_float,
                        positive_int)
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``xirang`` command's parser, every subcommand registered (the docs' CLI reference is generated
     from it: docs/hooks/cli_reference.py)."""
     parser = argparse.ArgumentParser(prog="xirang", description="Compile a PyTorch model for 3D-parallel training.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the Python traceback of Xirang's errors too, a launched rank's included "
+                             "(also XIRANG_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     analyze = commands.add_parser("analyze", help="trace a model and report parameters, FLOPs and memory per block")
     analyze.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
@@ -246,18 +250,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # --debug goes into the environment, so the ranks this command launches (torchrun's too) and their
+    # report see it; off the namespace, so commands that spell their ranks' arguments from it do not
+    debug, before = vars(args).pop("debug"), os.environ.get(DEBUG_ENV)
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
     try:
         return args.run(args)
     except XirangError as exc:  # the one error root: plan and schedule errors included
+        if tracebacks_wanted():
+            traceback.print_exc()
         print(f"xirang: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 -- not one of ours: a bug; one paragraph, the traceback on request
-        if os.environ.get("XIRANG_TRACEBACK"):
+        if tracebacks_wanted() or os.environ.get("XIRANG_TRACEBACK"):
             raise
         print(f"xirang: internal error: {type(exc).__name__}: {exc}\n  where: xirang {args.command}\n"
               f"  what to do: this is a bug in xirang (every error it expects says what, where and what to do); "
-              f"rerun with XIRANG_TRACEBACK=1 for the traceback and report it", file=sys.stderr)
+              f"rerun with --debug for the traceback and report it", file=sys.stderr)
         return 3
+    finally:
+        if debug and before is None:
+            del os.environ[DEBUG_ENV]
+        elif debug:
+            os.environ[DEBUG_ENV] = before
 
 
 if __name__ == "__main__":

@@ -5,10 +5,16 @@ torch and Xirang imported, see _start_context), each one rank of a fresh
 ``torch.distributed`` world (gloo by default), runs ``fn(rank, world_size, *args)`` in each and
 returns their results in rank order. Failure is the interesting part: a rank that raises, dies
 (``os._exit``, a signal) or hangs must not leave the parent, or the other ranks, waiting forever.
-So each rank reports through its own pipe, the parent waits on all pipes with one deadline, a
-pipe that closes without a result means that rank died, and on the first failure every other
-rank is terminated. The process-group timeout bounds how long a collective inside a rank waits
-for a peer that is gone, so the survivors fail too instead of hanging until they are killed.
+So each rank reports through its own pipe, the parent waits on all pipes, a pipe that closes
+without a result means that rank died, and on the first failure every other rank is terminated.
+The process-group timeout (``DEFAULT_PG_TIMEOUT_S`` unless given) bounds how long a collective
+inside a rank waits for a peer that is gone or never calls it, so the survivors fail too instead
+of hanging until they are killed. A limit on the whole run is the caller's choice (``timeout_s``);
+there is none by default: a long run is not a fault.
+
+A rank that raises a ``XirangError`` is reported by its explanation alone (the traceback with
+``XIRANG_DEBUG=1``); any other exception is a bug and keeps its traceback. Ranks that raised the
+same text are listed once.
 
 A rank can also stop without dying (SIGSTOP, a debugger, a frozen host): each rank's heartbeat
 thread writes to its pipe several times per ``heartbeat_s``, and a rank silent for longer is named
@@ -23,6 +29,7 @@ its command line and ``ensure_distributed`` joins the world it sets up, or says 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import shlex
@@ -40,9 +47,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xirang.ir.errors import XirangError
+from xirang.ir.errors import XirangError, tracebacks_wanted
 
 HEARTBEAT_S = 10.0  # default: a rank silent this long is reported as frozen
+# default process-group timeout: a collective left waiting this long raises inside its rank. torch's
+# own default is 30 min (gloo); 5 min is far above any one wait of a healthy step on CPU ranks.
+DEFAULT_PG_TIMEOUT_S = 300.0
 _BEATS_PER_INTERVAL = 5
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -124,7 +134,8 @@ def _rank_main(rank, world, port, backend, pg_timeout_s, threads, environment, p
         message = ("ok", pickle.dumps(fn(rank, world, *args)))
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         # time.time() is comparable across the local ranks: the parent lists the earliest first.
-        message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
+        message = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time(),
+                   isinstance(exc, XirangError))
     # Report before tearing down: destroying the group resets the peers' connections, and their
     # errors must not reach the parent before this rank's own.
     reporter.finish(message)
@@ -148,20 +159,24 @@ def _fn_name(fn) -> str:
 
 
 def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gloo",
-           timeout_s: float = 60.0, pg_timeout_s: Optional[float] = None, heartbeat_s: float = HEARTBEAT_S) -> list:
+           timeout_s: Optional[float] = None, pg_timeout_s: Optional[float] = None,
+           heartbeat_s: float = HEARTBEAT_S) -> list:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned local ranks; results in rank order.
 
     ``fn``, ``args`` and each result must be picklable (``fn`` defined at module top level).
-    ``timeout_s`` bounds the whole run, start-up included; ``pg_timeout_s`` (default
-    ``timeout_s``) is the process-group timeout after which a collective waiting on a missing
-    peer raises inside its rank; a rank whose heartbeat is silent for ``heartbeat_s`` is reported
-    as frozen. Any failing rank raises ``XirangError`` naming it.
+    ``timeout_s``, when given, bounds the whole run, start-up included (default: no limit);
+    ``pg_timeout_s`` (default ``timeout_s`` if given, else ``DEFAULT_PG_TIMEOUT_S``) is the
+    process-group timeout after which a collective waiting on a missing peer raises inside its
+    rank; a rank whose heartbeat is silent for ``heartbeat_s`` is reported as frozen. Any failing
+    rank raises ``XirangError`` naming it.
     """
     where = f"launch({_fn_name(fn)}, nprocs={nprocs}, backend={backend!r})"
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise XirangError(f"nprocs must be a positive int, got {nprocs!r}", where=where,
                           hint="pass the number of ranks the mesh needs (dp * pp * tp)")
-    for name, value in (("timeout_s", timeout_s), ("heartbeat_s", heartbeat_s)):
+    for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s), ("heartbeat_s", heartbeat_s)):
+        if value is None and name != "heartbeat_s":
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise XirangError(f"{name} must be a positive number of seconds, got {value!r}", where=where,
                               hint=f"pass {name}= greater than 0")
@@ -171,13 +186,14 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
         raise XirangError(f"fn or args cannot be sent to a spawned rank: {exc}", where=where,
                           hint="define fn at the top level of an importable module (no lambda or "
                                "nested function) and pass only picklable args") from exc
-    pg_timeout_s = timeout_s if pg_timeout_s is None else pg_timeout_s
+    if pg_timeout_s is None:
+        pg_timeout_s = DEFAULT_PG_TIMEOUT_S if timeout_s is None else timeout_s
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx, port = _start_context(), free_port()
     environment = dict(os.environ)
 
     procs, readers, failures = [], {}, None
-    deadline = time.monotonic() + timeout_s
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
     try:
         with _sigterm_stops_ranks():
             for rank in range(nprocs):
@@ -196,7 +212,7 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
         for reader in readers:
             reader.close()
     if failures:
-        raise _launch_error(failures, nprocs, timeout_s, where)
+        raise _launch_error(failures, nprocs, timeout_s, pg_timeout_s, where)
     return [results[rank] for rank in range(nprocs)]
 
 
@@ -264,7 +280,7 @@ def _collect(procs, readers, deadline, heartbeat_s: float = HEARTBEAT_S):
             except (EOFError, OSError):
                 pending.pop(conn)
                 procs[rank].join(timeout=5)
-                failures.append(((0, 0.0), rank, _describe_exit(procs[rank].exitcode)))
+                failures.append(((0, 0.0), rank, _describe_exit(procs[rank].exitcode), ""))
                 continue
             heard[rank] = time.monotonic()
             if message[0] == "beat":
@@ -272,8 +288,9 @@ def _collect(procs, readers, deadline, heartbeat_s: float = HEARTBEAT_S):
             pending.pop(conn)
             if message[0] == "ok":
                 results[rank] = pickle.loads(message[1])
-            else:
-                failures.append(((1, message[3]), rank, f"raised {message[1]}\n{message[2]}"))
+            else:  # Xirang's own errors explain themselves: their traceback only on request
+                shown = "" if message[4] and not tracebacks_wanted() else message[2]
+                failures.append(((1, message[3]), rank, f"raised {message[1]}", shown))
         now = time.monotonic()
         for conn, rank in list(pending.items()):
             if now - heard[rank] > heartbeat_s:
@@ -281,12 +298,12 @@ def _collect(procs, readers, deadline, heartbeat_s: float = HEARTBEAT_S):
                 procs[rank].kill()  # SIGKILL also ends a stopped process; SIGTERM would wait for SIGCONT
                 failures.append(((0, 0.0), rank, f"stopped answering: no heartbeat for {now - heard[rank]:.1f} s "
                                                  f"(heartbeat_s={heartbeat_s}); it was stopped (SIGSTOP, a debugger), "
-                                                 f"frozen, or starved of CPU"))
+                                                 f"frozen, or starved of CPU", ""))
         if failures and grace_end is None:
             grace_end = time.monotonic() + _GRACE_S
     if not failures:
-        return results, [(rank, None) for rank in sorted(pending.values())]  # deadline passed
-    return results, [(rank, text) for _, rank, text in sorted(failures, key=lambda f: f[0])]
+        return results, [(rank, None, "") for rank in sorted(pending.values())]  # deadline passed
+    return results, [(rank, text, trace) for _, rank, text, trace in sorted(failures, key=lambda f: f[0])]
 
 
 def _stop_all(procs, wait_s: float) -> None:
@@ -303,21 +320,35 @@ def _stop_all(procs, wait_s: float) -> None:
             proc.join()
 
 
-def _launch_error(failures, nprocs, timeout_s, where) -> XirangError:
-    if all(text is None for _, text in failures):
-        ranks = ", ".join(str(rank) for rank, _ in failures)
+def _launch_error(failures, nprocs, timeout_s, pg_timeout_s, where) -> XirangError:
+    """``failures``: (rank, what it did or None where the deadline stopped it, its traceback or "")."""
+    if all(text is None for _, text, _ in failures):
+        ranks = [rank for rank, _, _ in failures]
+        # Every rank was alive to the end (a frozen one is named by its heartbeat) and none raised: a
+        # collective left waiting raises after pg_timeout_s, so only a limit at or below it leaves that open.
+        waiting = ("; if the ranks may be waiting on each other, give pg_timeout_s below timeout_s so a collective "
+                   "left waiting raises in its rank, naming it" if pg_timeout_s >= timeout_s else "")
         return XirangError(
-            f"rank(s) {ranks} of {nprocs} did not finish within {timeout_s} s and were terminated",
+            f"the run exceeded timeout_s={timeout_s:g} s (the whole-run limit given to launch): "
+            f"{_ranks(ranks)} of {nprocs} {'was' if len(ranks) == 1 else 'were'} still running and terminated",
             where=where,
-            hint="a rank may be waiting in a collective its peers never call (check that every "
-                 "rank issues the same collectives in the same order), or raise timeout_s")
-    lines = [f"rank {rank} {text}" for rank, text in failures if text is not None]
+            hint=f"raise timeout_s, or pass timeout_s=None for no whole-run limit (a frozen rank is still named "
+                 f"by its heartbeat){waiting}")
+    grouped: dict = {}  # what a rank reported -> the ranks that reported it, in failure order
+    for rank, text, trace in failures:
+        if text is not None:
+            grouped.setdefault((text, trace), []).append(rank)
+    lines = [f"{_ranks(ranks)} {text}" + (f"\n{trace}" if trace else "") for (text, trace), ranks in grouped.items()]
     first = failures[0][0]
     return XirangError(
         f"rank {first} of {nprocs} failed; the other ranks were terminated.\n" + "\n".join(lines),
         where=where,
         hint=f"fix the error of rank {first} first: ranks listed after it often failed only "
              f"because a peer stopped answering")
+
+
+def _ranks(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def launch_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list:

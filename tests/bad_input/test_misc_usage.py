@@ -2,6 +2,8 @@
 inspect's rank and stage, a saved plan combined with pins or another world or batch."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,18 @@ def test_verify_of_a_good_model_on_one_rank_passes():
 def test_verify_with_zero_tolerance_is_a_valid_strict_check():
     code, out, err = cli("verify", MODEL, "--world", "1", "--steps", "1", "--tolerance", "0")
     assert code in (0, 1) and "verify:" in out and "Traceback" not in err
+
+
+def test_debug_shows_the_traceback_of_xirangs_error_and_only_then(tmp_path, monkeypatch):
+    """A clear error needs no traceback; `xirang --debug` (or XIRANG_DEBUG=1) asks for it, and its
+    ranks and launch's report see the request (XIRANG_DEBUG set while the command runs, then restored)."""
+    monkeypatch.delenv("XIRANG_DEBUG", raising=False)
+    missing = tmp_path / "missing.json"
+    assert_clear_cli(cli("explain", missing), "missing.json")
+    code, _, err = cli("--debug", "explain", missing)
+    assert code == 2 and "Traceback (most recent call last)" in err and "xirang: error:" in err, err
+    assert err.index("Traceback") < err.index("xirang: error:"), err  # the explanation stays the last word
+    assert "XIRANG_DEBUG" not in os.environ
+    monkeypatch.setenv("XIRANG_DEBUG", "1")
+    code, _, err = cli("explain", missing)
+    assert code == 2 and "Traceback (most recent call last)" in err, err

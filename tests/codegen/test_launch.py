@@ -6,6 +6,7 @@ SIGTERM to a running `xirang run`.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import signal
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.launch import ensure_distributed, launch, launch_command
+from xirang.codegen.runtime.launch import DEFAULT_PG_TIMEOUT_S, ensure_distributed, launch, launch_command
 from xirang.ir.errors import XirangError
 
 
@@ -98,10 +99,52 @@ def test_a_rank_that_exits_is_named_with_its_exit_code():
     assert "rank 1 exited with code 3 before returning a result" in str(info.value)
 
 
-def test_a_hanging_rank_is_terminated_at_the_deadline():
+def test_a_run_past_its_timeout_s_is_named_as_such_not_blamed_on_a_collective():
     # The deadline may pass while the rank is still importing torch; either way it never returns.
-    with pytest.raises(XirangError, match=r"rank\(s\) 0 of 1 did not finish within 4 s"):
+    # The rank ran one function and called no collective: the message says the run was too long.
+    with pytest.raises(XirangError) as info:
         launch(_never_returns, 1, timeout_s=4)
+    assert info.value.what.startswith("the run exceeded timeout_s=4 s"), info.value.what
+    assert "rank 0 of 1 was still running" in info.value.what
+    assert "collective its peers never call" not in str(info.value)
+    assert "timeout_s=None" in info.value.hint
+
+
+def _collective_timeout(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+def test_no_whole_run_limit_by_default_and_collectives_still_time_out():
+    """A whole-run limit is a choice: none unless timeout_s is given. A collective its peers never
+    call still raises, after the process-group timeout (DEFAULT_PG_TIMEOUT_S, or timeout_s when given)."""
+    assert inspect.signature(launch).parameters["timeout_s"].default is None
+    assert launch(_collective_timeout, 1) == [DEFAULT_PG_TIMEOUT_S] and DEFAULT_PG_TIMEOUT_S >= 300
+    assert launch(_collective_timeout, 1, timeout_s=40) == [40.0]
+    assert launch(_collective_timeout, 1, pg_timeout_s=30) == [30.0]
+
+
+def _raise_xirang(rank, world, ranks):
+    if rank in ranks:
+        raise XirangError("the plan does not fit this rank", where="the plan", hint="re-plan")
+    dist.barrier()
+
+
+def test_a_xirang_error_in_a_rank_is_shown_without_its_traceback_and_once(monkeypatch):
+    """Xirang's own errors explain themselves: no traceback (unless XIRANG_DEBUG=1), and the same
+    explanation from several ranks is printed once, naming the ranks."""
+    monkeypatch.delenv("XIRANG_DEBUG", raising=False)
+    with pytest.raises(XirangError) as info:
+        launch(_raise_xirang, 2, args=((0, 1),), timeout_s=60)
+    message = str(info.value)
+    assert "Traceback" not in message and "raise XirangError" not in message, message
+    assert message.count("the plan does not fit this rank") == 1, message
+    assert "ranks 0, 1 raised XirangError: the plan does not fit this rank" in message, message
+    monkeypatch.setenv("XIRANG_DEBUG", "1")
+    with pytest.raises(XirangError) as info:
+        launch(_raise_xirang, 2, args=((1,),), timeout_s=60)
+    assert "Traceback (most recent call last)" in str(info.value)
+    assert 'raise XirangError("the plan does not fit this rank"' in str(info.value)
 
 
 def _stop_rank_1(rank, world):
