@@ -34,12 +34,13 @@ from torch.fx import Node
 from xirang.ir.facts import FlopCount
 from xirang.ir.meta_keys import FLOPS, REQUIRES_GRAD, TENSOR, UNPRICED_OPS
 from xirang.ir.pass_spec import compiler_pass
+from xirang.ir.run_log import once_per_run
 
 from xirang.passes.analysis.saved_storages import ALIAS_OPS, arg, needs_grad, tensors
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 
 aten = torch.ops.aten
-log = logging.getLogger(__name__)
+log = once_per_run(logging.getLogger(__name__))  # a warning about the model: once per run, rank 0
 ZERO = sympy.Integer(0)
 NO_FLOPS = FlopCount(forward=ZERO, backward=ZERO)
 

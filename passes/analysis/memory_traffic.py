@@ -32,13 +32,14 @@ from torch.fx import Node
 from xirang.ir.facts import ByteCount
 from xirang.ir.meta_keys import BYTES, REQUIRES_GRAD, ROLE, TENSOR
 from xirang.ir.pass_spec import compiler_pass
+from xirang.ir.run_log import once_per_run
 
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 from xirang.passes.analysis.saved_storages import (ALIAS_OPS, ZERO, distinct, input_saved, is_alias,
                                                     live_saved_bytes, nbytes)
 from xirang.passes.analysis.traffic_rules import TRAFFIC_RULES
 
-log = logging.getLogger(__name__)
+log = once_per_run(logging.getLogger(__name__))  # a warning about the model: once per run, rank 0
 
 
 @compiler_pass(requires=(TENSOR, REQUIRES_GRAD, ROLE), provides=(BYTES,))
