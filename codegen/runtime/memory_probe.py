@@ -72,7 +72,7 @@ class MemoryProbe:
         self._hooks = None
 
     # --- the hooks -------------------------------------------------------------------------------
-    def _pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor):
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.numel() == 0:
             return tensor
         key = _key(tensor)
@@ -93,7 +93,7 @@ class MemoryProbe:
         return _Packed(self, tensor.detach(), key)
 
     @staticmethod
-    def _unpack(packed):
+    def unpack(packed):
         return packed.tensor if isinstance(packed, _Packed) else packed
 
     def _release(self, key: tuple) -> None:
@@ -111,7 +111,7 @@ class MemoryProbe:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
 
@@ -163,8 +163,12 @@ def measure_step(compiled, *args, **kwargs) -> tuple[torch.Tensor, MemoryMeasure
     buffers excluded); returns the loss and this rank's measurement beside the plan's prediction."""
     state = [t for stage in compiled.executor.stages.values() for t in stage.parameters]  # parameters, buffers
     probe = MemoryProbe(compiled.device, exclude=[*compiled.parameters(), *state])
-    with probe:
-        loss = compiled.train_step(*args, **kwargs)
+    compiled.executor.saved_observer = probe  # the stage forwards' own hooks pass what they save on to it
+    try:
+        with probe:
+            loss = compiled.train_step(*args, **kwargs)
+    finally:
+        compiled.executor.saved_observer = None
     activations, working, total = predicted_for(compiled.plan, compiled.pp_rank)
     return loss, MemoryMeasurement(
         rank=compiled.rank, pp_rank=compiled.pp_rank, device=str(compiled.device),

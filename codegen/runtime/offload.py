@@ -35,6 +35,7 @@ import torch
 
 from xirang.codegen.ops.activations import OffloadedBlock
 from xirang.codegen.runtime.storage_identity import storage_key
+from xirang.codegen.runtime import weight_casts
 
 
 @dataclass
@@ -165,6 +166,9 @@ class _Block:
         self._seen: dict = {}  # id(tensor) -> (weakref to it, its _Saved): one copy per tensor
 
     def pack(self, tensor: torch.Tensor):
+        recast = weight_casts.recipe_of(tensor)  # a weight copy is made again, not copied out and back
+        if recast is not None:
+            return recast
         if tensor.layout != torch.strided or tensor.device.type != self.owner.device.type or tensor.numel() == 0 \
                 or _storage(tensor) in self.resident:  # parameters, received inputs (and views of them) stay
             self.owner.count(kept=1)

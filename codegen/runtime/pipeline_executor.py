@@ -21,6 +21,9 @@ The executor only interprets the schedule (docs/architecture.md: schedules are d
   ``offload.begin_backward`` to prefetch the stage's last block, and the last one of (stage, mb)
   (Backward, or BackwardWeight after BackwardInput) ends with ``offload.end_backward``
   (codegen/runtime/offload.py). Recompute needs nothing here: the stage modules checkpoint it.
+- Weight copies: a stage's forward runs under ``weight_casts.saved_tensors``, so the half-precision
+  copy of a weight that an op saves for its backward is a recipe, remade in the backward, instead of
+  one copy per micro-batch in flight (codegen/runtime/weight_casts.py).
 - Randomness: before every compute action the program's ``RngContext`` is told its micro-batch,
   so random ops draw per micro-batch, and a backward that recomputes a forward draws the same.
 - Data parallelism: each local stage's ``GradientBuckets`` runs under ``no_sync()`` except in that
@@ -40,6 +43,7 @@ import torch
 
 from xirang.ir.errors import InvalidValue, XirangError
 
+from xirang.codegen.runtime import weight_casts
 from xirang.codegen.runtime.p2p import ReceiveBuffers, Transfer, message_tag, post_recv, post_send
 from xirang.codegen.runtime.split_backward import backward_input, backward_weights, ungrouped_weights
 from xirang.ir.schedules import (ACTIVATION, GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
@@ -102,6 +106,7 @@ class PipelineExecutor:
                  device="cpu", grad_buckets: dict | None = None, offload=None, rng=None, down_group=None):
         self.schedule, self.pp_rank, self.stages = schedule, pp_rank, dict(stages)
         self.offload = offload  # codegen/runtime/offload.ActivationOffload when blocks offload, else None
+        self.saved_observer = None  # sees every tensor a stage's forward saves but weight copies (memory_probe)
         self.rng = rng  # codegen/ops/random_ops.RngContext: told the micro-batch of every compute
         self.actions = schedule.ranks[pp_rank]
         self.peers, self.tensors_per_cut, self.grad_buckets = tuple(peers), tensors_per_cut, grad_buckets or {}
@@ -258,7 +263,9 @@ class PipelineExecutor:
         leaves = [tensor.detach().requires_grad_(spec.requires_grad)
                   for tensor, spec in zip(received, program.crossing_in)]
         user = [self._micro_batches[mb][name] for name in program.user_inputs]
-        with self.offload.forward(action.stage, mb) if self.offload else nullcontext():
+        # Saved weight copies are recipes, remade in the backward (weight_casts.py)
+        with weight_casts.saved_tensors(self.saved_observer), \
+                self.offload.forward(action.stage, mb) if self.offload else nullcontext():
             outputs = stage.program(stage.parameters, leaves, user)
         if program.returns_loss:
             loss = outputs[0]

@@ -140,8 +140,9 @@ def test_offloaded_activations_leave_the_gpu_for_host_memory(setup):
                          analysed=report)
     assert kept.ok and moved.ok, moved.explain()
     for stay, away in zip(kept.classes, moved.classes):  # every pipeline rank holds blocks here
-        # the blocks' saved tensors (hundreds of KiB at seq 16) on the host, beyond a few host scalars either way
-        assert away.log.memory.host_peak > stay.log.memory.host_peak + 100_000, moved.explain()
+        # the blocks' saved activations (30-60 KiB at seq 16; weight copies are remade, not offloaded) on the
+        # host, beyond a few host scalars either way
+        assert away.log.memory.host_peak > stay.log.memory.host_peak + 20_000, moved.explain()
         # (the device's peak is the optimizer step's at this size, so it does not move)
         assert away.log.memory.peak <= stay.log.memory.peak
 
