@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from xirang.ir.plan_parts import Alternative
 
-GiB = 1024**3
+GiB, MiB = 1024**3, 1024**2
+# explain's option lines call two figures 'the same' within this fraction of the larger (memory) or of
+# the step (a cause's seconds): a difference the cost model cannot tell from zero is no difference
+SAME = 0.005
 CAUSES = (("compute", "compute"), ("tp_comm", "TP comm"), ("pp_bubble", "bubble"), ("pp_p2p", "p2p"),
           ("dp_exposed", "DP exposed"), ("offload", "offload"), ("step_sync", "step sync"))
 # the configuration fields that drive each cause; a sentence names those that differ
@@ -90,11 +93,17 @@ def why_lost(winner: Alternative, other: Alternative, usable_bytes: float) -> st
     return f"{slower / winner.step_seconds:.1%} slower: " + "; ".join(parts or ["small differences in every cause"])
 
 
+def size_text(nbytes: float) -> str:
+    """'34.0 GiB', or '12.5 MiB' below a tenth of a GiB (where one decimal of GiB would read 0.0)."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:.1f} MiB"
+
+
 def option_trades(plan) -> list[tuple[str, str]]:
     """(title, line) per option of ``OPTIONS`` priced both ways: the winner against each alternative
     that differs from it in that option alone, from the option's higher value's side, e.g. ('ZeRO',
     'zero-1 saves 34.0 GiB/device, costs 0.4 s of exposed all-gather per step (zero-1 9.58 s vs
-    zero-0 9.48 s; zero-0 does not fit).')."""
+    zero-0 9.48 s; zero-0 does not fit).'). A difference within ``SAME`` of the memory or of the
+    step is "the same" (an option that changes neither: 'zero-1 and zero-0 are the same here: ...')."""
     winner = as_row(plan)
     mine = _fields(winner)
     found = []
@@ -105,14 +114,21 @@ def option_trades(plan) -> list[tuple[str, str]]:
                 continue
             high, low = (winner, other) if mine[key] > theirs[key] else (other, winner)
             high_name, low_name = name(_fields(high)[key]), name(_fields(low)[key])
-            saved = (max(low.memory_bytes_per_device) - max(high.memory_bytes_per_device)) / GiB
-            memory = f"saves {saved:.1f} GiB/device" if saved >= 0 else f"needs {-saved:.1f} GiB/device more"
+            high_bytes, low_bytes = max(high.memory_bytes_per_device), max(low.memory_bytes_per_device)
+            saved, step = low_bytes - high_bytes, max(high.step_seconds, low.step_seconds)
+            same_memory = abs(saved) <= SAME * max(high_bytes, low_bytes)
+            memory = ("needs the same memory/device" if same_memory else f"saves {size_text(saved)}/device" if saved > 0
+                      else f"needs {size_text(-saved)}/device more")
             moved = [(high.breakdown.get(cause, 0.0) - low.breakdown.get(cause, 0.0), words) for cause, words in causes]
-            moves = [f"{'costs' if delta >= 0 else 'saves'} {abs(delta):.3g} s of {words}" for delta, words in moved
-                    if delta or words == moved[0][1]]
+            main = moved[0][1]  # the option's own cause, named even where it ties
+            moves = [f"{'costs' if delta > 0 else 'saves'} {abs(delta):.3g} s of {words}" if abs(delta) > SAME * step
+                     else f"the same {words}" for delta, words in moved if abs(delta) > SAME * step or words == main]
+            steps = (f"both {high.step_seconds:.4g} s" if f"{high.step_seconds:.4g}" == f"{low.step_seconds:.4g}"
+                     else f"{high_name} {high.step_seconds:.4g} s vs {low_name} {low.step_seconds:.4g} s")
             fits = "".join(f"; {name(_fields(row)[key])} does not fit" for row in (high, low) if not row.fits)
-            found.append((title, f"{high_name} {memory}, {', '.join(moves)} per step ({high_name} "
-                                 f"{high.step_seconds:.4g} s vs {low_name} {low.step_seconds:.4g} s{fits})."))
+            trade = (f"{high_name} and {low_name} are the same here: the same memory/device and {main}"
+                     if same_memory and moves == [f"the same {main}"] else f"{high_name} {memory}, {', '.join(moves)}")
+            found.append((title, f"{trade} per step ({steps}{fits})."))
     return found
 
 
@@ -152,18 +168,27 @@ def explain_data(plan) -> dict:
             "notes": list(plan.predicted.notes)}
 
 
+def memory_unit(plan) -> tuple[str, int]:
+    """('GiB', GiB), or ('MiB', MiB) for a plan whose every configuration needs under a tenth of a GiB
+    (a small model on CPU ranks), whose memory would read 0.0 GiB throughout."""
+    rows = [plan.predicted, *plan.alternatives]
+    largest = max((b for row in rows for b in row.memory_bytes_per_device), default=0)
+    return ("GiB", GiB) if largest >= 0.1 * GiB else ("MiB", MiB)
+
+
 def _memory_table(plan) -> list[str]:
-    """Each pipeline rank's predicted memory by part (GiB), when the plan records the parts."""
+    """Each pipeline rank's predicted memory by part, when the plan records the parts."""
     parts = plan.predicted.memory_parts
     if not parts:
         return []
+    unit, scale = memory_unit(plan)
     mode = f"recompute {plan.recompute}" + (f", offload {plan.offload}" if plan.offload != "none" else "")
-    lines = [f"  by part (GiB; activations: kept for the backward by the micro-batches in flight at the "
+    lines = [f"  by part ({unit}; activations: kept for the backward by the micro-batches in flight at the "
              f"schedule's peak, {mode}; work set: what recompute rebuilds, offload holds on the device):",
              f"  {'pp rank':>7} " + " ".join(f"{title:>11}" for _, title in PART_TITLES) + f" {'total':>9}"]
     for rank, part in enumerate(parts):
-        lines.append(f"  {rank:>7} " + " ".join(f"{part[key] / GiB:>11.2f}" for key, _ in PART_TITLES)
-                     + f" {sum(part.values()) / GiB:>9.2f}")
+        lines.append(f"  {rank:>7} " + " ".join(f"{part[key] / scale:>11.2f}" for key, _ in PART_TITLES)
+                     + f" {sum(part.values()) / scale:>9.2f}")
     return lines
 
 
@@ -174,13 +199,14 @@ def explain_plan(plan) -> str:
     # the offload column only where some configuration offloads
     causes = [(key, title) for key, title in CAUSES
               if key != "offload" or any(row.breakdown.get(key, 0.0) for row in rows)]
+    unit, scale = memory_unit(plan)
     header = (f"{'':2}{'configuration':<56} {'step s':>8} {'TFLOP/s':>8} "
-              + " ".join(f"{title:>10}" for _, title in causes) + f" {'max GiB':>8}  fits")
+              + " ".join(f"{title:>10}" for _, title in causes) + f" {'max ' + unit:>8}  fits")
     lines = [f"Plan for {plan.world.describe()}, global batch {plan.global_batch}, precision {plan.precision}",
              "", header, "-" * len(header)]
     for mark, row in [("* ", winner)] + [("  ", a) for a in plan.alternatives]:
         seconds = " ".join(f"{row.breakdown.get(key, 0.0):>10.4g}" for key, _ in causes)
-        memory = max(row.memory_bytes_per_device, default=0) / GiB
+        memory = max(row.memory_bytes_per_device, default=0) / scale
         lines.append(f"{mark}{label(row):<56} {row.step_seconds:>8.4g} {row.tflops_per_device:>8.1f} {seconds} "
                      f"{memory:>8.1f}  {'yes' if row.fits else 'NO'}")
     lines.append("-" * len(header))
@@ -188,8 +214,8 @@ def explain_plan(plan) -> str:
                  "collectives, pipeline bubble, pipeline sends, data-parallel all-reduce left after the backward"
                  + (", activation copies to and from the host not hidden behind compute." if len(causes) > 5 else "."))
     usable = min(stage.memory_limit_bytes for stage in plan.stages)
-    per_rank = ", ".join(f"{b / GiB:.1f}" for b in plan.predicted.memory_bytes_per_device)
-    lines.append(f"Memory per device by pipeline rank (GiB): {per_rank}; usable {usable / GiB:.1f} GiB.")
+    per_rank = ", ".join(f"{b / scale:.1f}" for b in plan.predicted.memory_bytes_per_device)
+    lines.append(f"Memory per device by pipeline rank ({unit}): {per_rank}; usable {size_text(usable)}.")
     lines.extend(_memory_table(plan))
     lines.append("")
     lines.append(f"Why this plan: {why_won(plan)}")
