@@ -119,7 +119,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``xirang`` command's parser, every subcommand registered (the docs' CLI reference is generated
-    from it: docs/hooks/cli_reference.py)."""
+    from it: docs/hooks/reference_pages.py)."""
     parser = argparse.ArgumentParser(prog="xirang", description="Compile a PyTorch model for 3D-parallel training.")
     parser.add_argument("--debug", action="store_true",
                         help="print the Python traceback of Xirang's errors too, a launched rank's included "
