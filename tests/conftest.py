@@ -10,6 +10,14 @@ import torch
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+@pytest.fixture(autouse=True)
+def private_cache_folder(monkeypatch, tmp_path_factory):
+    """The user's cache folder (xirang calibrate keeps calibrations there, xirang train reads them) is an
+    empty folder of each test's own, for the test and the ranks it starts: never the real one, and never
+    what another test calibrated."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+
+
 def hf_gpt2(layers=2, device="meta", **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
     config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=1000, n_positions=128, use_cache=False,

@@ -1,8 +1,12 @@
 """`xirang calibrate --quick` on 2 local ranks writes a World JSON that measures every collective kind
-the runtime issues and that `xirang plan --world-file` reads."""
+the runtime issues and that `xirang plan --world-file` reads, and keeps it in the user's cache folder for
+`xirang train` (here the test's own: tests/conftest.py sets XDG_CACHE_HOME)."""
 from __future__ import annotations
 
+import os
+
 from xirang.cli import main
+from xirang.cli_calibrate import cached_calibration, calibration_cache_path
 from xirang.ir.calibration import COLLECTIVE_KINDS, OTHER_KINDS
 from xirang.ir.world import World
 
@@ -14,6 +18,9 @@ def test_calibrate_quick_on_two_ranks_writes_a_world_the_planner_reads(tmp_path,
     assert "all_reduce" in printed and f"world written to {out}" in printed
     world = World.load(out)
     assert world.size == 2 and world.calibration.ranks == 2 and world.calibration.backend == "gloo"
+    kept = calibration_cache_path(2, "cpu", quick=True)
+    assert str(kept).startswith(os.environ["XDG_CACHE_HOME"]) and f"on this host: {kept}" in printed
+    assert World.load(kept) == world and cached_calibration(2, "cpu") == (kept, True)
     device = world.nodes[0].device
     assert device.op_overhead_s > 0 and device.peak("fp32") > 0 and device.memory_bandwidth > 0
     assert not world.calibration.comm_overlaps_compute  # gloo on CPU cores

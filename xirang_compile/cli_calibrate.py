@@ -1,9 +1,20 @@
 """``xirang calibrate``: measure this machine's devices and links on N local ranks and write the World
 JSON that ``xirang plan --world-file``, ``xirang.plan(world=World.load(F))`` and
-``xirang.compile(..., world=...)`` read (the microbenchmarks: ``codegen/runtime/calibrate.py``)."""
+``xirang.compile(..., world=...)`` read (the microbenchmarks: ``codegen/runtime/calibrate.py``).
+
+Each calibration is also kept in the user's cache folder (``$XDG_CACHE_HOME/xirang``, else
+``~/.cache/xirang``), keyed by host name, torch version, device and rank count
+(``calibration_cache_path``), so that ``xirang train`` on this machine prices its plan with it
+(``cached_calibration``) without being told where it is; a ``--quick`` one is kept under its own key
+and used only where no full one exists.
+"""
 from __future__ import annotations
 
+import os
+import re
+import socket
 import time
+from pathlib import Path
 
 from xirang.ir.errors import XirangError
 
@@ -34,7 +45,49 @@ def cmd_calibrate(args) -> int:
     world.save(args.out)
     print(describe_calibration(world))
     print(f"\nmeasured in {time.perf_counter() - start:.1f} s; world written to {args.out}")
+    print(cache_calibration(world, args.device, args.quick))
     return 0
+
+
+def cache_folder() -> Path:
+    """``$XDG_CACHE_HOME/xirang``, else ``~/.cache/xirang`` (the XDG base directory default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "xirang"
+
+
+def calibration_cache_path(ranks: int, device: str = "cpu", quick: bool = False) -> Path:
+    """Where this host's calibration of ``ranks`` local ranks on ``device`` is kept: one file per host
+    name, torch version (kernels change between releases), device and rank count (ranks sharing a
+    host's cores run at a speed that depends on how many there are)."""
+    import torch
+    safe = lambda text: re.sub(r"[^A-Za-z0-9._-]+", "_", text)  # noqa: E731
+    name = f"{safe(socket.gethostname())}-torch{safe(torch.__version__)}-{device}-{ranks}ranks"
+    return cache_folder() / "calibrations" / f"{name}{'-quick' if quick else ''}.json"
+
+
+def cache_calibration(world, device: str, quick: bool) -> str:
+    """Keep ``world`` in the user's cache for ``xirang train``; returns the line saying where (or why not:
+    a cache that cannot be written does not fail the calibration, whose World is already written)."""
+    path = calibration_cache_path(world.size, device, quick)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        world.save(partial)
+        partial.replace(path)
+    except OSError as error:
+        return f"not kept in the cache ({error}): pass --world-file to xirang train to price with it"
+    rough = " (--quick: rough figures, used only until a full calibration replaces them)" if quick else ""
+    return f"kept for xirang train --world {world.size} on this host: {path}{rough}"
+
+
+def cached_calibration(ranks: int, device: str = "cpu") -> tuple:
+    """(path, quick) of this host's cached calibration of ``ranks`` ranks on ``device``, the full one
+    before a --quick one; (None, False) when there is none."""
+    for quick in (False, True):
+        path = calibration_cache_path(ranks, device, quick)
+        if path.is_file():
+            return path, quick
+    return None, False
 
 
 def describe_calibration(world) -> str:

@@ -4,6 +4,7 @@ checkpoints every N steps, resume after a crash, and the measured step time besi
     xirang train examples/catalog.py:gpt_tiny --world 8 --dp 2 --tp 2 --pp 2 --synthetic --steps 200 \\
         --lr 3e-4 --warmup 20 --clip 1.0 --checkpoint-dir ckpt --checkpoint-every 50 --loss-picture loss.png
     xirang train ... --resume          # after a crash: continues from the newest complete checkpoint
+    xirang train --config run.toml --steps 50   # options from TOML (train_config.py), flags over the file
 
 The parent plans once (``cli_verify.prepare``: the same plan every rank would reach) and starts the
 local ranks (codegen/runtime/launch.py: a rank that raises, dies or freezes fails the run naming it,
@@ -15,6 +16,13 @@ batch (``RankBatches``: a token file ``--data`` or ``--synthetic`` tokens; the m
 a non-finite norm skips the step), AdamW, the schedule. Rank 0 logs the loss, tokens per second and
 the measured step time against the plan's predicted ``step_seconds`` (a live bar on a terminal), and
 draws the loss curve at the end (``--loss-picture``, matplotlib: the ``viz`` extra).
+
+The run's folder (``--run-dir``, else ``--checkpoint-dir``) gets ``config.toml``, every option's value, which
+``--config`` reads back to the same run, and ``metrics.jsonl`` (or ``--metrics FILE``): a line per step
+written by rank 0 with loss, learning rate, gradient norm, tokens/s, MFU, every rank's memory and the step
+against the plan's (train_metrics.py; TensorBoard scalars too with ``--tensorboard DIR``). The predicted step
+is priced on this machine when ``xirang calibrate`` has kept a calibration of ``--world`` local ranks for this
+host (cli_calibrate.py: the plan is made on that World), and otherwise printed as the preset's figure.
 
 Checkpoints (``xirang.save_checkpoint``, codegen/runtime/checkpoint.py: every rank its own shards,
 complete once its marker is written) hold the model, the optimizer, the randomness and, in ``extra``,
@@ -86,15 +94,18 @@ def token_model(args, global_batch: int):
     return model, example
 
 
-def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
-    """One rank's run (see the module docstring); returns the losses (rank 0 prints as it goes)."""
+def train_rank(rank: int, world: int, args, plan, global_batch: int, facts=None) -> dict:
+    """One rank's run (see the module docstring); returns the losses (rank 0 prints as it goes). ``facts``
+    (rank 0's, train_metrics.RunFacts) when the run writes metrics."""
     import torch.distributed as dist
 
     import xirang
     from xirang.codegen.runtime.grad_norm import step_if_finite
+    from xirang.train_metrics import MetricsWriter, gather_memory, step_began
     model, example_kwargs = token_model(args, global_batch)
     # the runtime device follows the launcher: NCCL ranks (torchrun on GPUs) on cuda:LOCAL_RANK, gloo on the CPU
-    compiled = xirang.compile(model, world=world, example_kwargs=example_kwargs, plan=plan)
+    # the plan's own World: a calibrated one (--world-file, the cache) is not a count of preset CPU ranks
+    compiled = xirang.compile(model, world=plan.world, example_kwargs=example_kwargs, plan=plan)
     device = compiled.device
     batches = _batches(args, model, example_kwargs, global_batch, compiled)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=args.lr, eps=ADAM_EPS, weight_decay=args.weight_decay)
@@ -119,22 +130,32 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
     pins = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
     repricing = RepriceAfter(reprice_step(args), start, compiled, model=model, example_kwargs=example_kwargs,
                              pins=pins, say=say)
+    watch = watching(args)
+    metrics = MetricsWriter(metrics_path(args), facts, device=device, tensorboard=args.tensorboard,
+                            resume_at=start if args.resume else None) if say and watch else None
     stopped = StopOnSigterm(rank, lambda: step)
     try:
         for step in range(start, args.steps):
             began = time.perf_counter()
+            if watch:
+                step_began(device)
             share = {name: value.to(device, non_blocking=True) for name, value in batches.next_batch().items()}
             loss = compiled.train_step(pre_sharded=True, **share)
-            norm = compiled.clip_grad_norm_(args.clip) if args.clip else None
-            stepped = step_if_finite(optimizer, norm) if norm is not None else (optimizer.step() or True)
+            # watched without --clip: the norm only (an infinite bound scales by 1)
+            norm = compiled.clip_grad_norm_(args.clip or math.inf) if args.clip or watch else None
+            stepped = step_if_finite(optimizer, norm) if args.clip else (optimizer.step() or True)
             optimizer.zero_grad()
             lr = schedule.get_last_lr()[0]  # the rate this step used
             schedule.step()
             took = time.perf_counter() - began
             losses.append(loss.item())
+            memory = gather_memory(device, world) if watch else None  # a collective: after the step's clock
             if say:
                 bar.line(step, losses[-1], tokens / took, took, predicted, lr,
                          None if norm is None else norm.item(), stepped)
+            if metrics is not None:
+                metrics.record(step=step + 1, loss=losses[-1], lr=lr, step_s=took,
+                               grad_norm=None if norm is None else norm.item(), stepped=stepped, memory=memory)
             repricing.after_step(step + 1)
             done = step + 1
             every = args.checkpoint_every
@@ -152,6 +173,8 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int) -> dict:
                                "checkpoint in --checkpoint-dir") from error
     finally:
         stopped.restore()
+        if metrics is not None:
+            metrics.close()
     if bar is not None:
         bar.finish()
     return {"losses": losses, "start": start}
@@ -279,6 +302,17 @@ def check_train_args(args) -> None:
         from xirang.codegen.viz.plotting import require_matplotlib
         check_output_file(args.loss_picture, "--loss-picture")
         require_matplotlib("--loss-picture")
+    if args.tensorboard:
+        from xirang.train_metrics import require_tensorboard
+        require_tensorboard("--tensorboard")
+    if not args.print_command:  # the run's folder and files: created or refused before planning
+        from xirang.cli_args import check_output_dir, check_output_file
+        if run_folder(args):
+            check_output_dir(run_folder(args), "--run-dir" if args.run_dir else "--checkpoint-dir")
+        if args.metrics:
+            check_output_file(args.metrics, "--metrics")
+        if args.tensorboard:
+            check_output_dir(args.tensorboard, "--tensorboard")
 
 
 def world_spec(args):
@@ -298,12 +332,138 @@ def torchrun_command(args) -> list:
     from xirang.codegen.runtime.launch import launch_command
     rank_args = ["xirang", "train", args.model, "--torchrun"]
     for option, value in sorted(vars(args).items()):
-        if option in ("model", "command", "torchrun", "print_command") or value is None or value is False \
+        if option in ("model", "command", "torchrun", "print_command", "config") or value is None or value is False \
                 or not isinstance(value, (bool, int, float, str)):
             continue
         flag = "--" + option.replace("_", "-")
         rank_args += [flag] if value is True else [flag, str(value)]
     return launch_command("-m", args.world, rank_args)
+
+
+# --- options: --config, the run's folder ------------------------------------------------------------------
+
+NOT_SAVED = ("config", "resume", "torchrun", "print_command")  # this invocation's switches, not the run's options
+
+
+def train_actions() -> dict:
+    """The argparse actions of every ``xirang train`` option, by dest."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="xirang train", add_help=False)
+    add_train_arguments(parser)
+    return {action.dest: action for action in parser._actions}
+
+
+def parse_train_args(argv) -> "argparse.Namespace":  # noqa: F821
+    """The options ``xirang train ARGV`` runs with: ``--config``'s file under the flags given."""
+    import argparse
+
+    from xirang.train_config import track_given
+    parser = argparse.ArgumentParser(prog="xirang train")
+    track_given(parser)
+    add_train_arguments(parser)
+    return effective_options(parser.parse_args(argv))
+
+
+def effective_options(args):
+    """``args`` with ``--config``'s values where the command line did not give the option (train_config.py);
+    the model and --world required of one or the other."""
+    import argparse
+
+    from xirang.train_config import GIVEN, merge_config, read_config
+    if args.config:
+        actions = {dest: action for dest, action in train_actions().items() if dest != "config"}
+        args = merge_config(args, read_config(args.config), actions, where=f"--config {args.config}")
+    else:
+        args = argparse.Namespace(**{key: value for key, value in vars(args).items() if key != GIVEN})
+    if not args.model:
+        raise XirangError("give the model to train: path/to/file.py:factory", where="xirang train",
+                          hint='e.g. xirang train examples/catalog.py:gpt_tiny --world 2 --synthetic, or '
+                               'model = "..." in the --config file')
+    if args.world is None:
+        raise XirangError("give the number of ranks: --world N", where="--world",
+                          hint="e.g. --world 4, or world = 4 in the --config file")
+    return args
+
+
+def run_options(args) -> dict:
+    """Every option's value for the run's config.toml (None: not set), without NOT_SAVED."""
+    return {dest: getattr(args, dest) for dest in train_actions() if dest not in NOT_SAVED}
+
+
+def run_folder(args):
+    """Where the run's config.toml and metrics.jsonl go: --run-dir, else --checkpoint-dir (None: neither)."""
+    return args.run_dir or args.checkpoint_dir
+
+
+def metrics_path(args):
+    from xirang.train_metrics import default_metrics_path
+    return args.metrics or default_metrics_path(run_folder(args))
+
+
+def save_run_config(args):
+    """config.toml in the run's folder: ``xirang train --config`` of it runs the same options again."""
+    import socket
+    from pathlib import Path
+
+    from xirang.train_config import write_config
+    if run_folder(args) is None:
+        return None
+    path = Path(run_folder(args)) / "config.toml"
+    header = (f"the options of xirang train run on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+              f"xirang train --config {path} runs them again (flags given beside --config override it)")
+    return write_config(path, run_options(args), header)
+
+
+# --- what the prediction is priced on -----------------------------------------------------------------------
+
+def planning_world(args) -> tuple:
+    """(World to plan on or None for --world CPU ranks of the preset, what it was calibrated by): --world-file,
+    else for local ranks this host's cached calibration of --world ranks (``xirang calibrate`` keeps one,
+    cli_calibrate.py). Under torchrun each rank plans alone, so a host's cache, which may differ between
+    hosts, is not read there."""
+    if args.world_file:
+        return world_spec(args), f"--world-file {args.world_file}"
+    if args.plan or args.torchrun:
+        return None, None
+    from xirang.cli_calibrate import cached_calibration
+    from xirang.ir.world import World
+    path, quick = cached_calibration(args.world, "cpu")
+    if path is None:
+        return None, None
+    try:
+        world = World.load(path)
+    except XirangError as error:
+        print(f"warning: the cached calibration {path} cannot be read ({error.what}); planning on the preset: "
+              f"run `xirang calibrate --world {args.world}` again", flush=True)
+        return None, None
+    return world, f"cached calibration {path}" + (" (--quick: rough)" if quick else "")
+
+
+def priced_on(plan, calibrated_by, torchrun: bool = False) -> str:
+    """What the plan's predicted step is priced on, with what to do when it is a preset's figure."""
+    if plan.world.calibration is not None:
+        return f"priced on this machine: {calibrated_by or 'the calibration the plan was made with'}"
+    kinds = ", ".join(sorted({node.device.name for node in plan.world.nodes}))
+    todo = ("plan on a World `xirang calibrate` wrote, with --world-file, to price this machine" if torchrun else
+            f"run `xirang calibrate --world {plan.world.size}` to price this machine")
+    return f"preset {kinds}, uncalibrated: {todo}"
+
+
+def run_facts(args, plan, global_batch: int, calibrated_by):
+    """What every metrics line repeats (train_metrics.RunFacts): the model's FLOPs per step (one more trace
+    of the model), the peak the MFU divides by, the prediction and what it is priced on."""
+    from xirang.train_metrics import RunFacts, model_flops, peak_of
+    model, example = token_model(args, global_batch)
+    peak, peak_text = peak_of(plan.world, plan.precision)
+    return RunFacts(model_flops=model_flops(model, example, global_batch), peak_flops_per_s=peak, peak=peak_text,
+                    predicted_step_s=plan.predicted.step_seconds,
+                    predicted_by=priced_on(plan, calibrated_by, args.torchrun),
+                    tokens_per_step=global_batch * example["input_ids"].shape[1])
+
+
+def watching(args) -> bool:
+    """Whether the run writes metrics (then every rank hands in its memory and the gradient norm is taken)."""
+    return bool(metrics_path(args) or args.tensorboard)
 
 
 def cmd_train(args) -> int:
@@ -312,6 +472,7 @@ def cmd_train(args) -> int:
     import xirang
     from xirang.cli_verify import prepare
     from xirang.model_files import load_factory
+    args = effective_options(args)
     load_factory(args.model)
     check_train_args(args)
     token_model(args, args.global_batch)  # a model that does not take token ids is refused before planning
@@ -324,18 +485,34 @@ def cmd_train(args) -> int:
         rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model],
                                      timeout_s=args.collective_timeout)
         plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world_spec(args))
-        losses = train_rank(rank, args.world, args, plan, global_batch)["losses"]
+        calibrated_by = f"--world-file {args.world_file}" if args.world_file else None
+        facts = None
+        if rank == 0:
+            print(f"predicted step {plan.predicted.step_seconds * 1e3:.3g} ms ({priced_on(plan, calibrated_by, True)})",
+                  flush=True)
+            saved = save_run_config(args)
+            if saved:
+                print(f"options: {saved}", flush=True)
+            facts = run_facts(args, plan, global_batch, calibrated_by) if watching(args) else None
+        losses = train_rank(rank, args.world, args, plan, global_batch, facts)["losses"]
         if rank == 0 and args.loss_picture:
             print(f"loss curve: {write_loss_picture(args.loss_picture, losses, f'{args.model}: {plan.mesh}')}")
         return 0
-    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world_spec(args))
+    world, calibrated_by = planning_world(args)
+    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world)
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
-          f"global batch {global_batch}; predicted step {plan.predicted.step_seconds * 1e3:.3g} ms; "
-          f"{args.steps} steps on {args.world} local CPU ranks", flush=True)
-    results = xirang.launch(train_rank, args.world, args=(args, plan, global_batch), timeout_s=args.timeout,
+          f"global batch {global_batch}; predicted step {plan.predicted.step_seconds * 1e3:.3g} ms "
+          f"({priced_on(plan, calibrated_by)}); {args.steps} steps on {args.world} local CPU ranks", flush=True)
+    saved = save_run_config(args)
+    if saved:
+        print(f"options: {saved} (xirang train --config {saved} runs them again)", flush=True)
+    facts = run_facts(args, plan, global_batch, calibrated_by) if watching(args) else None
+    results = xirang.launch(train_rank, args.world, args=(args, plan, global_batch, facts), timeout_s=args.timeout,
                             pg_timeout_s=args.collective_timeout)
     losses = results[0]["losses"]
     print(f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    if facts is not None and metrics_path(args):
+        print(f"metrics: {metrics_path(args)}", flush=True)
     if args.loss_picture:
         path = write_loss_picture(args.loss_picture, losses, f"{args.model}: {plan.mesh}, global batch {global_batch}")
         print(f"loss curve: {path}")
@@ -343,11 +520,24 @@ def cmd_train(args) -> int:
 
 
 def add_train_parser(commands) -> None:
-    from xirang.cli_args import nonnegative_float, nonnegative_int, positive_float, positive_int
+    from xirang.train_config import track_given
     train = commands.add_parser("train", help="train a model on N local ranks with per-rank data, a warm-up + "
                                               "cosine schedule, clipping, checkpoints and --resume")
-    train.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
-    train.add_argument("--world", type=positive_int, required=True, help="number of ranks")
+    track_given(train)  # which options the command line gave, so they override --config's
+    add_train_arguments(train)
+    train.set_defaults(run=cmd_train)
+
+
+def add_train_arguments(train) -> None:
+    """Every option of ``xirang train`` (each may also come from --config's TOML file)."""
+    from xirang.cli_args import nonnegative_float, nonnegative_int, positive_float, positive_int
+    train.add_argument("model", nargs="?", help="path/to/file.py:factory (returns a model, or (model, example "
+                                                "kwargs)); or model = \"...\" in --config")
+    train.add_argument("--config", metavar="TOML", help="read the options from this TOML file (keys: the option "
+                                                        "names with underscores, e.g. global_batch = 8); options "
+                                                        "given here override it. The run's folder gets the "
+                                                        "effective options as config.toml")
+    train.add_argument("--world", type=positive_int, help="number of ranks (required, here or in --config)")
     for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
         train.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
     train.add_argument("--plan", help="plan.json to use (default: planned here)")
@@ -373,10 +563,17 @@ def add_train_parser(commands) -> None:
     train.add_argument("--checkpoint-every", type=positive_int, help="save every N steps")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.add_argument("--loss-picture", metavar="PNG", help="draw the loss per step into PNG at the end")
+    train.add_argument("--run-dir", metavar="DIR", help="the run's folder: config.toml (the effective options) and "
+                                                        "metrics.jsonl (default: --checkpoint-dir)")
+    train.add_argument("--metrics", metavar="JSONL", help="write one JSON line of metrics per step (loss, lr, "
+                                                          "tokens/s, MFU, memory per rank, gradient norm, step vs "
+                                                          "the plan's) to JSONL (default: metrics.jsonl in the run's "
+                                                          "folder)")
+    train.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard scalars into DIR "
+                                                            "(needs the tensorboard extra)")
     train.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds the whole run may take")
     train.add_argument("--collective-timeout", type=positive_float, default=120.0,
                        help="seconds a rank waits in a collective for a peer before failing (default 120)")
     train.add_argument("--torchrun", action="store_true", help="this process is one rank started by torchrun")
     train.add_argument("--print-command", action="store_true",
                        help="print the torchrun command that runs this training on a cluster, instead of running")
-    train.set_defaults(run=cmd_train)
