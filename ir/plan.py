@@ -4,7 +4,9 @@ A plan names the mesh, the batch split, the pipeline schedule and stage cuts, ea
 layouts, the gradient buckets and the collectives, with what the cost model predicts for it. It is
 validated on construction, so a hand-edited ``plan.json`` that is inconsistent is refused with the
 field at fault, and it carries the fingerprint of the traced graph and the World it was made for,
-so ``check_matches`` refuses it for another model or cluster. ``from_json(to_json(plan)) == plan``.
+so ``check_matches`` refuses it for another model or cluster, naming what differs first from the
+summary of its model it keeps (``model_summary``, ir/model_summary.py; absent in older files, which
+are refused by fingerprint alone). ``from_json(to_json(plan)) == plan``.
 
 Layouts: one placement per mesh axis; in JSON only the non-replicated axes are written,
 ``{"tp": {"shard": 1}}``, and ``{}`` is replicated everywhere.
@@ -15,9 +17,10 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping, Optional
 
 from xirang.ir.mesh import Mesh
+from xirang.ir.model_summary import ModelSummary
 from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_int, check_keys, check_seq, check_str,
                                    check_type, check_unique, compact_dumps, errors_at, first_difference, parse_at,
                                    parse_json_list)
@@ -75,6 +78,8 @@ class Plan:
     collectives: tuple[CollectiveChoice, ...] = ()
     predicted: Prediction
     alternatives: tuple[Alternative, ...] = ()  # other configurations priced, for explain()
+    # the model in brief (parameters, ties, inputs, a record per node), so a refusal names what differs
+    model_summary: Optional[ModelSummary] = None
 
     def __post_init__(self):
         with errors_at("plan"):
@@ -161,6 +166,8 @@ class Plan:
                             where="predicted.memory_bytes_per_device", hint=REPLAN)
         object.__setattr__(self, "alternatives", check_seq(self.alternatives, "alternatives",
                                                            lambda v, w: check_type(v, Alternative, w)))
+        if self.model_summary is not None:
+            check_type(self.model_summary, ModelSummary, "model_summary")
 
     def _check_tp_overlap(self, mesh: Mesh) -> None:
         if type(self.tp_overlap) is not int or self.tp_overlap < 0 or self.tp_overlap == 1:
@@ -267,12 +274,23 @@ class Plan:
         """The stages pipeline rank ``pp_rank`` runs, in order (several when interleaved)."""
         return self.stages[pp_rank::self.mesh.pp]
 
-    def check_matches(self, fingerprint: str, world: World) -> None:
-        """Refuse this plan for a model whose graph has another fingerprint, or another World."""
-        problems = []
+    def check_matches(self, fingerprint: str, world: World, model: Optional[ModelSummary] = None,
+                      describe_node: Optional[Callable[[int], str]] = None) -> None:
+        """Refuse this plan for a model whose graph has another fingerprint, or another World. Given
+        ``model`` (this model's summary) and ``describe_node`` (its node i in words), a plan that keeps
+        its model's summary says what differs first (passes/analysis/fingerprint.check_plan_matches)."""
+        problems, hint = [], "re-plan with xirang.plan(...) or pass the matching model/world"
         if fingerprint != self.fingerprint:
-            problems.append(f"plan was made for a different model (fingerprint {self.fingerprint}, "
-                            f"this model {fingerprint})")
+            found = None
+            if self.model_summary is not None and model is not None:
+                found = self.model_summary.first_difference(model, describe_node or (lambda i: f"node {i}"))
+            if found:
+                problems.append(f"plan was made for a different model: {found[0]} (fingerprint {self.fingerprint}, "
+                                f"this model {fingerprint})")
+                hint = found[1]
+            else:
+                problems.append(f"plan was made for a different model (fingerprint {self.fingerprint}, "
+                                f"this model {fingerprint})")
         if world != self.world:
             problems.append(f"plan was made for world '{self.world.describe()}' but this world is "
                             f"'{world.describe()}'" + first_difference(self.world.to_json(), world.to_json(),
@@ -280,8 +298,7 @@ class Plan:
         if problems:
             where = [name for name, differs in (("plan.fingerprint", fingerprint != self.fingerprint),
                                                 ("plan.world", world != self.world)) if differs]
-            raise PlanError("; ".join(problems), where=", ".join(where),
-                            hint="re-plan with xirang.plan(...) or pass the matching model/world")
+            raise PlanError("; ".join(problems), where=", ".join(where), hint=hint)
 
     # --- JSON ----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -296,6 +313,8 @@ class Plan:
                 value = [v.to_json() if hasattr(v, "to_json") else v for v in value]
             elif hasattr(value, "to_json"):
                 value = value.to_json()
+            if f.name == "model_summary" and value is None:
+                continue  # a plan made without its model's summary is written as older plans were
             data[f.name] = value
         return data
 
@@ -307,12 +326,12 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}", where="schema_version",
                                 hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives, offload, dp_shares, sequence_parallel, zero_stage and tp_overlap came after the first plans
-            # were written: optional when reading
+            # alternatives, offload, dp_shares, sequence_parallel, zero_stage, tp_overlap and model_summary came
+            # after the first plans were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
                        required=tuple(f.name for f in fields(cls) if f.name not in (
                            "alternatives", "offload", "dp_shares", "sequence_parallel", "zero_stage",
-                           "tp_overlap")))
+                           "tp_overlap", "model_summary")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):
@@ -322,6 +341,8 @@ class Plan:
                                 ("alternatives", Alternative.from_json)):
                 if name in data:
                     values[name] = parse_json_list(data[name], name, parse)
+            if data.get("model_summary") is not None:
+                values["model_summary"] = ModelSummary.from_json(data["model_summary"])
             check_type(data["placements"], dict, "placements", "JSON object node name -> strategy")
             with errors_at("placements"):
                 values["placements"] = {name: parse_at(f"[{name!r}]", NodeStrategy.from_json, value)

@@ -45,14 +45,14 @@ def _replicated(strategy) -> bool:
 
 def _analysed(plan: Plan, model_spec: str, batch, seq, dump: str | None):
     """Trace and analyse the model; refuse a plan made for another one (Plan.check_matches names the field)."""
-    from xirang.passes.analysis.fingerprint import graph_fingerprint
+    from xirang.passes.analysis.fingerprint import check_plan_matches
 
     from xirang.analyze import analyze
     from xirang.model_files import build, load_factory
     from xirang.model_checks import check_placements
     model, example_kwargs = build(load_factory(model_spec), batch, seq, strict=True)
     report = analyze(model, example_kwargs=example_kwargs, dump_dir=f"{dump}/analysis" if dump else None)
-    plan.check_matches(graph_fingerprint(report.graph_module), plan.world)
+    check_plan_matches(plan, report.graph_module, plan.world)
     check_placements(plan, report.graph_module)  # a hand-edited layout, before the lowering trips on it
     return report
 

@@ -31,7 +31,7 @@ from xirang.codegen.runtime.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
 from xirang.ir.world import World
-from xirang.passes.analysis.fingerprint import graph_fingerprint
+from xirang.passes.analysis.fingerprint import check_plan_matches
 
 from .analyze import analyze
 from .lower import lower, rank_source
@@ -45,7 +45,7 @@ def check_plan_for_graph(plan: Plan, gm, world: World) -> None:
     if not isinstance(plan, Plan):
         raise XirangError(f"plan= must be a xirang Plan, got {type(plan).__name__}", where="xirang.compile(plan=)",
                           hint="pass xirang.plan(...) or Plan.load('plan.json')")
-    plan.check_matches(graph_fingerprint(gm), world)
+    check_plan_matches(plan, gm, world)  # a plan for another model names what differs first
     check_placements(plan, gm)
     check_plan_batch_split(gm, plan.mesh.dp, plan.num_micro_batches, "plan.mesh.dp, plan.num_micro_batches")
 

@@ -16,7 +16,7 @@ from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, Stag
 from xirang.ir.plan_explain import why_lost
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import ALGORITHMS, collective_cost, group_topology
-from xirang.passes.analysis.fingerprint import graph_fingerprint
+from xirang.passes.analysis.fingerprint import graph_fingerprint, model_summary
 from xirang.passes.planning.dp_sync_costs import bucket_elements
 from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced
 from xirang.passes.planning.plan_search import SearchResult
@@ -80,7 +80,8 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                 num_micro_batches=c.num_micro_batches, global_batch=global_batch, schedule=c.schedule,
                 virtual_stages=c.virtual_stages, recompute=c.recompute, offload=c.offload, precision=precision,
                 grad_reduce_dtype=precision, placements=split.placements, stages=stages, buckets=buckets,
-                fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives)
+                fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives,
+                model_summary=model_summary(gm))
     if best.micro_batch_shares:  # priced with these shares: the note with_dp_shares adds does not apply
         made = replace(made.with_dp_shares(tuple(m * c.micro_batch for m in best.micro_batch_shares)),
                        predicted=predicted)

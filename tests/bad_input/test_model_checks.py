@@ -202,7 +202,9 @@ def test_plan_of_another_model_is_refused(mlp_plan):
     model, inputs = models.batchnorm()
     with pytest.raises(XirangError) as info:
         xirang.compile(model, world=2, example_kwargs=inputs, plan=mlp_plan)
-    assert_clear_error(info.value, "different model", where="plan.fingerprint")
+    # what differs first: the parameters and buffers of BatchNorm, which the plan's MLP lacks
+    assert_clear_error(info.value, "different model", "this model has 5 parameters or buffers the plan's model lacks: "
+                       "bn.weight, bn.bias, bn.running_mean (and 2 more)", where="plan.fingerprint")
 
 
 @pytest.mark.parametrize("plan", ["plan.json", {"mesh": 1}, 3], ids=["path", "dict", "int"])

@@ -1,5 +1,6 @@
 """Graph fingerprint: the same model always gives the same one (in any process, traced on any
 device), another structure a different one; node names do not count, argument wiring does."""
+import json
 import os
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from conftest import hf_gpt2, token_batch
+from tests.ir.test_plan import make_plan
 from xirang import analyze
-from xirang.passes.analysis.fingerprint import FINGERPRINT_CHARS, graph_fingerprint
+from xirang.ir.plan import Plan, PlanError
+from xirang.passes.analysis.fingerprint import FINGERPRINT_CHARS, check_plan_matches, graph_fingerprint, model_summary
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,3 +81,94 @@ def test_same_in_another_process_with_another_hash_seed():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == fingerprint()
+
+
+# --- a refused plan names what differs first (the plan carries a compact summary of its model) ------
+
+class Activated(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.up, self.act = torch.nn.Linear(8, 32), act
+
+    def forward(self, x):
+        hidden = self.act(self.up(x))
+        return hidden.sum()
+
+
+def refusal(planned, given, example=None) -> PlanError:
+    """The PlanError of checking a plan made for model ``planned`` against model ``given``."""
+    def traced(model):
+        if example is None:
+            return analyze(model, torch.zeros(4, 8)).graph_module
+        return analyze(model, example_kwargs=example).graph_module
+
+    return refused_graph(traced(planned), traced(given))
+
+
+def refused_graph(made_for, given) -> PlanError:
+    plan = make_plan(fingerprint=graph_fingerprint(made_for), model_summary=model_summary(made_for))
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(plan, given, plan.world)
+    return info.value
+
+
+def test_a_parameter_of_another_shape_is_named_first():
+    error = refusal(TwoLayer(hidden=32), TwoLayer(hidden=64))
+    assert error.what.startswith("plan was made for a different model: parameter up.weight is float32[64, 8] in "
+                                 "this model, float32[32, 8] in the plan's model"), error.what
+    assert "fingerprint" in error.what and error.where == "plan.fingerprint"
+
+
+def test_an_op_that_differs_is_named_with_its_module_and_source_line():
+    error = refusal(Activated(torch.relu), Activated(torch.tanh))
+    assert "aten.tanh.default in module up" not in error.what  # the activation is the root module's op
+    assert "this model runs aten.tanh.default" in error.what and "the plan's model ran aten.relu.default" in error.what
+    assert "test_fingerprint.py:" in error.what and "hidden = self.act(self.up(x))" in error.what, error.what
+
+
+def test_the_same_ops_wired_differently_are_named():
+    error = refusal(TwoLayer(swap=False), TwoLayer(swap=True))
+    assert "aten.sub.Tensor" in error.what and "the plan's model's node there read other values" in error.what
+    assert "b - a if self.swap else a - b" in error.what
+
+
+@pytest.fixture(scope="module")
+def gpt2_tied_and_untied():
+    """GPT-2 built on meta (its embedding and head tied), and built on the CPU then moved with
+    model.to("meta"), which re-creates each parameter and so unties them; each traced."""
+    untied = hf_gpt2(layers=1, device="cpu").to("meta")
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+    return tuple(analyze(model, example_kwargs=token_batch()).graph_module
+                 for model in (hf_gpt2(layers=1, device="meta"), untied))
+
+
+def test_a_tie_lost_to_model_to_meta_is_named_with_the_fix(gpt2_tied_and_untied):
+    """A plan made from the moved model is refused on the real (tied) one naming the tie and how to keep it."""
+    tied, untied = gpt2_tied_and_untied
+    error = refused_graph(untied, tied)
+    assert error.what.startswith("plan was made for a different model: this model ties lm_head.weight and "
+                                 "transformer.wte.weight (one tensor), but they are separate parameters in the "
+                                 "plan's model"), error.what
+    assert 'with torch.device("meta"):' in error.hint and 'model.to("meta")' in error.hint
+    error = refused_graph(tied, untied)  # and the other way round
+    assert "the plan's model ties lm_head.weight and transformer.wte.weight" in error.what, error.what
+    assert 'with torch.device("meta"):' in error.hint
+
+
+def test_a_plan_file_without_the_summary_still_loads_and_gets_the_fingerprint_message():
+    made_for = analyze(TwoLayer(hidden=32), torch.zeros(4, 8)).graph_module
+    plan = make_plan(fingerprint=graph_fingerprint(made_for), model_summary=model_summary(made_for))
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    old = plan.to_json()
+    del old["model_summary"]
+    old = Plan.from_json(old)
+    assert old.model_summary is None
+    with pytest.raises(PlanError) as info:
+        check_plan_matches(old, analyze(TwoLayer(hidden=64), torch.zeros(4, 8)).graph_module, old.world)
+    assert info.value.what.startswith("plan was made for a different model (fingerprint ")
+
+
+def test_the_summary_stays_small_per_node(gpt2_tied_and_untied):
+    gm = gpt2_tied_and_untied[0]
+    summary, nodes = json.dumps(model_summary(gm).to_json()), len(gm.graph.nodes)
+    assert len(summary) < 80 * nodes, (len(summary), nodes)  # a plan's placements take about as much per node
