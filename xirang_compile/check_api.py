@@ -82,6 +82,8 @@ class CheckReport:
             rows.append({"pp_rank": pp, "representative": klass.log.rank, "ranks": len(klass.members),
                          "peak_bytes": klass.log.memory.peak, "parts": dict(klass.log.memory.parts),
                          "host_peak_bytes": klass.log.memory.host_peak,
+                         "largest": [{"bytes": size, "part": part, "site": site}
+                                     for size, part, site in klass.log.memory.largest],
                          "predicted_bytes": predicted[pp] if pp < len(predicted) else None,
                          "calls": len(klass.log.calls), "host_reads": len(klass.log.host_reads),
                          "seconds": klass.log.seconds})

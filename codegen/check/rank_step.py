@@ -144,6 +144,9 @@ def _keys(recorder: Recorder, compiled) -> dict:
     return {"parameters": keys(params), "gradients": keys(grads), "communication": keys(buffers)}
 
 
+LARGEST_SITES = 12  # the sites a memory report names, largest first
+
+
 def _memory(recorder: Recorder, held: dict, first_event: int) -> MemoryReport:
     """The step's peak split by part: a storage the rank holds after the step is counted as what holds it
     (parameters, gradients, optimizer state, receive buffers); any other by where it was made (the recorder's
@@ -151,10 +154,14 @@ def _memory(recorder: Recorder, held: dict, first_event: int) -> MemoryReport:
     activations)."""
     live = recorder.live_at_peak()
     parts: dict = {}
+    sites: dict = {}
     for key, size in live.items():
         part = next((name for name in ("parameters", "gradients", "optimizer", "communication")
                      if key in held.get(name, ())), None) or recorder.part_of.get(key, "activations")
         parts[part] = parts.get(part, 0) + size
-    return MemoryReport(peak=recorder.peak, parts=parts, resting=recorder.live,
+        site = (part, recorder.site_of.get(key, ""))
+        sites[site] = sites.get(site, 0) + size
+    largest = sorted(((size, part, where) for (part, where), size in sites.items()), reverse=True)[:LARGEST_SITES]
+    return MemoryReport(peak=recorder.peak, parts=parts, resting=recorder.live, largest=tuple(largest),
                         allocations=sum(1 for _, size in recorder.events[first_event:] if size > 0),
                         peak_action=recorder.peak_action, host_peak=recorder.host_peak)

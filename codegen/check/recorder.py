@@ -17,6 +17,7 @@ fake process group (whose all-gather echoes this rank's value) and are logged as
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 import weakref
 
@@ -28,7 +29,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xirang.codegen.check.records import Call, HostRead
-from xirang.ir.meta_keys import INSERTED, SOURCE
+from xirang.ir.meta_keys import INSERTED, MODULE_TYPE, SOURCE
 
 CUDA_BLOCK_BYTES = 512  # the caching allocator's smallest block and rounding (c10/cuda/CUDACachingAllocator.cpp)
 
@@ -84,6 +85,7 @@ class Recorder(TorchDispatchMode):
         self._ids: dict = {}  # id(storage object) -> key, while live
         self.in_object_collective = 0
         self.part_of: dict = {}  # storage key -> the part of memory its allocation site says it is
+        self.site_of: dict = {}  # storage key -> where it was made: the stage node (op) or the runtime line
         self.host_live = self.host_peak = 0  # a GPU rank's host memory the step's tensors hold (offload copies)
         self._host_sizes: dict = {}
 
@@ -109,7 +111,7 @@ class Recorder(TorchDispatchMode):
             self._host_sizes[id(storage)] = storage.nbytes()
         self._ids[id(storage)] = key
         self.sizes[key] = size
-        self.part_of[key] = self._part() if size else "activations"
+        self.part_of[key], self.site_of[key] = self._part() if size else ("activations", "")
         self.events.append((key, size))
         self.live += size
         if self.live > self.peak:
@@ -128,9 +130,11 @@ class Recorder(TorchDispatchMode):
     def _part(self) -> str:
         """Which part of a rank's memory a storage made now is, by where it is made (ALLOCATION_SITES; inside a
         backward action the rest is the backward's working set; in a stage module a cast of a parameter is a
-        weight copy; else an activation)."""
+        weight copy; else an activation), and the site: the innermost stage node making it (its op), else the
+        runtime's line."""
         backward = False
         cast = False
+        node = runtime = None
         for frame in self._frames():
             code = frame.f_code
             if code in self._backward_codes:
@@ -139,13 +143,16 @@ class Recorder(TorchDispatchMode):
             name = code.co_filename
             for site, part in ALLOCATION_SITES:
                 if site in name:
-                    return part
-            if not cast and name.startswith("<eval_with_key>"):
+                    return part, f"{site.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+            if node is None and name.startswith("<eval_with_key>"):
                 node = _node_at(frame)
                 cast = node is not None and _casts_a_parameter(node)
+            elif runtime is None and "/codegen/" in name and "/codegen/check/" not in name:
+                runtime = f"{name.rsplit('/codegen/', 1)[-1]}:{frame.f_lineno}"
+        where = _site_of_node(node) if node is not None else runtime or ""
         if backward:
-            return "working_set"
-        return "weight_casts" if cast else "activations"
+            return "working_set", where or "backward"
+        return ("weight_casts" if cast else "activations"), where
 
     def live_at_peak(self) -> dict:
         """Storage key -> bytes of what was live when the peak was reached."""
@@ -258,6 +265,17 @@ def _casts_a_parameter(node) -> bool:
         and inputs[0].op == "placeholder" and inputs[0].name.startswith("p_")  # torch.export names parameters p_
 
 
+def _site_of_node(node) -> str:
+    """A stage node as a site that adds up over layers and micro-batches: its op (a tuple's item, its maker's)
+    and the class of the module it is in, e.g. "mm in LlamaMLP"."""
+    op = node
+    while op.target is operator.getitem and op.args and isinstance(op.args[0], torch.fx.Node):
+        op = op.args[0]
+    name = getattr(op.target, "__name__", str(op.target)).removesuffix(".default")
+    module = MODULE_TYPE.get(op, "") or MODULE_TYPE.get(node, "")
+    return f"{name} in {module}" if module else name
+
+
 def _node_at(frame):
     """The fx node whose generated line ``frame`` (a GraphModule's forward) is executing, or None."""
     module = frame.f_locals.get("self")
@@ -265,7 +283,7 @@ def _node_at(frame):
     start = getattr(module, "_prologue_start", None)
     if not lines or start is None:
         return None
-    index = lines.get(frame.f_lineno - start + 1)
+    index = lines.get(frame.f_lineno - start)  # as torch._utils reads it
     if index is None:
         return None
     nodes = list(module.graph.nodes)

@@ -97,6 +97,7 @@ class MemoryReport:
     allocations: int = 0
     peak_action: str = ""
     host_peak: int = 0  # a GPU rank's host memory its step's tensors held at most (offloaded activations)
+    largest: tuple = ()  # (bytes, part, site) live at the peak, by where it was made, largest first
 
 
 @dataclass

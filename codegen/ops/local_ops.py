@@ -68,6 +68,12 @@ def local_size(full: int, tp: int) -> int:
     return -(-full // tp)
 
 
+def cast_like(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in ``reference``'s dtype: a model's cast back to the dtype its input had
+    (passes/lowering/precision.py), a no-op when they agree."""
+    return tensor.to(reference.dtype)
+
+
 def unify_float_dtypes(tensors: tuple, dtype: torch.dtype) -> tuple:
     """``tensors`` unchanged if their floating members share a dtype, else each floating one cast to
     ``dtype`` (integers, booleans and non-tensors pass through: a boolean attention mask stays one)."""

@@ -15,6 +15,15 @@ op of ``ONE_DTYPE_OPS`` meets mixed floating dtypes at run time, its floating in
 compute dtype first (``unify_float_dtypes``), the decision autocast makes for such ops; inputs that
 already agree are left alone, so an fp32 island the model keeps on purpose (the rotary angles,
 computed from fp32 buffers only) stays fp32.
+
+A norm that upcasts its input and casts its result back ("to the input's dtype") was traced as two
+casts to float32; the second is a cast back, and it casts to the dtype the first one's input has at
+run time (``cast_like``), as the model does in half precision: a cast to float32 whose input descends,
+inside the same module, from an earlier cast to float32 is such a cast back (Llama's RMSNorm). The
+upcast itself returned its input in the fp32 trace, so the graph has code outside the norm that read
+the norm's input (the residual) read the upcast; those readers get the input back. Without this the
+residual stream and the norms' outputs stayed fp32, and every matmul reading a norm made and saved a
+half-precision copy of its own.
 """
 from __future__ import annotations
 
@@ -23,9 +32,9 @@ import operator
 import torch
 from torch.fx import Graph
 
-from xirang.codegen.ops.local_ops import unify_float_dtypes
+from xirang.codegen.ops.local_ops import cast_like, unify_float_dtypes
 from xirang.ir.facts import TensorInfo
-from xirang.ir.meta_keys import INSERTED, REQUIRES_GRAD, ROLE, TENSOR, UNIT
+from xirang.ir.meta_keys import INSERTED, MODULE_PATH, REQUIRES_GRAD, ROLE, TENSOR, UNIT
 from xirang.ir.pass_spec import compiler_pass
 from xirang.passes.lowering.inserted import place_inserted
 
@@ -45,6 +54,7 @@ def write_precision_casts(graph: Graph, dtype: torch.dtype, *, fp32_loss: bool =
     if dtype == torch.float32:
         return
     _cast_parameters(graph, dtype)
+    _cast_back_to_input_dtype(graph)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in ONE_DTYPE_OPS:
             _unify_inputs(graph, node, dtype)
@@ -68,6 +78,57 @@ def _cast_parameters(graph: Graph, dtype: torch.dtype) -> None:
             cast = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
         anchor = cast
         node.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
+
+
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+_UPCAST_SEARCH = 32  # nodes looked at above a cast, within its module, for the upcast it undoes
+
+
+def _casts_to_float32(node) -> bool:
+    if node.op != "call_function" or node.target not in _CASTS:
+        return False
+    dtype = node.args[1] if node.target is aten.to.dtype and len(node.args) > 1 else node.kwargs.get("dtype")
+    return dtype == torch.float32
+
+
+def _cast_back_to_input_dtype(graph: Graph) -> None:
+    """Each cast to float32 that undoes an upcast in its module casts to that upcast's input dtype."""
+    for node in list(graph.nodes):
+        if not _casts_to_float32(node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        upcast = _upcast_above(node)
+        if upcast is None or not isinstance(upcast.args[0], torch.fx.Node):
+            continue
+        node.target, node.args, node.kwargs = cast_like, (node.args[0], upcast.args[0]), {}
+        # The trace's upcast was a no-op that returned its input, so code outside the module that read
+        # the input (the residual beside a pre-norm) reads the upcast in the graph: give it the input back.
+        module = MODULE_PATH.get(upcast, "")
+        for user in list(upcast.users):
+            path = MODULE_PATH.get(user, "")
+            if path != module and not path.startswith(module + "."):
+                user.replace_input_with(upcast, upcast.args[0])
+
+
+def _traced_float32(value) -> bool:
+    """Whether ``value`` was float32 in the trace: a cast of it to float32 was a no-op there (an integer
+    made float, Llama's position ids for the rotary angles, is a real cast and no upcast)."""
+    val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.float32
+
+
+def _upcast_above(node):
+    """The nearest cast to float32 among ``node``'s inputs' ancestors in the same module, or None."""
+    module = MODULE_PATH.get(node, None)
+    seen, frontier = set(), list(node.all_input_nodes)
+    while frontier and len(seen) < _UPCAST_SEARCH:
+        above = frontier.pop(0)
+        if above in seen or MODULE_PATH.get(above, None) != module or above.op != "call_function":
+            continue
+        seen.add(above)
+        if _casts_to_float32(above) and _traced_float32(above.args[0]):
+            return above
+        frontier.extend(above.all_input_nodes)
+    return None
 
 
 def _unify_inputs(graph: Graph, node, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.passes.lowering.compute_dtypes import compute_dtypes
 from xirang.codegen.ops.local_ops import unify_float_dtypes
+from xirang.ir.meta_keys import MODULE_TYPE
 
 BUILDERS = {"gpt": lambda: build_gpt("tiny", device="cpu"),
             "gpt2": lambda: hf_gpt2(device="cpu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -75,3 +76,21 @@ def test_rotary_angles_stay_fp32_while_the_hidden_state_is_bf16():
     of = {target: {dtypes[n.name] for n in gm.graph.nodes if n.target is target}
           for target in (torch.ops.aten.cos.default, torch.ops.aten.linear.default)}
     assert of == {torch.ops.aten.cos.default: {torch.float32}, torch.ops.aten.linear.default: {torch.bfloat16}}
+
+
+def test_a_norm_that_casts_back_gives_the_compute_dtype_and_the_residual_stays_half():
+    """Llama's RMSNorm upcasts and casts back "to the input's dtype"; both were traced as casts to float32,
+    and the upcast, a no-op in the trace, stands for the residual too. In bf16 the norm returns bf16 and the
+    residual adds stay bf16, so no matmul reading a norm makes a copy of its input (passes/lowering/precision.py)."""
+    gm = xirang.analyze(BUILDERS["llama"](), example_kwargs=batch()).graph_module
+    dtypes = compute_dtypes(gm, torch.bfloat16)
+    kinds = {"norm": "LlamaRMSNorm", "residual": "LlamaDecoderLayer"}
+    found = {kind: set() for kind in kinds}
+    for node in gm.graph.nodes:
+        kind = next((k for k, module in kinds.items() if MODULE_TYPE.get(node, "") == module), None)
+        if kind == "norm" and node.target is torch.ops.aten.mul.Tensor and any(
+                MODULE_TYPE.get(user, "") != "LlamaRMSNorm" for user in node.users):  # the norm's output
+            found[kind].add(dtypes[node.name])
+        elif kind == "residual" and node.target is torch.ops.aten.add.Tensor:
+            found[kind].add(dtypes[node.name])
+    assert found == {"norm": {torch.bfloat16}, "residual": {torch.bfloat16}}
