@@ -327,7 +327,7 @@ def _launch_error(failures, nprocs, timeout_s, pg_timeout_s, where) -> XirangErr
         # Every rank was alive to the end (a frozen one is named by its heartbeat) and none raised: a
         # collective left waiting raises after pg_timeout_s, so only a limit at or below it leaves that open.
         waiting = ("; if the ranks may be waiting on each other, give pg_timeout_s below timeout_s so a collective "
-                   "left waiting raises in its rank, naming it" if pg_timeout_s >= timeout_s else "")
+                   "left waiting raises in its rank first, with its traceback" if pg_timeout_s >= timeout_s else "")
         return XirangError(
             f"the run exceeded timeout_s={timeout_s:g} s (the whole-run limit given to launch): "
             f"{_ranks(ranks)} of {nprocs} {'was' if len(ranks) == 1 else 'were'} still running and terminated",
