@@ -112,6 +112,10 @@ def _cast_back_to_input_dtype(graph: Graph) -> None:
 def _traced_float32(value) -> bool:
     """Whether ``value`` was float32 in the trace: a cast of it to float32 was a no-op there (an integer
     made float, Llama's position ids for the rotary angles, is a real cast and no upcast)."""
+    # a collective the tp rewrite inserted has no trace value: it keeps its input's dtype
+    while isinstance(value, torch.fx.Node) and "val" not in value.meta and INSERTED.get(value, None) \
+            and value.all_input_nodes:
+        value = value.all_input_nodes[0]
     val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
     return isinstance(val, torch.Tensor) and val.dtype == torch.float32
 

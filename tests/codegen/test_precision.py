@@ -94,3 +94,27 @@ def test_a_norm_that_casts_back_gives_the_compute_dtype_and_the_residual_stays_h
         elif kind == "residual" and node.target is torch.ops.aten.add.Tensor:
             found[kind].add(dtypes[node.name])
     assert found == {"norm": {torch.bfloat16}, "residual": {torch.bfloat16}}
+
+
+def test_the_cast_back_is_found_through_a_collective_the_tp_rewrite_inserted():
+    """Under tensor parallelism the norm's input is a collective the tp rewrite inserted (no trace value):
+    its upcast is still a no-op of the trace, so the cast back and the residual are rewritten as in the trace
+    (else the receiver's buffers, made from the trace's run-time dtypes, disagree with what is sent)."""
+    from xirang.codegen.ops.local_ops import cast_like
+    from xirang.ir.meta_keys import INSERTED, MODULE_PATH
+    from xirang.passes.lowering.precision import _cast_back_to_input_dtype
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 4)
+    gathered = graph.call_function(torch.ops.aten.clone.default, (x,))  # stands for an inserted all-to-all
+    INSERTED.set(gathered, "tp: all_to_all")
+    upcast = graph.call_function(torch.ops.aten.to.dtype, (gathered, torch.float32))
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (upcast, 2.0))
+    back = graph.call_function(torch.ops.aten.to.dtype, (scaled, torch.float32))
+    residual = graph.call_function(torch.ops.aten.add.Tensor, (upcast, back))
+    graph.output(residual)
+    for node, path in ((upcast, "norm"), (scaled, "norm"), (back, "norm"), (residual, "layer"), (gathered, "layer")):
+        MODULE_PATH.set(node, path)
+    _cast_back_to_input_dtype(graph)
+    assert back.target is cast_like and back.args == (scaled, gathered)
+    assert residual.args[0] is gathered  # the residual reads the norm's input, not its upcast
