@@ -100,7 +100,7 @@ class ZeroOneShards:
                 shard = BucketShard(buckets, index, buckets.buckets[index].label, list(params), padded,
                                     dp_rank * size, size, None, scatter, None)
                 shard.param = torch.nn.Parameter(shard.mine(shard.flat(params)).clone())
-                shard.owned = shard.mine(shard.flat(masks))
+                shard.owned = shard.mine(shard.flat(masks)).clone()  # not a view holding the whole bucket's mask
                 shard.version = shard.param._version
                 self.shards.append(shard)
                 if scatter:

@@ -28,8 +28,8 @@ Terms, each with its source:
   back only 1 - w of its time: the work bound becomes work + w · (pipeline formula - work).
 - The step's own collectives (``step_sync``: the batch agreement, the loss over dp and pp), which every
   step runs besides the plan's: ``step_sync_costs``.
-- Memory per device: 16 B per local parameter (``model_state_bytes``, mixed-precision Adam;
-  Rajbhandari et al. 2020) + activations × micro-batches in flight on that pipeline rank
+- Memory per device: 16 B per local parameter (``runtime_state_bytes``: what the runtime holds, fp32
+  weight, fp32 gradient and AdamW's two moments) + activations × micro-batches in flight on that pipeline rank
   (``in_flight_by_rank``) + the recompute working set: the largest block's activations that
   recompute rebuilds during its backward (Korthikanti et al. 2022).
 - Recompute applies to blocks only; segments (embedding, head, loss) keep their activations, as
@@ -43,11 +43,13 @@ Terms, each with its source:
   compute; what is exposed per block and micro-batch is max(0, copy - forward) going out plus
   max(0, copy - backward) coming back (the "offload" cause). Host memory is not checked.
 - Memory parts per pipeline rank (``Priced.memory_parts``): parameters, gradients and optimizer
-  state (the 16 bytes per parameter split as the plan's precision holds them: 2 + 2 + 12 at bf16,
-  4 + 4 + 8 at fp32), activations (kept by the micro-batches in flight), the working set of recompute
-  (the largest block rebuilt in its backward) and offload (two blocks on the device), model buffers.
-- ZeRO (``Candidate.zero_stage`` 1 and 3): the optimizer part of the 16 bytes divided by dp (ZeRO's
-  P_os, Rajbhandari et al. 2020, fig. 1; ZeRO-3's parameters are 1/dp only between steps, so its peak
+  state (the 16 bytes per parameter split 4 + 4 + 8 at every precision: half-precision weight copies
+  are made per use and remade in the backward, not kept), activations (kept by the micro-batches in
+  flight), the working set of recompute (the largest block rebuilt in its backward) and offload (two
+  blocks on the device), model buffers.
+- ZeRO (``Candidate.zero_stage`` 1 and 3): AdamW's moments divided by dp, plus the fp32 slice the
+  optimizer steps (4/dp), so 8 + 12/dp bytes per parameter (ZeRO's P_os, Rajbhandari et al. 2020,
+  fig. 1, as the runtime holds it; ZeRO-3's parameters are 1/dp only between steps, so its peak
   is the same); its reduce-scatters and all-gathers in the dp sync (``dp_sync_costs``).
 - A World mixing device kinds (``device_speeds``): compute / speed per rank, micro-batches dealt to dp
   replicas by pace (``Priced.micro_batch_shares``), the step the slowest replica's pipeline with its
@@ -66,7 +68,7 @@ from xirang.ir.schedules import schedule_spec
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.cost_model import model_state_bytes, pipeline_step_time
+from xirang.passes.planning.cost_model import pipeline_step_time, runtime_state_bytes
 from xirang.passes.planning.device_speeds import WorldSpeeds, mixed_kinds
 from xirang.passes.planning.dp_sync_costs import DpSyncPricer
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
@@ -75,8 +77,8 @@ from xirang.passes.planning.step_sync_costs import step_sync_seconds
 from xirang.passes.planning.unit_costs import TensorSplit
 from xirang.ir.errors import InvalidValue
 
-STATE_BYTES_PER_PARAM = model_state_bytes(1).total  # 16: also fp32 Adam (4 + 4 + 4 + 4)
-GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+STATE_BYTES_PER_PARAM = runtime_state_bytes(1).total  # 16 without ZeRO: fp32 weight, gradient, AdamW's two moments
+GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # a gradient in the dtype dp reduces it in (plan.grad_reduce_dtype)
 CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
 
@@ -225,13 +227,10 @@ class CandidatePricer:
             self._tables[key] = UnitTable(n.seconds, static, n.activation, cuts)
         return self._tables[key]
 
-    def optimizer_bytes_per_param(self) -> float:
-        """Adam's share of the 16 bytes in the plan's precision: 12 at bf16 (fp32 master, m, v), 8 at fp32."""
-        return STATE_BYTES_PER_PARAM - 2 * self.grad_bytes
-
     def zero_saved_per_param(self, c: Candidate) -> float:
-        """Bytes per local parameter ZeRO-1 does not hold: the optimizer state of the other dp ranks' slices."""
-        return self.optimizer_bytes_per_param() * (1 - 1 / c.dp) if c.zero_stage else 0.0
+        """Bytes per local parameter ZeRO does not hold at the peak (``runtime_state_bytes``): the other dp
+        ranks' optimizer state, less the fp32 slice the optimizer steps."""
+        return STATE_BYTES_PER_PARAM - runtime_state_bytes(1, dp=c.dp, zero_stage=c.zero_stage).total
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
@@ -383,7 +382,6 @@ class CandidatePricer:
         params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
         buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
         activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
-        held = self.grad_bytes  # parameters in the plan's precision, gradients too; the rest is Adam's
-        return {"parameters": params * held, "gradients": params * self.grad_bytes,
-                "optimizer": params * (self.optimizer_bytes_per_param() - self.zero_saved_per_param(c)),
+        state = runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
+        return {"parameters": state.params, "gradients": state.grads, "optimizer": state.optimizer,
                 "activations": activations, "working_set": n.transient, "buffers": buffers}
