@@ -105,7 +105,11 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
             recorder.peak, recorder.peak_at = recorder.live, len(recorder.events)
             first_event = len(recorder.events)
             counter.reset()
+            hooks = [param.register_post_accumulate_grad_hook(recorder.mark_gradient)  # ZeRO drops them
+                     for _, param in compiled.named_parameters() if param.requires_grad]  # before the step ends
             compiled.train_step(**batch, pre_sharded=True)
+            for hook in hooks:
+                hook.remove()
             held = _keys(recorder, compiled)
             optimizer.step()
             held["optimizer"] = {recorder.storage_key(t) for s in optimizer.state.values() for t in s.values()

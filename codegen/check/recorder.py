@@ -154,6 +154,13 @@ class Recorder(TorchDispatchMode):
             return "working_set", where or "backward"
         return ("weight_casts" if cast else "activations"), where
 
+    def mark_gradient(self, param: torch.Tensor) -> None:
+        """A parameter's accumulated gradient is the gradients part, wherever the backward made it
+        (a post-accumulate-grad hook: ZeRO frees it before the step ends, so holding it after says nothing)."""
+        key = self.storage_key(param.grad) if param.grad is not None else None
+        if key is not None:
+            self.part_of[key], self.site_of[key] = "gradients", "parameter .grad"
+
     def live_at_peak(self) -> dict:
         """Storage key -> bytes of what was live when the peak was reached."""
         live: dict = {}

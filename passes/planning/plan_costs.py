@@ -30,8 +30,10 @@ Terms, each with its source:
   step runs besides the plan's: ``step_sync_costs``.
 - Memory per device: 16 B per local parameter (``runtime_state_bytes``: what the runtime holds, fp32
   weight, fp32 gradient and AdamW's two moments) + activations × micro-batches in flight on that pipeline rank
-  (``in_flight_by_rank``) + the recompute working set: the largest block's activations that
-  recompute rebuilds during its backward (Korthikanti et al. 2022).
+  (``in_flight_by_rank``, one more under a split backward: the gradients kept between B and W) + the
+  working set: the largest unit's saved activations, which its backward turns into gradients of the
+  same size, and the largest block's activations that recompute rebuilds during its backward
+  (Korthikanti et al. 2022).
 - Recompute applies to blocks only; segments (embedding, head, loss) keep their activations, as
   Megatron-LM checkpoints transformer layers only.
 - Activation offload ("blocks", blocks only): each block's kept activations are copied to host
@@ -45,7 +47,7 @@ Terms, each with its source:
 - Memory parts per pipeline rank (``Priced.memory_parts``): parameters, gradients and optimizer
   state (the 16 bytes per parameter split 4 + 4 + 8 at every precision: half-precision weight copies
   are made per use and remade in the backward, not kept), activations (kept by the micro-batches in
-  flight), the working set of recompute (the largest block rebuilt in its backward) and offload (two
+  flight), the working set (a backward's gradients, recompute's rebuilt block, offload's two
   blocks on the device), model buffers.
 - ZeRO (``Candidate.zero_stage`` 1 and 3): AdamW's moments divided by dp, plus the fp32 slice the
   optimizer steps (4/dp), so 8 + 12/dp bytes per parameter (ZeRO's P_os, Rajbhandari et al. 2020,
@@ -118,7 +120,7 @@ class _Units:
     cut_bytes: tuple[float, ...]
     grads: list  # prefix sums of local parameter elements
     backward_prefix: list
-    transient: float  # recompute and offload working set
+    transient: float  # working set: a backward's gradients, recompute's rebuilt block, offload's two blocks
     flops: float  # hardware FLOPs of one micro-batch, the whole model
     offload: tuple[float, ...] = ()  # seconds of offload copies left exposed per micro-batch
     buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
@@ -157,6 +159,8 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     blocks = [u for u, mode in zip(units, modes) if mode != "none"]
     rebuilt = max((u.saved_bytes - u.activation_bytes(recompute) for u in blocks), default=0.0)
     held = 2 * max((k for k, off in zip(kept, moved) if off), default=0.0)
+    # a unit's backward turns what it saved into gradients of the same size, alive at once with them
+    gradients = max((u.saved_bytes for u in units), default=0.0)
     prefix = lambda xs: list(itertools.accumulate(xs, initial=0.0))  # noqa: E731
     return _Units(
         names=tuple(u.name for u in units),
@@ -166,7 +170,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
         activation=tuple(0.0 if off else k for k, off in zip(kept, moved)),
         cut_bytes=tuple(u.cut_bytes_after for u in units[:-1]),
         grads=prefix(u.params_local for u in units), backward_prefix=prefix(backward),
-        transient=rebuilt + held,
+        transient=rebuilt + held + gradients,
         flops=math.fsum(u.model_flops + (u.model_forward_flops if m == "full" else 0.0)
                         for u, m in zip(units, modes)),
         offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units),
@@ -279,8 +283,19 @@ class CandidatePricer:
 
     def in_flight(self, c: Candidate) -> list[float]:
         """Micro-batches in flight of each of the pp·v stages (stage i runs on pp rank i % pp)."""
-        by_rank = in_flight_by_rank(c.schedule, c.pp, self._most_micro_batches(c), c.virtual_stages)
+        by_rank = self.in_flight_by_rank(c, self._most_micro_batches(c))
         return [by_rank[i % c.pp] for i in range(c.stages)]
+
+    @staticmethod
+    def in_flight_by_rank(c: Candidate, m: int) -> tuple[float, ...]:
+        """Micro-batches of activations each pipeline rank holds at its peak: the schedule's figure, and one
+        more where the backward is split: between a micro-batch's B and its W the runtime keeps the
+        gradients of every weight op's output for W (codegen/runtime/split_backward.py), about one
+        micro-batch of the stage's activations (measured by ``xirang check``)."""
+        by_rank = in_flight_by_rank(c.schedule, c.pp, m, c.virtual_stages)
+        if schedule_spec(c.schedule).split_backward:
+            return tuple(x + 1 for x in by_rank)
+        return by_rank
 
     def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
         """Memory caps of the pp·v stages: the rank's usable bytes less the recompute working set,
@@ -331,7 +346,7 @@ class CandidatePricer:
         """Bytes the average pipeline rank needs at least, so the fullest one too."""
         n = self.units(c)
         _, _, static, activation = n.totals
-        fewest = min(in_flight_by_rank(c.schedule, c.pp, c.num_micro_batches, c.virtual_stages))
+        fewest = min(self.in_flight_by_rank(c, c.num_micro_batches))
         static -= self.zero_saved_per_param(c) * n.grads[-1]
         return (static + activation * fewest) / c.pp + n.transient
 
@@ -363,7 +378,7 @@ class CandidatePricer:
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
                      "dp_exposed": dp_exposed, "offload": busy * m * offload, "step_sync": self.step_sync(c)}
         step = pipeline + staging + dp_exposed + breakdown["step_sync"]
-        in_flight = in_flight_by_rank(c.schedule, c.pp, self._most_micro_batches(c), v)
+        in_flight = self.in_flight_by_rank(c, self._most_micro_batches(c))
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
                        for r, stages in enumerate(ranks))
         flops = n.flops * self.global_batch / c.micro_batch

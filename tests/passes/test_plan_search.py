@@ -103,25 +103,27 @@ def test_interleaving_shrinks_the_bubble():
 
 def test_a_memory_limit_forces_full_recompute():
     """Four blocks each keeping 100 B (80 B with selective, 10 B input under full), one micro-batch in
-    flight, a 200 B device of which 180 B is usable. none: 400 B; selective: 4 x 80 + 20 B working
-    set = 340 B; full: 4 x 10 + 90 B = 130 B. Only full fits: 4 x (1 + 0.4) s = 5.6 s."""
+    flight, a 300 B device of which 270 B is usable. Every mode's working set has the 100 B of
+    gradients a block's backward makes from what it saved. none: 400 + 100 B; selective: 4 x 80 + 20 B
+    rebuilt + 100 B = 440 B; full: 4 x 10 + 90 + 100 B = 230 B. Only full fits: 4 x (1 + 0.4) s = 5.6 s."""
     price = pricer(lambda tp, b: [unit(f"block:{i}", saved=100, selective=80, inputs=10) for i in range(4)])
-    world = World.uniform(1, 1, tiny_device(200))
+    world = World.uniform(1, 1, tiny_device(300))
     result = search_plan(price, world, global_batch=1, seq=8)
     best = result.best
     assert best.candidate.recompute == "full"
     assert _pipeline(best) == pytest.approx(5.6)
-    assert best.memory_per_rank == (pytest.approx(130.0),) and best.usable_per_rank == (pytest.approx(180.0),)
+    assert best.memory_per_rank == (pytest.approx(230.0),) and best.usable_per_rank == (pytest.approx(270.0),)
     rejected = {a.candidate.recompute: a.memory_per_rank[0] for a in result.alternatives if not a.fits}
-    assert rejected == {"none": pytest.approx(400.0), "selective": pytest.approx(340.0)}
+    assert rejected == {"none": pytest.approx(500.0), "selective": pytest.approx(440.0)}
 
 
-@pytest.mark.parametrize("link, expected", [(1000.0, ("none", "blocks", 8.0, 200.0)),
-                                             (10.0, ("full", "none", 11.2, 170.0))])
+@pytest.mark.parametrize("link, expected", [(1000.0, ("none", "blocks", 8.0, 300.0)),
+                                             (10.0, ("full", "none", 11.2, 270.0))])
 def test_offload_is_chosen_where_it_beats_recompute_and_fits(link, expected):
     """Eight blocks of 1 s (forward 0.4, backward 0.6) each keeping 100 B (80 B selective, 10 B input),
-    one micro-batch, 450 B usable. none (800 B) and selective (660 B) do not fit; full fits (8 x 10 +
-    90 B) at 8 x 1.4 = 11.2 s. Offload keeps two blocks on the device (200 B) and copies 100 B per
+    one micro-batch, 450 B usable, every mode with 100 B of a backward's gradients. none (900 B) and
+    selective (760 B) do not fit; full fits (8 x 10 + 90 + 100 B) at 8 x 1.4 = 11.2 s. Offload keeps two
+    blocks on the device (200 + 100 B) and copies 100 B per
     block each way: over a 1000 B/s link 0.1 s, hidden behind the 0.4 s forward and 0.6 s backward,
     so 8 s wins; over 10 B/s, 10 s per copy leaves 9.6 + 9.4 s exposed per block, and full wins."""
     price = pricer(lambda tp, b: [unit(f"block:{i}", saved=100, selective=80, inputs=10) for i in range(8)])
@@ -149,10 +151,11 @@ def test_offload_is_not_offered_without_a_host_link_or_on_cpus():
 
 
 def test_segments_keep_their_activations_under_recompute():
-    """Recompute touches blocks only: the segment's 1000 B stay whatever the mode."""
+    """Recompute touches blocks only: the segment's 1000 B stay whatever the mode (and its backward makes
+    1000 B of gradients from them, the largest unit's)."""
     price = pricer(lambda tp, b: [unit("segment:0", saved=1000), unit("block:a", saved=100, inputs=10)])
     best = search_plan(price, parse_world(1), global_batch=1, seq=8, recompute="full").best
-    assert best.memory_per_rank == (pytest.approx(1000 + 10 + 90),)
+    assert best.memory_per_rank == (pytest.approx(1000 + 10 + 90 + 1000),)
     assert _pipeline(best) == pytest.approx(1.0 + 1.4)
 
 

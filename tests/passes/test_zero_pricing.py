@@ -2,9 +2,9 @@
 exposed reduce-scatter plus the all-gather of the updated parameters; picked when memory forces it.
 
 Hand-made costs: one unit of P = 1e9 parameters on 4 devices (dp 4), bf16. Zero 0 holds 16 B per
-parameter as the runtime does (4 fp32 weights + 4 fp32 grads + 8 AdamW moments) = 16 GB; zero 1 holds
-4 + 4/4 (the slice the optimizer steps) + 4 + 8/4 = 11 B = 11 GB. A device of 12.5 GB (11.25 GB usable
-at the 0.9 fraction) fits only zero 1; one of 100 GB fits both, and zero 0
+parameter as the runtime does (4 fp32 weights + 4 fp32 grads + 8 AdamW moments) = 16 GB; zero 1
+holds 4 + 5/4 (the slice the optimizer steps, its norm mask) + 4 + 8/4 = 11.25 B = 11.25 GB. A device
+of 12.5 GB (11.25 GB usable at the 0.9 fraction) fits only zero 1, just; one of 100 GB fits both, and zero 0
 wins: zero 1 adds the all-gather, 25 buckets of 40M elements in fp32 on a ring of 4, exposed.
 On meta: a 7B-parameter GPT on 8 A100-80GB at (dp, tp, pp) = (8, 1, 1) needs 100 GiB at zero 0 and
 fits at zero 1; ``explain()`` says what zero 1 saved and what it cost.
@@ -50,8 +50,8 @@ def test_zero1_is_picked_when_zero0_does_not_fit_and_holds_the_runtimes_bytes():
     best = result.best
     assert best.candidate.zero_stage == 1 and best.fits
     parts = best.memory_parts[0]
-    assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == pytest.approx((5 * P, 4 * P, 2 * P))
-    assert best.memory_per_rank[0] == pytest.approx(11 * P)
+    assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == pytest.approx((5.25 * P, 4 * P, 2 * P))
+    assert best.memory_per_rank[0] == pytest.approx(11.25 * P)
     zero0 = [a for a in result.alternatives if a.candidate.zero_stage == 0]
     assert zero0 and not zero0[0].fits and zero0[0].memory_per_rank[0] == pytest.approx(16 * P)
 
