@@ -1,0 +1,204 @@
+"""docs/benchmarks.md from the benchmarks' recorded results: the page is generated, never edited by hand.
+
+    python benchmarks/make_docs.py                         # write docs/benchmarks.md
+    python benchmarks/make_docs.py --check                 # exit 1 when docs/benchmarks.md is not what it writes
+    python benchmarks/make_docs.py record [--timeout S] SCRIPT [ARGS]   # run benchmarks/SCRIPT.py ARGS, record it
+
+``record`` runs one benchmark script in a fresh process from the repository root and writes
+``benchmarks/results/<SCRIPT>[__<args>].json``: the command, the date (UTC), the machine (CPU model,
+cores, memory, OS, Python, torch), the load average before and after, the wall seconds, the exit
+status, everything the script printed on stdout and, for scripts that take ``--json OUT``, what they
+wrote there. Recording the same command again replaces its file.
+
+The page lists every benchmark script (its docstring's first line and its command) with each of its
+recorded runs, the output as the script printed it; a script with no recorded run is listed as not yet
+recorded. Nothing else goes on the page: no figure without a result file behind it.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+NOT_BENCHMARKS = {"make_docs", "native_3d"}  # this generator; the baseline race_native.py imports
+
+
+def benchmark_scripts() -> dict[str, Path]:
+    """Every benchmark script by name (its file name without .py), in name order."""
+    return {path.stem: path for path in sorted(BENCHMARKS.glob("*.py")) if path.stem not in NOT_BENCHMARKS}
+
+
+def script_summary(path: Path) -> tuple[str, list[str]]:
+    """The docstring's first paragraph (one line) and its usage lines (``python benchmarks/...``)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split()).replace("``", "`")
+    first = re.sub(r"\s*\(issues? \d+[^)]*\)", "", first)  # where a benchmark came from is history, not a figure
+    usage, lines = [], doc.splitlines()
+    for index, line in enumerate(lines):
+        if line.strip().startswith("python benchmarks/"):
+            text = line.strip()
+            while text.endswith("\\") and index + 1 < len(lines):  # a usage line continued
+                index += 1
+                text = text[:-1].rstrip() + " " + lines[index].strip()
+            usage.append(re.sub(r"\s+#.*$", "", text) if "  #" in text else text)
+    return first, usage or [f"python benchmarks/{path.name}"]
+
+
+def machine() -> dict:
+    """What the run ran on: enough to compare two runs, nothing that names the host."""
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    memory = None
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal"))
+        memory = f"{kib / 2**20:.0f} GiB"
+    except (OSError, StopIteration):
+        pass
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory": memory, "os": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(), "torch": torch_version}
+
+
+def load_average() -> str | None:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
+
+
+def result_path(script: str, args: list[str]) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", "_".join(a.lstrip("-") for a in args)).strip("_")
+    return RESULTS / (f"{script}__{slug}.json" if slug else f"{script}.json")
+
+
+def record(script: str, args: list[str], timeout_s: float | None = None) -> Path:
+    """Run ``benchmarks/<script>.py args`` and write its result file (see the module docstring)."""
+    scripts = benchmark_scripts()
+    if script not in scripts:
+        raise SystemExit(f"make_docs: no benchmark {script!r}; one of: {', '.join(scripts)}")
+    path = scripts[script]
+    takes_json = '"--json"' in path.read_text() and "--json" not in args
+    json_out = RESULTS / f".{script}.{os.getpid()}.json"
+    command = [sys.executable, str(path.relative_to(ROOT)), *args]
+    RESULTS.mkdir(exist_ok=True)
+    before, began = load_average(), time.time()
+    try:
+        done = subprocess.run(command + (["--json", str(json_out)] if takes_json else []), cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        json_out.unlink(missing_ok=True)
+        raise SystemExit(f"make_docs: {' '.join(command[1:])} ran past {timeout_s:.0f} s; nothing recorded") from None
+    seconds = time.time() - began
+    data = None
+    if json_out.exists():
+        data = json.loads(json_out.read_text())
+        json_out.unlink()
+    result = {"script": path.name, "command": " ".join(["python", *command[1:]]),
+              "date": datetime.datetime.fromtimestamp(began, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": machine(), "load_average_before": before, "load_average_after": load_average(),
+              "seconds": round(seconds, 1), "exit_status": done.returncode, "stdout": done.stdout, "data": data}
+    out = result_path(script, args)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{out.relative_to(ROOT)}: exit {done.returncode}, {seconds:.1f} s")
+    return out
+
+
+def recorded_runs() -> dict[str, list[dict]]:
+    """The result files by script name, each script's runs in command order."""
+    runs: dict[str, list[dict]] = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text())
+        result["file"] = path.relative_to(ROOT).as_posix()
+        runs.setdefault(Path(result["script"]).stem, []).append(result)
+    return runs
+
+
+def describe_machine(m: dict) -> str:
+    return (f"{m['cpu']}, {m['cores']} cores, {m['memory']} memory; {m['os']}; Python {m['python']}, "
+            f"torch {m['torch']}")
+
+
+def render() -> str:
+    """The page's text: every benchmark, its command, and each recorded run or 'not yet recorded'."""
+    runs = recorded_runs()
+    scripts = benchmark_scripts()
+    lines = ["# Benchmarks", "",
+             "<!-- generated by benchmarks/make_docs.py from benchmarks/results/*.json: do not edit -->", "",
+             "This page is generated by `python benchmarks/make_docs.py` from the result files in "
+             "`benchmarks/results/`, which `python benchmarks/make_docs.py record SCRIPT [ARGS]` writes: each "
+             "benchmark run in a fresh process with its command, date, machine, load average and output. A test "
+             "(`tests/docs/test_benchmarks_page.py`) keeps this page equal to the generator's output.", "",
+             "Figures marked *predicted* are the cost model's, not measurements. Timings on a shared machine "
+             "move with its load; each run says what the load was.", "",
+             "| benchmark | what it measures | recorded runs |", "|---|---|---|"]
+    for name, path in scripts.items():
+        first, _ = script_summary(path)
+        count = len(runs.get(name, []))
+        lines.append(f"| [`{path.name}`](#{name}) | {first.replace('|', '/')} | "
+                     f"{count if count else 'not yet recorded'} |")
+    for name, path in scripts.items():
+        first, usage = script_summary(path)
+        lines += ["", f"## {name}", "", first, "", "```text", *usage, "```", ""]
+        if name not in runs:
+            lines += ["Not yet recorded: no result file in `benchmarks/results/`."]
+            continue
+        for run in runs[name]:
+            status = "" if run["exit_status"] == 0 else f", **exit status {run['exit_status']}**"
+            lines += [f"**`{run['command']}`**", "",
+                      f"- date: {run['date']}; wall time {run['seconds']} s{status}",
+                      f"- machine: {describe_machine(run['machine'])}",
+                      f"- load average (1, 5, 15 min) before {run['load_average_before']}, "
+                      f"after {run['load_average_after']}",
+                      f"- result file: `{run['file']}`" + (" (with the script's `--json` figures)"
+                                                            if run.get("data") is not None else ""),
+                      "", "```text", *run["stdout"].rstrip("\n").splitlines(), "```", ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["record"]:
+        timeout_s = None
+        if argv[1:2] == ["--timeout"] and len(argv) > 2:
+            timeout_s, argv = float(argv[2]), argv[:1] + argv[3:]
+        if len(argv) < 2:
+            raise SystemExit("usage: python benchmarks/make_docs.py record [--timeout S] SCRIPT [ARGS]")
+        record(argv[1], argv[2:], timeout_s)
+        argv = []
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md differs")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != text:
+            print("docs/benchmarks.md is not what benchmarks/make_docs.py writes: run python benchmarks/make_docs.py")
+            return 1
+        return 0
+    PAGE.write_text(text)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
