@@ -54,7 +54,7 @@ def write_precision_casts(graph: Graph, dtype: torch.dtype, *, fp32_loss: bool =
     if dtype == torch.float32:
         return
     _cast_parameters(graph, dtype)
-    _cast_back_to_input_dtype(graph)
+    cast_back_to_input_dtype(graph)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in ONE_DTYPE_OPS:
             _unify_inputs(graph, node, dtype)
@@ -91,7 +91,7 @@ def _casts_to_float32(node) -> bool:
     return dtype == torch.float32
 
 
-def _cast_back_to_input_dtype(graph: Graph) -> None:
+def cast_back_to_input_dtype(graph: Graph) -> None:
     """Each cast to float32 that undoes an upcast in its module casts to that upcast's input dtype."""
     for node in list(graph.nodes):
         if not _casts_to_float32(node) or not isinstance(node.args[0], torch.fx.Node):

@@ -102,7 +102,7 @@ def test_the_cast_back_is_found_through_a_collective_the_tp_rewrite_inserted():
     (else the receiver's buffers, made from the trace's run-time dtypes, disagree with what is sent)."""
     from xirang.codegen.ops.local_ops import cast_like
     from xirang.ir.meta_keys import INSERTED, MODULE_PATH
-    from xirang.passes.lowering.precision import _cast_back_to_input_dtype
+    from xirang.passes.lowering.precision import cast_back_to_input_dtype
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(2, 4)
@@ -115,6 +115,6 @@ def test_the_cast_back_is_found_through_a_collective_the_tp_rewrite_inserted():
     graph.output(residual)
     for node, path in ((upcast, "norm"), (scaled, "norm"), (back, "norm"), (residual, "layer"), (gathered, "layer")):
         MODULE_PATH.set(node, path)
-    _cast_back_to_input_dtype(graph)
+    cast_back_to_input_dtype(graph)
     assert back.target is cast_like and back.args == (scaled, gathered)
     assert residual.args[0] is gathered  # the residual reads the norm's input, not its upcast
