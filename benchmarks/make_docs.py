@@ -139,6 +139,72 @@ def describe_machine(m: dict) -> str:
             f"torch {m['torch']}")
 
 
+def _plan_speed(run: dict):
+    """Each model's end-to-end planning time (its 'total' line)."""
+    setup = None
+    for line in run["stdout"].splitlines():
+        heading = re.match(r"^(\w+): seq (\d+), global batch (\d+), world (\S+) ([\w-]+);", line)
+        if heading:
+            setup = heading.groups()
+        total = re.match(r"^\s+total\s+([\d.]+)\s+([\d.]+)\s*$", line)
+        if total and setup:
+            name, seq, _, world, device = setup
+            yield (f"plan {name} (seq {seq}) for {world} {device}, end to end",
+                   f"{total.group(1)} s wall, {total.group(2)} s CPU")
+
+
+def _published_runs(run: dict):
+    """How far the cost model's step is from each published run's, by device."""
+    rows = run.get("data") or []
+    for device in sorted({row["device"] for row in rows}):
+        errors = [abs(row["error"]) for row in rows if row["device"] == device]
+        within = sum(error <= 0.15 for error in errors)
+        yield (f"published runs priced on {device} (nothing fitted to them): |predicted / published - 1|",
+               f"{within} of {len(errors)} within 15%; worst {max(errors):.1%}, mean {sum(errors) / len(errors):.1%}")
+
+
+def _published_configs(run: dict):
+    """The configurations the efficiency terms were fitted to: priced error, and Xirang's own plan's speed-up."""
+    rows = run.get("data") or []
+    if rows:
+        errors = [abs(row["error"]) for row in rows]
+        speedups = [row["published_step_s"] / row["chosen_step_s"] for row in rows]
+        yield ("published Megatron-LM configurations priced: |predicted / published - 1|",
+               f"worst {max(errors):.1%} over {len(rows)} rows")
+        yield ("Xirang's own plan against the published configuration, predicted step ratio",
+               f"{min(speedups):.2f}x to {max(speedups):.2f}x faster")
+
+
+def _activation_memory(run: dict):
+    """Saved activations measured on CPU ranks against the plan's prediction, over every mode and rank."""
+    ratios = [rank["ratio"] for mode in run.get("data") or [] for rank in mode["memory"] if rank.get("ratio")]
+    if ratios:
+        modes = ", ".join(f"{m['recompute']}/{m['offload']}" for m in run["data"])
+        yield (f"saved activations measured / predicted per rank (recompute/offload {modes})",
+               f"{min(ratios):.3f} to {max(ratios):.3f}")
+
+
+SUMMARIES = {"plan_speed": _plan_speed, "activation_memory": _activation_memory, "published_runs": _published_runs,
+             "published_configs": _published_configs}
+
+
+def summary_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """A table of the headline figures, each with its command, date and machine (details below)."""
+    rows = []
+    for name, summarise in SUMMARIES.items():
+        for run in runs.get(name, []):
+            if run["exit_status"] != 0:
+                continue
+            m = run["machine"]
+            for figure, value in summarise(run):
+                figure, value = (text.replace("|", "\\|") for text in (figure, value))
+                rows.append(f"| {figure} | {value} | `{run['command']}` | {run['date']} | "
+                            f"{m['cpu']}, {m['cores']} cores, load {(run['load_average_before'] or '?').split()[0]} |")
+    if not rows:
+        return []
+    return ["## Summary", "", "| figure | value | command | date | machine |", "|---|---|---|---|---|", *rows, ""]
+
+
 def render() -> str:
     """The page's text: every benchmark, its command, and each recorded run or 'not yet recorded'."""
     runs = recorded_runs()
@@ -149,9 +215,10 @@ def render() -> str:
              "`benchmarks/results/`, which `python benchmarks/make_docs.py record SCRIPT [ARGS]` writes: each "
              "benchmark run in a fresh process with its command, date, machine, load average and output. A test "
              "(`tests/docs/test_benchmarks_page.py`) keeps this page equal to the generator's output.", "",
-             "Figures marked *predicted* are the cost model's, not measurements. Timings on a shared machine "
-             "move with its load; each run says what the load was.", "",
-             "| benchmark | what it measures | recorded runs |", "|---|---|---|"]
+             "Planning and pricing figures (step times of GPU clusters, TFLOP/s) are the cost model's "
+             "predictions, not measurements on GPUs. Timings on a shared machine move with its load; each run "
+             "says what the load was.", "", *summary_lines(runs),
+             "## All benchmarks", "", "| benchmark | what it measures | recorded runs |", "|---|---|---|"]
     for name, path in scripts.items():
         first, _ = script_summary(path)
         count = len(runs.get(name, []))
