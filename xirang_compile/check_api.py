@@ -49,14 +49,35 @@ def fake_device(device_type: str) -> str:
 
 
 def rank_classes(plan: Plan, own: tuple = ()) -> dict:
-    """Representative rank -> member ranks, by (pipeline rank, micro-batches of the rank's dp share); ranks in
-    ``own`` (mutated in tests) are classes of their own."""
+    """Representative rank -> member ranks, by (pipeline rank, micro-batches of the rank's dp share, and its
+    place on its node under a hierarchical dp all-reduce); ranks in ``own`` (mutated in tests) are classes of
+    their own."""
     by_key: dict = {}
+    on_node = _position_on_node(plan)
     for rank in range(plan.mesh.size):
         coords = plan.mesh.coords(rank)
-        key = ("own", rank) if rank in own else (coords["pp"], plan.micro_batches_per_dp_rank[coords["dp"]])
+        key = ("own", rank) if rank in own else (coords["pp"], plan.micro_batches_per_dp_rank[coords["dp"]],
+                                                 on_node.get(rank))
         by_key.setdefault(key, []).append(rank)
     return {members[0]: tuple(members) for members in by_key.values()}
+
+
+def _position_on_node(plan: Plan) -> dict:
+    """Rank -> its place among its dp group's members on its node, where a dp all-reduce is hierarchical (else
+    empty). Its sub-groups are the members on one node and those at one place on every node: moving a log by
+    a dp shift maps them onto each other only between ranks at the same place (process_groups.py
+    ``build_two_level_groups``)."""
+    if not any(c.axis == "dp" and c.algorithm == "hierarchical" for c in plan.collectives):
+        return {}
+    world = plan.world
+    place = {}
+    for members in plan.mesh.groups("dp"):
+        by_node: dict = {}
+        for member in sorted(members):
+            by_node.setdefault(world.node_of(member), []).append(member)
+        for ranks in by_node.values():
+            place.update({rank: index for index, rank in enumerate(ranks)})
+    return place
 
 
 @dataclass
