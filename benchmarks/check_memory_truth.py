@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import xirang  # noqa: E402
 from examples.gpt import build_gpt  # noqa: E402
-from tests.check.test_check_ground_truth import PLANS, _batch, _plan  # noqa: E402
+from tests.check.test_check_ground_truth import PLANS, batch_of, plan_for  # noqa: E402
 from xirang.codegen.runtime.launch import launch  # noqa: E402
 
 
@@ -30,10 +30,10 @@ def _profiled_rank(rank, world, plan):
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
     torch.manual_seed(0)
-    compiled = xirang.compile(build_gpt("tiny"), world=8, example_kwargs=_batch(), plan=plan)
+    compiled = xirang.compile(build_gpt("tiny"), world=8, example_kwargs=batch_of(), plan=plan)
     optimizer = torch.optim.AdamW(compiled.parameters())
     start = sum(compiled.dp_shares[:compiled.dp_rank])
-    share = {name: value[start:start + compiled.dp_shares[compiled.dp_rank]] for name, value in _batch().items()}
+    share = {name: value[start:start + compiled.dp_shares[compiled.dp_rank]] for name, value in batch_of().items()}
     compiled.train_step(**share, pre_sharded=True)  # AdamW's state exists from the first step on, as in the dry run
     optimizer.step()
     optimizer.zero_grad()
@@ -52,8 +52,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name in args.plans:
-        plan = _plan(PLANS[name])
-        report = xirang.check(plan, build_gpt("tiny", device="meta"), example_kwargs=_batch("meta"))
+        plan = plan_for(PLANS[name])
+        report = xirang.check(plan, build_gpt("tiny", device="meta"), example_kwargs=batch_of("meta"))
         try:
             profiled = launch(_profiled_rank, 8, (plan,), timeout_s=900, heartbeat_s=120)
         except xirang.XirangError as error:  # torch's profiler, not the step: e.g. ZeRO-3's freed storages

@@ -30,25 +30,25 @@ PLANS = {  # name -> plan pins (8 ranks)
 DEFAULT_TIER = ("3d-1f1b",)
 
 
-def _batch(device="cpu"):
+def batch_of(device="cpu"):
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 500, (GLOBAL, SEQ), generator=generator)
     return {"input_ids": ids.to(device), "labels": torch.roll(ids, 1, 1).to(device)}
 
 
-def _plan(pins):
+def plan_for(pins):
     model = build_gpt("tiny", device="meta")
-    return xirang.plan(model, world=8, device="cpu", example_kwargs=_batch("meta"), global_batch=GLOBAL, seq=4096,
+    return xirang.plan(model, world=8, device="cpu", example_kwargs=batch_of("meta"), global_batch=GLOBAL, seq=4096,
                        micro_batch=1, **pins)
 
 
 def _real_rank(rank, world, plan):
     torch.manual_seed(0)
     counter = CommCounter()
-    compiled = xirang.compile(build_gpt("tiny"), world=8, example_kwargs=_batch(), plan=plan, counter=counter)
+    compiled = xirang.compile(build_gpt("tiny"), world=8, example_kwargs=batch_of(), plan=plan, counter=counter)
     optimizer = torch.optim.AdamW(compiled.parameters())
     start = sum(compiled.dp_shares[:compiled.dp_rank])
-    share = {name: value[start:start + compiled.dp_shares[compiled.dp_rank]] for name, value in _batch().items()}
+    share = {name: value[start:start + compiled.dp_shares[compiled.dp_rank]] for name, value in batch_of().items()}
     compiled.train_step(**share, pre_sharded=True)  # the first step makes the optimizer's state
     optimizer.step()
     optimizer.zero_grad()
@@ -65,10 +65,10 @@ def _real_rank(rank, world, plan):
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in DEFAULT_TIER else pytest.mark.matrix)
                                   for name in PLANS])
 def test_the_dry_run_issues_every_call_the_real_ranks_issue(name):
-    plan = _plan(PLANS[name])
+    plan = plan_for(PLANS[name])
     for axis in ("dp", "tp", "pp"):  # every pinned axis really splits
         assert getattr(plan.mesh, axis) == PLANS[name][axis]
-    report = xirang.check(plan, build_gpt("tiny", device="meta"), example_kwargs=_batch("meta"))
+    report = xirang.check(plan, build_gpt("tiny", device="meta"), example_kwargs=batch_of("meta"))
     assert report.ok, report.explain()
     real = launch(_real_rank, 8, (plan,), timeout_s=600, heartbeat_s=120)  # 8 ranks on 2 shared cores
     for klass in report.classes:
