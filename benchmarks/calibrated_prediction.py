@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         world = calibrate(RANKS)
         world.save(args.out)
         print(f"calibrated in {time.perf_counter() - start:.0f} s -> {args.out}")
-    from xirang.cli_calibrate import describe_calibration
+    from xirang.cli.calibrate import describe_calibration
     print(describe_calibration(world))
     print(f"\nGPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {SEQ}, vocab {CONFIG.vocab_size}, "
           f"global batch {GLOBAL_BATCH}, fp32, {RANKS} gloo ranks on {os.cpu_count()} cores")

@@ -121,3 +121,19 @@ def test_launch_runs_a_training_script_on_local_ranks_through_torchrun():
 def test_launch_of_a_missing_script_says_so():
     result = xirang("launch", "-n", "2", "no/such/train.py")
     assert result.returncode == 2 and "script 'no/such/train.py' does not exist" in result.stderr
+
+
+def test_importing_the_main_module_runs_nothing():
+    # `python -m xirang` runs the command; importing xirang.__main__ (a tool walking the package) must not
+    result = subprocess.run([sys.executable, "-c", "import xirang.__main__; print('imported')"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "imported\n"
+
+
+def test_the_metrics_picture_command_runs_as_documented(tmp_path):
+    # docs/architecture.md and the cli README: python -m xirang.cli.train_metrics FILE OUT.png
+    result = subprocess.run([sys.executable, "-m", "xirang.cli.train_metrics", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m xirang.cli.train_metrics")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from xirang.cli import main
-from xirang.cli_calibrate import cached_calibration, calibration_cache_path
+from xirang.cli.calibrate import cached_calibration, calibration_cache_path
 from xirang.ir.calibration import COLLECTIVE_KINDS, OTHER_KINDS
 from xirang.ir.world import World
 

@@ -149,7 +149,7 @@ def test_explain_picture_writes_a_png(tp2_plan, tmp_path):
 def test_verify_reads_the_loss_of_hugging_face_outputs_tuples_and_tensors():
     import torch
     from transformers.modeling_outputs import CausalLMOutput
-    from xirang.cli_verify import loss_of
+    from xirang.cli.verify import loss_of
     loss = torch.tensor(2.5)
     assert loss_of(CausalLMOutput(loss=loss, logits=torch.zeros(1))) is loss  # HF models with labels
     assert loss_of((loss, torch.zeros(1))) is loss and loss_of(loss) is loss

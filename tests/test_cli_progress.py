@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from xirang.cli_progress import PlanProgressDisplay
+from xirang.cli.progress import PlanProgressDisplay
 from xirang.plan_api import PlanProgress
 
 

@@ -25,7 +25,7 @@ import torch
 
 import xirang
 from xirang.cli import main
-from xirang.cli_train import lr_factor
+from xirang.cli.train import lr_factor
 from xirang.ir.errors import XirangError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_the_printed_command_trains_under_torchrun_and_fails_on_a_killed_rank(tm
 
 
 def test_sigterm_during_training_says_which_rank_and_step_and_how_to_resume():
-    from xirang.cli_train import StopOnSigterm
+    from xirang.cli.train import StopOnSigterm
     before = signal.getsignal(signal.SIGTERM)
     stop = StopOnSigterm(3, lambda: 4)
     try:

@@ -1,4 +1,4 @@
-"""``xirang train --config run.toml`` (xirang_compile/train_config.py): every option from the file, flags given on
+"""``xirang train --config run.toml`` (xirang_compile/cli/train_config.py): every option from the file, flags given on
 the command line over it (a flag given at its default value too), unknown keys and wrong types refused naming
 the key, and the effective options written as TOML that ``--config`` reads back to the same options. No
 training here: the run that writes the file is tests/test_train_watch.py's."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from xirang.cli import main
-from xirang.cli_train import parse_train_args, run_options
+from xirang.cli.train import parse_train_args, run_options
 from xirang.ir.errors import XirangError
-from xirang.train_config import toml_value, write_config
+from xirang.cli.train_config import toml_value, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "examples/catalog.py:gpt_tiny"

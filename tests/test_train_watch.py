@@ -1,8 +1,8 @@
-"""Watching ``xirang train``: a metrics line per step (xirang_compile/train_metrics.py) read back from a real
+"""Watching ``xirang train``: a metrics line per step (xirang_compile/cli/train_metrics.py) read back from a real
 2-rank run with every field checked (planned and compiled on a cached calibration), the run's options saved
 beside its checkpoints and read back by ``--config``, the metrics drawn; TensorBoard scalars with the extra
 and a refusal naming the pip command without it; and the predicted step priced on this machine's cached
-calibration (cli_calibrate.py) or labelled as the preset's figure. The cache is each test's own folder
+calibration (xirang_compile/cli/calibrate.py) or labelled as the preset's figure. The cache is each test's own folder
 (tests/conftest.py sets XDG_CACHE_HOME).
 
 The matrix test is the 4-rank run whose picture the acceptance asks for (``XIRANG_METRICS_PICTURE`` names
@@ -20,12 +20,12 @@ import pytest
 
 import xirang
 from xirang.cli import main
-from xirang.cli_calibrate import cached_calibration, calibration_cache_path
-from xirang.cli_train import parse_train_args, run_options
+from xirang.cli.calibrate import cached_calibration, calibration_cache_path
+from xirang.cli.train import parse_train_args, run_options
 from xirang.ir.calibration import Calibration
 from xirang.ir.device import DEVICE_PRESETS
 from xirang.ir.world import NodeSpec, World
-from xirang.train_metrics import MetricsWriter, RunFacts, draw_metrics, read_metrics
+from xirang.cli.train_metrics import MetricsWriter, RunFacts, draw_metrics, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "examples/catalog.py:gpt_tiny"

@@ -1,5 +1,7 @@
+"""``python -m xirang``: the ``xirang`` command (xirang_compile/cli/); importing this module runs nothing."""
 import sys
 
 from xirang.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@ import pytest
 
 from tests.bad_input.probe import MODELS, assert_clear_cli, assert_clear_error, cli
 from xirang.ir.errors import XirangError
-from xirang.model_files import build, load_factory
+from xirang.cli.model_files import build, load_factory
 
 BAD = [  # (factory, words of the refusal)
     ("three_tuple", "tuple of 3 items"),

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from xirang.cli_verify import loss_of  # a tensor, a tuple's first element or HF `.loss`
+from xirang.cli.verify import loss_of  # a tensor, a tuple's first element or HF `.loss`
 
 
 def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False, rng=None) -> dict:

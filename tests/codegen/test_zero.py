@@ -29,7 +29,7 @@ from xirang.codegen.runtime.comm_check import calls_table, planned_calls
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch import launch
 from xirang.codegen.runtime.process_groups import build_mesh_groups
-from xirang.cli_verify import loss_of
+from xirang.cli.verify import loss_of
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Shard

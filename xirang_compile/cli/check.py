@@ -27,9 +27,9 @@ def run_check(plan, model, example_kwargs, *, json_out=None, analysed=None) -> i
 
 
 def cmd_check(args) -> int:
-    from xirang.cli_args import check_output_file
-    from xirang.cli_inspect import load_plan
-    from xirang.model_files import build, load_factory
+    from xirang.cli.args import check_output_file
+    from xirang.cli.inspect import load_plan
+    from xirang.cli.model_files import build, load_factory
     if args.json is not None:
         check_output_file(args.json, "--json")  # before the check's minutes, so its result is not lost
     plan = load_plan(args.plan)
@@ -50,5 +50,5 @@ def add_check_command(commands) -> None:
 
 
 def _positive(text: str) -> int:
-    from xirang.cli_args import positive_int
+    from xirang.cli.args import positive_int
     return positive_int(text)

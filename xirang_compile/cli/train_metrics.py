@@ -1,6 +1,6 @@
 """What ``xirang train`` records every step: one JSON object a line (``--metrics FILE``, by default
 ``metrics.jsonl`` in the run's folder) and, with the ``tensorboard`` extra, TensorBoard scalars
-(``--tensorboard DIR``). Rank 0 writes; every rank hands in its memory. ``python -m xirang.train_metrics
+(``--tensorboard DIR``). Rank 0 writes; every rank hands in its memory. ``python -m xirang.cli.train_metrics
 RUN/metrics.jsonl metrics.png`` draws a file (``draw_metrics``).
 
 A line (``json.loads`` of each; a non-finite number, a NaN loss or an infinite norm, is written null):
@@ -224,9 +224,9 @@ def default_metrics_path(run_dir) -> Optional[str]:
 
 
 def main(argv=None) -> int:
-    """``python -m xirang.train_metrics RUN/metrics.jsonl metrics.png``: draw a run's metrics file."""
+    """``python -m xirang.cli.train_metrics RUN/metrics.jsonl metrics.png``: draw a run's metrics file."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m xirang.train_metrics", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m xirang.cli.train_metrics", description=main.__doc__)
     parser.add_argument("metrics", help="the JSONL file xirang train wrote (--metrics, or RUN/metrics.jsonl)")
     parser.add_argument("picture", help="the PNG to draw")
     parser.add_argument("--title", default=None, help="the picture's title (default: the metrics file's path)")

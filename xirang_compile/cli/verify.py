@@ -30,7 +30,7 @@ ADAM_EPS = 1e-3
 
 def _build(spec: str, batch):
     """The factory's model under a fixed seed (every rank and the reference get the same weights)."""
-    from xirang.model_files import build, load_factory
+    from xirang.cli.model_files import build, load_factory
     torch.manual_seed(MODEL_SEED)
     return build(load_factory(spec), batch, None)
 
@@ -78,7 +78,7 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
     (tp=, pp=, dp= the user fixed), on ``world_spec`` (a World of ``world`` ranks, from ``--world-file``)
     when given, else on ``world`` CPU ranks."""
     import xirang
-    from xirang.cli_inspect import load_plan
+    from xirang.cli.inspect import load_plan
     if world < 1:
         raise XirangError(f"--world {world}: the number of ranks must be at least 1", where="--world",
                           hint="e.g. --world 2")
@@ -196,11 +196,11 @@ def cmd_run(args) -> int:
     import shlex
 
     import xirang
-    from xirang.cli_args import check_output_file
-    from xirang.model_files import load_factory
+    from xirang.cli.args import check_output_file
+    from xirang.cli.model_files import load_factory
     load_factory(args.model)  # a missing or broken model file is the first thing to say, whatever the mode
     if args.plan:
-        from xirang.cli_inspect import load_plan
+        from xirang.cli.inspect import load_plan
         load_plan(args.plan)
     if args.print_command:
         print(shlex.join(torchrun_command(args)))

@@ -95,7 +95,7 @@ def _kind(action: argparse.Action) -> type:
         return bool
     if action.type is None:
         return str
-    probe = action.type("1")  # the range checks of cli_args accept 1 for every numeric option
+    probe = action.type("1")  # the range checks of cli/args.py accept 1 for every numeric option
     return type(probe)
 
 

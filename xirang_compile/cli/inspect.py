@@ -21,7 +21,7 @@ from xirang.ir.errors import XirangError
 
 def load_plan(path: str) -> Plan:
     """The saved plan, or an error saying what is wrong with the file and how to write one."""
-    from xirang.cli_args import read_input_text
+    from xirang.cli.args import read_input_text
     read_input_text(path, "plan file", "write one with `xirang plan MODEL --global-batch N --json plan.json`")
     return Plan.load(path)
 
@@ -48,7 +48,7 @@ def _analysed(plan: Plan, model_spec: str, batch, seq, dump: str | None):
     from xirang.passes.analysis.fingerprint import check_plan_matches
 
     from xirang.analyze import analyze
-    from xirang.model_files import build, load_factory
+    from xirang.cli.model_files import build, load_factory
     from xirang.model_checks import check_placements
     model, example_kwargs = build(load_factory(model_spec), batch, seq, strict=True)
     report = analyze(model, example_kwargs=example_kwargs, dump_dir=f"{dump}/analysis" if dump else None)
@@ -153,7 +153,7 @@ def format_inspection(info: dict, *, every_node: bool) -> str:
 
 def cmd_inspect(args) -> int:
     if args.dump is not None and args.model:
-        from xirang.cli_args import check_output_dir
+        from xirang.cli.args import check_output_dir
         check_output_dir(args.dump, "--dump")
     plan = load_plan(args.plan)
     info = inspect_rank(plan, args.rank, stage=args.stage, every_node=args.all, model_spec=args.model,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from xirang.ir.errors import DEBUG_ENV, XirangError, tracebacks_wanted
 
-from .cli_args import (check_output_dir, check_output_file, nonnegative_float, nonnegative_int, positive_float,
-                       positive_int)
-from .model_files import build, load_factory
+from xirang.cli.args import (check_output_dir, check_output_file, nonnegative_float, nonnegative_int,
+                             positive_float, positive_int)
+from xirang.cli.model_files import build, load_factory
 
 
 def cmd_analyze(args) -> int:
@@ -47,7 +47,7 @@ def cmd_plan(args) -> int:
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq, strict=True)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
                                                    "virtual_stages", "recompute", "offload", "precision")}
-    from xirang.cli_progress import PlanProgressDisplay
+    from xirang.cli.progress import PlanProgressDisplay
     with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
         world = args.world
         if args.world_file:  # a measured World (`xirang calibrate`) replaces --world and --device
@@ -61,14 +61,14 @@ def cmd_plan(args) -> int:
     if args.json:
         print(f"\nplan written to {args.json}")
     if args.check:
-        from xirang.cli_check import run_check
+        from xirang.cli.check import run_check
         print()
         return run_check(plan, model, example_kwargs)
     return 0
 
 
 def cmd_explain(args) -> int:
-    from xirang.cli_inspect import load_plan
+    from xirang.cli.inspect import load_plan
     if args.picture is not None:
         check_output_file(args.picture, "--picture")
     plan = load_plan(args.plan)
@@ -101,7 +101,7 @@ def cmd_launch(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from xirang.demo import run_demo
+    from xirang.cli.demo import run_demo
     try:
         dp, tp, pp = (int(part) for part in args.mesh.lower().split("x"))
         if min(dp, tp, pp) < 1:
@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "the usable limit into PNG")
     explain.set_defaults(run=cmd_explain)
 
-    from xirang.cli_check import add_check_command
+    from xirang.cli.check import add_check_command
     add_check_command(commands)
 
-    from xirang.cli_inspect import cmd_inspect
+    from xirang.cli.inspect import cmd_inspect
     inspect_ = commands.add_parser("inspect", help="one rank of a saved plan: mesh place, stages, placements, "
                                                    "collectives and (with --model) its program")
     inspect_.add_argument("plan", help="plan.json written by `xirang plan --json`")
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(DIR/rank<R>)")
     inspect_.set_defaults(run=cmd_inspect)
 
-    from xirang.cli_verify import cmd_run, cmd_verify
+    from xirang.cli.verify import cmd_run, cmd_verify
     for name, text, function in (
             ("run", "train a model on N local CPU ranks (random batches shaped like its example inputs)", cmd_run),
             ("verify", "train on N local ranks and on one device; compare loss, gradients and parameters",
@@ -238,11 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     launch.set_defaults(run=cmd_launch)
-    from xirang.cli_calibrate import add_calibrate_parser
+    from xirang.cli.calibrate import add_calibrate_parser
     add_calibrate_parser(commands)
-    from xirang.cli_checkpoint import add_checkpoint_parser
+    from xirang.cli.checkpoint import add_checkpoint_parser
     add_checkpoint_parser(commands)
-    from xirang.cli_train import add_train_parser
+    from xirang.cli.train import add_train_parser
     add_train_parser(commands)
     return parser
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-# The demo's model is the in-repo GPT in examples/, which a checkout has next to this package (the
+# The demo's model is the in-repo GPT in examples/, which a checkout has beside xirang_compile/ (the
 # install is editable); spawned ranks inherit this path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=512, seq_len=64, hidden=64, heads=4, layers=4)
@@ -72,7 +72,7 @@ def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule:
     ``timeline``: where to draw the simulated schedule (PNG); ``trace``: where to write what the
     ranks measured (Chrome-trace JSON); None for neither."""
     import xirang
-    from xirang.cli_verify import write_trace
+    from xirang.cli.verify import write_trace
     from xirang.codegen.viz.chrome_trace import check_writable
     from xirang.codegen.runtime.schedule_sim import simulate
     from xirang.ir.schedules import build_schedule

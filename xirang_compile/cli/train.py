@@ -6,7 +6,7 @@ checkpoints every N steps, resume after a crash, and the measured step time besi
     xirang train ... --resume          # after a crash: continues from the newest complete checkpoint
     xirang train --config run.toml --steps 50   # options from TOML (train_config.py), flags over the file
 
-The parent plans once (``cli_verify.prepare``: the same plan every rank would reach) and starts the
+The parent plans once (``verify.prepare``: the same plan every rank would reach) and starts the
 local ranks (codegen/runtime/launch.py: a rank that raises, dies or freezes fails the run naming it,
 the others are stopped); ``--torchrun`` makes this process one rank of a torchrun world instead
 (``--print-command`` prints that command, with every option of this one). Each rank builds the
@@ -22,7 +22,7 @@ The run's folder (``--run-dir``, else ``--checkpoint-dir``) gets ``config.toml``
 written by rank 0 with loss, learning rate, gradient norm, tokens/s, MFU, every rank's memory and the step
 against the plan's (train_metrics.py; TensorBoard scalars too with ``--tensorboard DIR``). The predicted step
 is priced on this machine when ``xirang calibrate`` has kept a calibration of ``--world`` local ranks for this
-host (cli_calibrate.py: the plan is made on that World), and otherwise printed as the preset's figure.
+host (calibrate.py: the plan is made on that World), and otherwise printed as the preset's figure.
 
 Checkpoints (``xirang.save_checkpoint``, codegen/runtime/checkpoint.py: every rank its own shards,
 complete once its marker is written) hold the model, the optimizer, the randomness and, in ``extra``,
@@ -81,7 +81,7 @@ def _batches(args, model, example_kwargs: dict, global_batch: int, compiled):
 
 def token_model(args, global_batch: int):
     """The factory's model under the run's seed and real example inputs; refused unless it takes token ids."""
-    from xirang.model_files import build, load_factory
+    from xirang.cli.model_files import build, load_factory
     torch.manual_seed(MODEL_SEED)
     model, example_kwargs = build(load_factory(args.model), global_batch, None)
     if set(example_kwargs or {}) != {"input_ids", "labels"} or not any(
@@ -101,7 +101,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int, facts=None)
 
     import xirang
     from xirang.codegen.runtime.grad_norm import step_if_finite
-    from xirang.train_metrics import MetricsWriter, gather_memory, step_began
+    from xirang.cli.train_metrics import MetricsWriter, gather_memory, step_began
     model, example_kwargs = token_model(args, global_batch)
     # the runtime device follows the launcher: NCCL ranks (torchrun on GPUs) on cuda:LOCAL_RANK, gloo on the CPU
     # the plan's own World: a calibrated one (--world-file, the cache) is not a count of preset CPU ranks
@@ -298,15 +298,15 @@ def check_train_args(args) -> None:
         raise XirangError(f"--warmup {args.warmup} is not shorter than --steps {args.steps}", where="--warmup",
                           hint="warm up over a small part of the run, e.g. a tenth")
     if args.loss_picture:
-        from xirang.cli_args import check_output_file
+        from xirang.cli.args import check_output_file
         from xirang.codegen.viz.plotting import require_matplotlib
         check_output_file(args.loss_picture, "--loss-picture")
         require_matplotlib("--loss-picture")
     if args.tensorboard:
-        from xirang.train_metrics import require_tensorboard
+        from xirang.cli.train_metrics import require_tensorboard
         require_tensorboard("--tensorboard")
     if not args.print_command:  # the run's folder and files: created or refused before planning
-        from xirang.cli_args import check_output_dir, check_output_file
+        from xirang.cli.args import check_output_dir, check_output_file
         if run_folder(args):
             check_output_dir(run_folder(args), "--run-dir" if args.run_dir else "--checkpoint-dir")
         if args.metrics:
@@ -357,7 +357,7 @@ def parse_train_args(argv) -> "argparse.Namespace":  # noqa: F821
     """The options ``xirang train ARGV`` runs with: ``--config``'s file under the flags given."""
     import argparse
 
-    from xirang.train_config import track_given
+    from xirang.cli.train_config import track_given
     parser = argparse.ArgumentParser(prog="xirang train")
     track_given(parser)
     add_train_arguments(parser)
@@ -369,7 +369,7 @@ def effective_options(args):
     the model and --world required of one or the other."""
     import argparse
 
-    from xirang.train_config import GIVEN, merge_config, read_config
+    from xirang.cli.train_config import GIVEN, merge_config, read_config
     if args.config:
         actions = {dest: action for dest, action in train_actions().items() if dest != "config"}
         args = merge_config(args, read_config(args.config), actions, where=f"--config {args.config}")
@@ -396,7 +396,7 @@ def run_folder(args):
 
 
 def metrics_path(args):
-    from xirang.train_metrics import default_metrics_path
+    from xirang.cli.train_metrics import default_metrics_path
     return args.metrics or default_metrics_path(run_folder(args))
 
 
@@ -405,7 +405,7 @@ def save_run_config(args):
     import socket
     from pathlib import Path
 
-    from xirang.train_config import write_config
+    from xirang.cli.train_config import write_config
     if run_folder(args) is None:
         return None
     path = Path(run_folder(args)) / "config.toml"
@@ -419,13 +419,13 @@ def save_run_config(args):
 def planning_world(args) -> tuple:
     """(World to plan on or None for --world CPU ranks of the preset, what it was calibrated by): --world-file,
     else for local ranks this host's cached calibration of --world ranks (``xirang calibrate`` keeps one,
-    cli_calibrate.py). Under torchrun each rank plans alone, so a host's cache, which may differ between
+    calibrate.py). Under torchrun each rank plans alone, so a host's cache, which may differ between
     hosts, is not read there."""
     if args.world_file:
         return world_spec(args), f"--world-file {args.world_file}"
     if args.plan or args.torchrun:
         return None, None
-    from xirang.cli_calibrate import cached_calibration
+    from xirang.cli.calibrate import cached_calibration
     from xirang.ir.world import World
     path, quick = cached_calibration(args.world, "cpu")
     if path is None:
@@ -452,7 +452,7 @@ def priced_on(plan, calibrated_by, torchrun: bool = False) -> str:
 def run_facts(args, plan, global_batch: int, calibrated_by):
     """What every metrics line repeats (train_metrics.RunFacts): the model's FLOPs per step (one more trace
     of the model), the peak the MFU divides by, the prediction and what it is priced on."""
-    from xirang.train_metrics import RunFacts, model_flops, peak_of
+    from xirang.cli.train_metrics import RunFacts, model_flops, peak_of
     model, example = token_model(args, global_batch)
     peak, peak_text = peak_of(plan.world, plan.precision)
     return RunFacts(model_flops=model_flops(model, example, global_batch), peak_flops_per_s=peak, peak=peak_text,
@@ -470,8 +470,8 @@ def cmd_train(args) -> int:
     import shlex
 
     import xirang
-    from xirang.cli_verify import prepare
-    from xirang.model_files import load_factory
+    from xirang.cli.verify import prepare
+    from xirang.cli.model_files import load_factory
     args = effective_options(args)
     load_factory(args.model)
     check_train_args(args)
@@ -520,7 +520,7 @@ def cmd_train(args) -> int:
 
 
 def add_train_parser(commands) -> None:
-    from xirang.train_config import track_given
+    from xirang.cli.train_config import track_given
     train = commands.add_parser("train", help="train a model on N local ranks with per-rank data, a warm-up + "
                                               "cosine schedule, clipping, checkpoints and --resume")
     track_given(train)  # which options the command line gave, so they override --config's
@@ -530,7 +530,7 @@ def add_train_parser(commands) -> None:
 
 def add_train_arguments(train) -> None:
     """Every option of ``xirang train`` (each may also come from --config's TOML file)."""
-    from xirang.cli_args import nonnegative_float, nonnegative_int, positive_float, positive_int
+    from xirang.cli.args import nonnegative_float, nonnegative_int, positive_float, positive_int
     train.add_argument("model", nargs="?", help="path/to/file.py:factory (returns a model, or (model, example "
                                                 "kwargs)); or model = \"...\" in --config")
     train.add_argument("--config", metavar="TOML", help="read the options from this TOML file (keys: the option "
