@@ -7,7 +7,7 @@ dominate (hidden 512, seq 512, 8 heads, 4 layers, vocabulary 1024), on 2 local C
 (dp=1, pp=2, tp=1) 1F1B plan with micro-batch 1 and 4 micro-batches (rank 0 holds 2 in flight, rank 1
 one). For each mode -- recompute none / selective / full, and offload of the blocks (recompute none) --
 the plan is made with that mode pinned, each rank trains ``--steps`` timed steps after a warm-up and
-one more step under ``MemoryProbe`` (codegen/runtime/memory_probe.py), and the script prints per rank:
+one more step under ``MemoryProbe`` (codegen/runtime/memory/memory_probe.py), and the script prints per rank:
 
 - measured: the peak of saved activation bytes alive at once (unique storages autograd keeps), and
   the plan's ``activations`` part for that pipeline rank (Prediction.memory_parts), with their ratio
@@ -63,7 +63,7 @@ def make_plan(cfg: GPTConfig, recompute: str, offload: str):
 
 
 def _rank(rank, world, cfg, plan, steps):
-    from xirang.codegen.runtime.memory_probe import measure_step
+    from xirang.codegen.runtime.memory.memory_probe import measure_step
     torch.manual_seed(0)
     compiled = xirang.compile(build_gpt(cfg), world=world, example_kwargs=batch(cfg, 0), plan=plan)
     optimizer = torch.optim.SGD(compiled.parameters(), lr=1e-3)
@@ -83,7 +83,7 @@ def _rank(rank, world, cfg, plan, steps):
 
 
 def run_mode(cfg, recompute, offload, steps) -> dict:
-    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.launch.launcher import launch
     plan = make_plan(cfg, recompute, offload)
     results = launch(_rank, WORLD, (cfg, plan, steps), timeout_s=1800)
     per_step = [max(r["times"][i] for r in results) for i in range(steps)]

@@ -8,7 +8,7 @@ and run on 4 local gloo ranks. The stage times are set on purpose: each pipeline
 sleeps ``--stage-ms`` (one figure per rank) and its backward twice that (a hook on the stage's
 output), standing for devices or stages of different speed; ``--jitter S`` multiplies every sleep by
 a log-normal factor exp(N(0, S)) drawn from a fixed seed (the same draws in both modes). With
-injection on (``xirang.compile(inject_every=N)``, codegen/runtime/injection.py) the first decision
+injection on (``xirang.compile(inject_every=N)``, codegen/runtime/executor/injection.py) the first decision
 comes after N steps; throughput is samples per second over the steps after it, measured on rank 0
 as wall time of ``train_step`` + optimizer step. Every mode's losses are compared with the same steps
 on one device (fp32; 1e-5 expected).
@@ -113,7 +113,7 @@ def main():
     if len(stage_s) != PP:
         parser.error(f"--stage-ms needs {PP} figures, one per pipeline rank")
     import xirang
-    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.launch.launcher import launch
 
     plan = xirang.plan(build(), world=PP, example_kwargs=batch(0, 2), global_batch=GLOBAL_BATCH, device="a100-80g",
                        dp=1, tp=1, pp=PP, schedule="1f1b", micro_batch=1, precision="fp32")

@@ -13,7 +13,7 @@
    against the measured step, and the mesh that corrected model would pick instead.
 5. ``--calibrate-each``: a fresh calibration just before each mesh is timed, its plan the one timed, so
    the prediction and the measurement are a minute apart rather than up to ten (a shared VM's speed
-   drifts at that scale: ``codegen/runtime/calibrate._compute_pass``). The ratios are then each
+   drifts at that scale: ``codegen/runtime/calibration/calibrate._compute_pass``). The ratios are then each
    mesh's own; the order is still checked on the first calibration's predictions, all made at once.
 6. ``--split-comm`` (a diagnostic, numerically wrong on purpose): each mesh is timed a second time with
    its collectives of more than ``SKIPPED_ABOVE`` elements not run (the tp activations, the gradient
@@ -23,7 +23,7 @@
    difference of the two measured steps against those causes, how far the collectives' is. A total
    within 15% can hide a compute price and a collective price off in opposite directions; this shows it.
 7. Host drift (unless ``--no-drift``): just before each mesh is timed, the calibration's own training
-   workload runs again on every rank (``calibrate_sharing.training_probe``, 3-4 s), and its time alone
+   workload runs again on every rank (``calibration/sharing.training_probe``, 3-4 s), and its time alone
    and its CPU with every rank busy are printed over the calibration's: how much slower or faster the
    host runs that same work now. The prediction times the CPU drift over the measured step is printed
    beside the ratio as a diagnostic; the check stays on the prediction as made.
@@ -46,9 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/
 
 import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
-from xirang.codegen.runtime.calibrate import calibrate  # noqa: E402
-from xirang.codegen.runtime.calibrate_sharing import training_probe  # noqa: E402
-from xirang.codegen.runtime.launch import launch  # noqa: E402
+from xirang.codegen.runtime.calibration.calibrate import calibrate  # noqa: E402
+from xirang.codegen.runtime.calibration.sharing import training_probe  # noqa: E402
+from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 
 RANKS = 8
@@ -168,7 +168,7 @@ def _probe(rank, world_size):
 
 def host_drift(world: World) -> dict | None:
     """The host's speed now against the calibration's: the calibration's training workload timed again
-    on every rank (``calibrate_sharing.training_probe``), its rank-alone seconds and its together CPU
+    on every rank (``calibration/sharing.training_probe``), its rank-alone seconds and its together CPU
     seconds each over what the calibration measured (above 1: the host now runs that work slower).
     None where the calibration holds no such figures."""
     calibrated = (world.calibration.raw.get("sharing") or {}).get("training") if world.calibration else None

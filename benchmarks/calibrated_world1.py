@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # calibrated_prediction: the same
 
 import xirang  # noqa: E402
 from calibrated_prediction import CONFIG, build_gpt, token_batch  # noqa: E402
-from xirang.codegen.runtime.calibrate import calibrate  # noqa: E402
+from xirang.codegen.runtime.calibration.calibrate import calibrate  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 
 SAMPLES = 16

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import xirang  # noqa: E402
 from examples.gpt import build_gpt  # noqa: E402
 from tests.check.test_check_ground_truth import PLANS, batch_of, plan_for  # noqa: E402
-from xirang.codegen.runtime.launch import launch  # noqa: E402
+from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
 
 
 def _profiled_rank(rank, world, plan):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/
 
 import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
-from xirang.codegen.runtime.launch import launch  # noqa: E402
+from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
 
 MODELS = {"tiny": GPTConfig(vocab_size=512, seq_len=64, hidden=64, heads=4, layers=2),
           "medium": GPTConfig(vocab_size=4096, seq_len=128, hidden=256, heads=8, layers=4)}

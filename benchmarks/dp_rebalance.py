@@ -7,7 +7,7 @@ A GPT (examples/gpt.py, 4 layers, hidden 128) is planned for (dp, 1, 1) and run 
 ranks. Rank 0 is made slow on purpose: its stage program sleeps ``--delay-ms`` before every forward
 (one per micro-batch), which stands for a slower device (documented as the issue asks: a fixed delay
 per forward). With micro-batches of one sample, rebalancing (``xirang.compile(rebalance_every=N)``,
-codegen/runtime/dp_balance.py) moves one micro-batch per rank per decision from the slow rank to the
+codegen/runtime/data_parallel/dp_balance.py) moves one micro-batch per rank per decision from the slow rank to the
 fast ones. Throughput is samples per second over the steps after the first (warm-up), measured on
 rank 0 as wall time of ``train_step`` + optimizer step. Every mode's losses are compared with the
 same steps on one device (the largest difference is printed; fp32, 1e-5 expected).
@@ -97,7 +97,7 @@ def main():
     parser.add_argument("--delay-ms", type=float, default=20.0)
     args = parser.parse_args()
     import xirang
-    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.launch.launcher import launch
 
     plan = xirang.plan(build(), world=args.dp, example_kwargs=batch(0, 2), global_batch=args.global_batch,
                        device="cpu", dp=args.dp, tp=1, pp=1, micro_batch=1)

@@ -4,7 +4,7 @@
 #      no process group, so xirang.compile's runtime device would default to the CPU: runtime_device="cuda"
 #      is passed (an explicit device wins);
 #   2. a bf16 plan's step time against the eager fp32 and autocast-bf16 steps, and the loss close to fp32;
-#   3. the default runtime device (codegen/runtime/devices.py) on a one-rank NCCL process group with
+#   3. the default runtime device (codegen/runtime/launch/devices.py) on a one-rank NCCL process group with
 #      LOCAL_RANK=0 as torchrun sets it: a GPT built and traced on the CPU compiles to cuda:0 without
 #      runtime_device= and its loss equals the same model's eager loss on the GPU;
 #   4. `xirang calibrate --world 1 --device cuda --quick` runs (figures too rough to plan with).

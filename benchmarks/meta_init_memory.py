@@ -1,5 +1,5 @@
 """Host memory per rank: compiling a model built on the CPU against one built on ``meta`` (from scratch, each
-rank making only its shards: codegen/runtime/weight_init.py).
+rank making only its shards: codegen/runtime/state/weight_init.py).
 
 Each of ``world`` local CPU ranks builds the model (on the CPU, or on meta), compiles it under one plan made on
 meta in the parent, then drops its own reference to the model. At each point it reports:
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/
 
 import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
-from xirang.codegen.runtime.launch import launch  # noqa: E402
+from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
 from xirang.ir.placement import Shard  # noqa: E402
 
 MODELS = {"gpt2-medium": GPTConfig(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),

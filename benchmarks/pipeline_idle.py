@@ -75,9 +75,9 @@ def main():
     args = parser.parse_args()
     import xirang
     from examples.gpt import GPTConfig, build_gpt
-    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.launch.launcher import launch
     from xirang.lower import lower
-    from xirang.codegen.runtime.schedule_sim import idle_fractions, simulated_bubble
+    from xirang.codegen.runtime.executor.schedule_sim import idle_fractions, simulated_bubble
     from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, Forward, build_schedule
     from xirang.ir.world import World
 

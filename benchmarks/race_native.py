@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/, 
 import xirang  # noqa: E402
 from benchmarks.native_3d import NativeRun  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
-from xirang.codegen.runtime.launch import launch  # noqa: E402
+from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
 from xirang.ir.errors import XirangError  # noqa: E402
 from xirang.ir.placement import Shard  # noqa: E402
 

@@ -49,7 +49,7 @@ def rank_main(rank, world, plans, seq, hidden, steps):
     import xirang
     from xirang.codegen.ops.comm_counter import CommCounter
     from xirang.codegen.runtime.compiled_model import CompiledModel
-    from xirang.codegen.runtime.process_groups import build_mesh_groups
+    from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
     from xirang.lower import lower
     gm = xirang.analyze(build(seq, hidden), example_kwargs=batch(0, 2, seq)).graph_module
     results = {}
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     import xirang
-    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.launch.launcher import launch
     from xirang.passes.planning.tp_overlap_cost import fused_pairs
 
     model = build(args.seq, args.hidden)

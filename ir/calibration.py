@@ -5,7 +5,7 @@ person can see how well the straight lines hold.
 A ``Calibration`` rides on a ``World`` (``World.calibration``) and round-trips in its JSON. The cost
 model prices a collective of a kind and group size it holds with the measured line
 ``alpha + beta * nbytes`` instead of the link-level formulas (``passes/planning/cost_collectives``).
-Pure data: the microbenchmarks live in ``codegen/runtime/calibrate.py``, the fits here (no torch).
+Pure data: the microbenchmarks live in ``codegen/runtime/calibration/calibrate.py``, the fits here (no torch).
 """
 from __future__ import annotations
 
@@ -164,12 +164,12 @@ class Calibration:
     - ``split_backward_extra``: what a split backward (the zero-bubble schedules' BackwardInput then
       BackwardWeight, as the pipeline executor runs them) costs beyond the fused backward, as a fraction
       of the fused backward's time: measured on a stage of transformer blocks at training rows
-      (``calibrate_op_classes.split_backward_sample``). On CPU ranks it is 0.2-0.3 (the weights' gradients
+      (``calibration/op_classes.split_backward_sample``). On CPU ranks it is 0.2-0.3 (the weights' gradients
       run as one autograd call per weight group, after B, from gradients B kept). 0: not measured (the
       two halves priced as the fused backward, as on the presets and GPUs).
     - ``other_kind_efficiency``: per non-matmul op kind (``OTHER_KINDS``), its measured FLOP rate as
       a fraction of the fp32 matmul peak, as ``Efficiency.other`` is for the whole class (fitted from
-      the kind's own samples, ``calibrate_op_classes.other_samples``): the cost model prices a node of
+      the kind's own samples, ``calibration/op_classes.other_samples``): the cost model prices a node of
       that kind at it, any other non-matmul node at ``Efficiency.other``. Empty: not measured (files
       written before; every kind at the class rate).
     - ``attention_by_seq``: per sequence length timed apart, fused attention's (rate as a fraction of

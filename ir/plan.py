@@ -38,7 +38,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 OFFLOAD_MODES = ("none", "blocks")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # ZeRO stages the runtime enacts: 0 (optimizer state replicated over dp), 1 (sharded over dp:
-# gradients reduce-scattered, updated parameters all-gathered; codegen/runtime/dist_optimizer.py) or
+# gradients reduce-scattered, updated parameters all-gathered; codegen/runtime/data_parallel/dist_optimizer.py) or
 # 3 (parameters too, gathered per bucket before use and kept until the backward; param_shards.py)
 ZERO_STAGES = (0, 1, 3)
 

@@ -16,7 +16,7 @@ from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_float,
 COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 
 # The algorithms a plan may name per kind (the cost model prices each: passes/planning/cost_collectives.py),
-# and what the runtime runs for each (codegen/runtime/grad_sync.py records it on the CommCounter).
+# and what the runtime runs for each (codegen/runtime/data_parallel/grad_sync.py records it on the CommCounter).
 # "ring" and "tree" are the backend's own flat collective: NCCL chooses between its ring and tree by
 # message size, as the planner's cheaper-of-the-two does, and no per-call switch exists to pin one;
 # gloo runs its ring. "hierarchical" is Xirang's: reduce-scatter inside each node, all-reduce across

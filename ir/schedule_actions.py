@@ -1,6 +1,6 @@
 """Pipeline schedule actions and the Schedule that lists them: one list of actions per pipeline rank.
 
-Conventions (ir/schedules.py builds schedules by them; codegen/runtime/schedule_check.py proves them)
+Conventions (ir/schedules.py builds schedules by them; codegen/runtime/executor/schedule_check.py proves them)
 - p pipeline ranks run ``num_stages = p * v`` stages; stage ``i`` runs on rank ``i % p`` (ir/plan.py),
   so with v chunks rank r holds stages r, r + p, r + 2p, ...
 - Every action names a stage *this rank runs*, as torch.distributed.pipelining's ``_Action`` does:

@@ -57,7 +57,7 @@ def one_f_one_b(p: int, m: int, extra_warmup: tuple = ()) -> Schedule:
     keeps at most p - r micro-batches in flight instead of m.
 
     ``extra_warmup[r]`` more forwards in rank r's warm-up (adaptive micro-batch injection,
-    codegen/runtime/injection.py): the rank then keeps p - r + extra_warmup[r] in flight, and a slow
+    codegen/runtime/executor/injection.py): the rank then keeps p - r + extra_warmup[r] in flight, and a slow
     or jittery downstream stage finds its inputs queued instead of waiting on this rank's backward.
     The backwards still run in micro-batch order, so the gradients are summed in the same order."""
     _check_sizes("1f1b", p, m)

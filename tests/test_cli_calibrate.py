@@ -37,7 +37,7 @@ def test_calibrate_quick_on_two_ranks_writes_a_world_the_planner_reads(tmp_path,
     assert all(0 < fraction <= 1 for fraction in world.calibration.other_kind_efficiency.values())
     assert world.calibration.raw["other_gelu"]["samples"] and "residual" in world.calibration.raw["elementwise"]
     assert "kinds   gelu" in printed and "fit residual" in printed
-    # CPU ranks share cores: both workloads were timed alone and together (calibrate_sharing)
+    # CPU ranks share cores: both workloads were timed alone and together (codegen/runtime/calibration/sharing.py)
     sharing = world.calibration.raw["sharing"]
     for timed in (sharing, sharing["training"]):
         assert timed["alone_s"] > 0 and timed["together_s"] > 0

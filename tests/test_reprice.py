@@ -1,4 +1,5 @@
-"""``xirang.reprice`` with synthetic measurements (xirang_compile/reprice.py, codegen/runtime/step_costs.py).
+"""``xirang.reprice`` with synthetic measurements (xirang_compile/reprice.py,
+codegen/runtime/calibration/step_costs.py).
 
 The plan: the tiny GPT at seq 4096 on one node of four A100s whose links are PCIe-class (50 GB/s), one
 sample per step, so the planner takes tp = 4 and the tp collectives are a fifth of the step. The
@@ -11,8 +12,8 @@ import torch
 
 import xirang
 from examples.gpt import build_gpt
-from xirang.codegen.runtime.step_costs import MeasuredCosts, combine, rank_summary
-from xirang.codegen.runtime.pipeline_executor import StepRecord
+from xirang.codegen.runtime.calibration.step_costs import MeasuredCosts, combine, rank_summary
+from xirang.codegen.runtime.executor.pipeline_executor import StepRecord
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 from xirang.ir.schedules import Backward, Forward

@@ -21,35 +21,35 @@ __all__ = [
     "XirangError", "TraceError", "PassOrderError", "PassFailure",
 ]
 
-from xirang.codegen.runtime.launch import launch  # noqa: E402  (local CPU ranks for xirang.compile)
+from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402  (local CPU ranks for xirang.compile)
 
 from xirang.compile_api import compile  # noqa: E402,A001
 from xirang.codegen.ops.random_ops import ExactReference  # noqa: E402  (the eager reference of rng="exact")
 
 __all__ += ["compile", "launch", "ExactReference"]
 
-from xirang.codegen.runtime.rank_batches import RankBatches, SyntheticTokens, TokenFile  # noqa: E402
-from xirang.codegen.runtime.grad_norm import step_if_finite  # noqa: E402
+from xirang.codegen.runtime.data.rank_batches import RankBatches, SyntheticTokens, TokenFile  # noqa: E402
+from xirang.codegen.runtime.data_parallel.grad_norm import step_if_finite  # noqa: E402
 
 __all__ += ["RankBatches", "TokenFile", "SyntheticTokens", "step_if_finite"]
 from xirang.hf_weights import empty_pretrained, load_pretrained, save_pretrained  # noqa: E402
 
 __all__ += ["empty_pretrained", "load_pretrained", "save_pretrained"]
 
-# distributed checkpoints: save per-rank shards, resume under any plan (codegen/runtime/checkpoint.py)
-from xirang.codegen.runtime.checkpoint import PendingCheckpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from xirang.codegen.runtime.checkpoint_store import latest_checkpoint  # noqa: E402
+# distributed checkpoints: save per-rank shards, resume under any plan (codegen/runtime/checkpoint/save_load.py)
+from xirang.codegen.runtime.checkpoint.save_load import PendingCheckpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from xirang.codegen.runtime.checkpoint.store import latest_checkpoint  # noqa: E402
 
 __all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "PendingCheckpoint"]
 
-# the plan re-priced from a run's measured steps (xirang_compile/reprice.py, codegen/runtime/step_costs.py)
-from xirang.codegen.runtime.step_costs import MeasuredCosts  # noqa: E402
+# the plan re-priced from a run's measured steps (xirang_compile/reprice.py, codegen/runtime/calibration/step_costs.py)
+from xirang.codegen.runtime.calibration.step_costs import MeasuredCosts  # noqa: E402
 from xirang.reprice import Repricing, reprice  # noqa: E402
 
 __all__ += ["reprice", "Repricing", "MeasuredCosts"]
 
 # from-scratch weights, tensor by tensor on their own streams: no rank builds the whole model
-from xirang.codegen.runtime.weight_init import init_weights, parameters_on_meta  # noqa: E402
+from xirang.codegen.runtime.state.weight_init import init_weights, parameters_on_meta  # noqa: E402
 
 __all__ += ["init_weights", "parameters_on_meta"]
 

@@ -1,6 +1,6 @@
 """``xirang.compile``: the model as one rank's training program under a plan.
 
-    # under torchrun, or inside xirang.codegen.runtime.launch.launch(fn, nprocs) ranks
+    # under torchrun, or inside xirang.launch(fn, nprocs) ranks
     compiled = xirang.compile(model, world=8, example_kwargs=batch, global_batch=64, tp=2)
     optimizer = torch.optim.AdamW(compiled.parameters())
     loss = compiled.train_step(**batch); optimizer.step(); optimizer.zero_grad()
@@ -22,12 +22,12 @@ import torch
 from xirang.codegen.emit import check_emittable
 from xirang.codegen.ops.random_ops import MODES as RNG_MODES
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.devices import resolve_runtime_device
-from xirang.codegen.runtime.dp_balance import DpRebalancer
-from xirang.codegen.runtime.injection import AdaptiveInjection
-from xirang.codegen.runtime.launch import ensure_distributed
-from xirang.codegen.runtime.memory_probe import check_plan_fits
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.devices import resolve_runtime_device
+from xirang.codegen.runtime.data_parallel.dp_balance import DpRebalancer
+from xirang.codegen.runtime.executor.injection import AdaptiveInjection
+from xirang.codegen.runtime.launch.launcher import ensure_distributed
+from xirang.codegen.runtime.memory.memory_probe import check_plan_fits
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
 from xirang.ir.world import World
@@ -60,7 +60,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
 
     ``device`` names the device preset the planner prices (as in ``xirang.plan``);
     ``runtime_device`` is where this rank's tensors live: by default it follows the launcher and the
-    process group (codegen/runtime/devices.py): ``cuda:LOCAL_RANK`` under NCCL (without ``LOCAL_RANK``
+    process group (codegen/runtime/launch/devices.py): ``cuda:LOCAL_RANK`` under NCCL (without ``LOCAL_RANK``
     refused, not guessed from the rank), the CPU under gloo or with no process group (a one-rank
     program); ``compiled.device`` says which, and the batches go there. An explicit value wins, but
     one the backend cannot move (NCCL with a CPU device, a CUDA device where torch.cuda is unavailable)
@@ -81,18 +81,18 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     Uneven data parallelism: ``dp_shares`` (samples per step of each dp rank, whole micro-batches,
     summing to the global batch) overrides the plan's even split (``Plan.with_dp_shares``);
     ``rebalance_every=N`` moves micro-batches from slow dp ranks to fast ones every N steps from their
-    measured compute times (codegen/runtime/dp_balance.py). Either way the loss and the gradients
+    measured compute times (codegen/runtime/data_parallel/dp_balance.py). Either way the loss and the gradients
     are weighted by share, so training stays equal to one device.
 
-    ``zero_stage=1``: ZeRO-1, the optimizer state sharded over dp (codegen/runtime/dist_optimizer.py;
+    ``zero_stage=1``: ZeRO-1, the optimizer state sharded over dp (codegen/runtime/data_parallel/dist_optimizer.py;
     ``parameters()`` are then the shard parameters); ``zero_stage=3`` also shards the parameters at rest
-    (codegen/runtime/param_shards.py: gathered per bucket at first use in a step, freed after it; read
+    (codegen/runtime/data_parallel/param_shards.py: gathered per bucket at first use in a step, freed after it; read
     them between steps inside ``compiled.parameters_resident()``): a planning pin, and on a given plan
     ``Plan.with_zero_stage``.
 
     Adaptive micro-batch injection: ``inject_every=N`` (1F1B, pp >= 2) re-chooses every N steps how
     many extra forwards each pipeline rank runs in its warm-up, from the stages' measured times and
-    within the memory the plan leaves (codegen/runtime/injection.py); the numbers are unchanged.
+    within the memory the plan leaves (codegen/runtime/executor/injection.py); the numbers are unchanged.
     """
     if not isinstance(model, torch.nn.Module):
         raise XirangError(f"xirang.compile needs the model as a torch.nn.Module, got {type(model).__name__}",

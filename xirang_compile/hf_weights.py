@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.weight_init import parameters_on_meta
+from xirang.codegen.runtime.state.weight_init import parameters_on_meta
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 

@@ -94,7 +94,7 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
 
 
 def zero3_note(best: Priced, dp: int) -> str:
-    """What ZeRO-3's variant holds when (codegen/runtime/param_shards.py), in the plan's words."""
+    """What ZeRO-3's variant holds when (codegen/runtime/data_parallel/param_shards.py), in the plan's words."""
     fullest = max(range(len(best.memory_parts)), key=lambda r: best.memory_per_rank[r])
     held = best.memory_parts[fullest]["parameters"]
     return (f"zero-3, kept until the backward: each gradient bucket's parameters are all-gathered over dp "

@@ -8,7 +8,7 @@ plan again, search the degrees again, and say whether another plan would now win
 Formulation. From the plan's own tensor split (``SplitPricer`` at its tp, micro-batch and seq) each
 stage s has a predicted forward F̂_s and backward B̂_s per micro-batch (its units' compute plus their tp
 collectives, the backward with the plan's recompute), of which T̂_s is tp collectives; the run measured
-F_s, B_s (``codegen/runtime/step_costs.py``), optionally T (tp seconds per step), and the exposed
+F_s, B_s (``codegen/runtime/calibration/step_costs.py``), optionally T (tp seconds per step), and the exposed
 gradient sync S against the plan's Ŝ = dp_exposed + tied_sum. Three scales, each a property of the
 machine that every candidate pays alike, not a factor on one plan:
 
@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from xirang.codegen.runtime.step_costs import MeasuredCosts
+from xirang.codegen.runtime.calibration.step_costs import MeasuredCosts
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
 from xirang.ir.world import LinkSpec, World

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from xirang.codegen.runtime.offload import Ready
+from xirang.codegen.runtime.memory.offload import Ready
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default

@@ -24,8 +24,8 @@ from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
 from xirang.codegen.check.records import MemoryReport, RankLog
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.pipeline_executor import PipelineExecutor
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.executor.pipeline_executor import PipelineExecutor
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 
 

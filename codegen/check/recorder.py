@@ -259,9 +259,10 @@ class Recorder(TorchDispatchMode):
 
 
 # (a path fragment of the file making a storage, the part of memory it is), innermost frame first
-ALLOCATION_SITES = (("codegen/runtime/param_shards.py", "parameters"),
-                    ("codegen/runtime/dist_optimizer.py", "parameters"),
-                    ("codegen/runtime/grad_sync.py", "gradients"), ("codegen/runtime/p2p.py", "communication"),
+ALLOCATION_SITES = (("codegen/runtime/data_parallel/param_shards.py", "parameters"),
+                    ("codegen/runtime/data_parallel/dist_optimizer.py", "parameters"),
+                    ("codegen/runtime/data_parallel/grad_sync.py", "gradients"),
+                    ("codegen/runtime/executor/p2p.py", "communication"),
                     ("/torch/optim/", "optimizer"))
 
 

@@ -9,7 +9,7 @@ like any op: ``recompute_0 = self.recompute_0(x, p_w, tp_group, comm_counter)``.
   ``torch.autograd.grad`` with ``retain_graph`` and ``backward(inputs=...)``, which the executor's
   split backward (BackwardInput, then BackwardWeight) uses: each of the two recomputes the region.
 - ``OffloadedBlock``: runs ``inner`` through the runtime's ``ActivationOffload``
-  (codegen/runtime/offload.py), which the runtime attaches per process like the tp group
+  (codegen/runtime/memory/offload.py), which the runtime attaches per process like the tp group
   (``activation_offload``; ``None`` until then: the block runs as it is, keeping its activations).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class OffloadedBlock(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module, block: str):
         super().__init__()
         self.inner, self.block = inner, block
-        self.activation_offload = None  # codegen/runtime/offload.ActivationOffload, attached per process
+        self.activation_offload = None  # codegen/runtime/memory/offload.ActivationOffload, attached per process
 
     def forward(self, *inputs):
         if self.activation_offload is None:

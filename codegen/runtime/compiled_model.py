@@ -1,16 +1,16 @@
 """The one runtime: one rank's compiled dp x pp x tp training program (pp = 1 is a one-stage pipeline).
 
-    # inside each launched rank (codegen/runtime/launch.py or torchrun); xirang.compile builds it
+    # inside each launched rank (codegen/runtime/launch/launcher.py or torchrun); xirang.compile builds it
     compiled = xirang.compile(model, world=8, example_kwargs=batch, global_batch=64)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     loss = compiled.train_step(**global_batch)    # every rank passes the same global batch
     optimizer.step(); optimizer.zero_grad()       # (pre_sharded=True: this dp rank's share)
 
 Construction takes the rank's ``Program`` (codegen/emit.py, made by the lowering passes), builds and checks the
-schedule, and binds this rank's stages to copies of the model's tensors (codegen/runtime/pipeline_state.py, which also
-loads and gathers them), each the rank's tp shard. A step: this dp rank's share of the batch, cut into the plan's
-micro-batches, goes through the executor (codegen/runtime/pipeline_executor.py); data-parallel gradients are averaged
-in buckets launched during each stage's last backward (codegen/runtime/grad_sync.py); then the gradients of tied
+schedule, and binds this rank's stages to copies of the model's tensors (state/pipeline_state.py, which also loads
+and gathers them), each the rank's tp shard. A step: this dp rank's share of the batch, cut into the plan's
+micro-batches, goes through the executor (executor/pipeline_executor.py); data-parallel gradients are averaged in
+buckets launched during each stage's last backward (data_parallel/grad_sync.py); then the gradients of tied
 parameters are summed over the ranks that hold them, and the loss -- the mean over the global batch, as on one device
 when every micro-batch counts the same number of loss terms (with ``ignore_index`` labels spread unevenly it is the
 mean of the per-share means) -- is given to every rank.
@@ -39,18 +39,18 @@ from xirang.passes.lowering.precision import COMPUTE_DTYPES
 from xirang.codegen.emit import Program, attach, program_source
 from xirang.ir.errors import XirangError
 from xirang.codegen.ops.comm_counter import record_call
-from xirang.codegen.runtime.batch_checks import BatchChecks
-from xirang.codegen.runtime.grad_norm import clip_grad_norm
-from xirang.codegen.runtime.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets, plan_bucket_algorithms,
-                                              planned_buckets)
-from xirang.codegen.runtime.offload import attach_offload
-from xirang.codegen.runtime.param_shards import zero_shards
-from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
-from xirang.codegen.runtime.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
-from xirang.codegen.runtime.process_groups import build_mesh_groups, build_two_level_groups
-from xirang.codegen.runtime.rng_streams import make_rng
-from xirang.codegen.runtime.schedule_check import check_schedule
-from xirang.codegen.runtime.state_dict_keys import refuse_mismatch, state_dict_keys
+from xirang.codegen.runtime.data.batch_checks import BatchChecks
+from xirang.codegen.runtime.data_parallel.grad_norm import clip_grad_norm
+from xirang.codegen.runtime.data_parallel.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets,
+                                                            plan_bucket_algorithms, planned_buckets)
+from xirang.codegen.runtime.memory.offload import attach_offload
+from xirang.codegen.runtime.data_parallel.param_shards import zero_shards
+from xirang.codegen.runtime.executor.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
+from xirang.codegen.runtime.state.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups, build_two_level_groups
+from xirang.codegen.runtime.state.rng_streams import make_rng
+from xirang.codegen.runtime.executor.schedule_check import check_schedule
+from xirang.codegen.runtime.state.state_dict_keys import refuse_mismatch, state_dict_keys
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
 
@@ -68,9 +68,9 @@ class CompiledModel:
     groups (``build_mesh_groups(plan.mesh)`` by default). ``counter``: a ``CommCounter`` every collective records
     on; ``event_log``: receives the dp buckets' launch/wait events. ``source_of``: rank -> that rank's program
     source, for ``code(rank)`` of other ranks (given by ``xirang.compile``, which can lower the model for any
-    rank). ``seed`` and ``rng`` ("streams" or "exact"): the random ops' streams (codegen/runtime/rng_streams.py).
+    rank). ``seed`` and ``rng`` ("streams" or "exact"): the random ops' streams (codegen/runtime/state/rng_streams.py).
     A module built on ``meta`` is initialised per tensor from ``seed`` (``init``: per-module init function;
-    codegen/runtime/weight_init.py). No reference to ``model`` is kept: only its forward's signature.
+    codegen/runtime/state/weight_init.py). No reference to ``model`` is kept: only its forward's signature.
     """
 
     def __init__(self, model, plan, program: Program, *, groups=None, bucket_bytes: Optional[int] = None,
@@ -115,8 +115,8 @@ class CompiledModel:
                                               shards=program.shards, groups=self.groups, counter=counter)
         self.executor = self._build_executor()
         self.last_step: Optional[StepRecord] = None
-        self.rebalancer = None  # a codegen/runtime/dp_balance.DpRebalancer moves dp shares between steps
-        self.injection = None  # a codegen/runtime/injection.AdaptiveInjection deepens 1F1B warm-ups between steps
+        self.rebalancer = None  # a data_parallel/dp_balance.DpRebalancer moves dp shares between steps
+        self.injection = None  # an executor/injection.AdaptiveInjection deepens 1F1B warm-ups between steps
         self._batch_checks = BatchChecks(plan, self.programs, self._inputs, self._batch_dims, self.symbols,
                                          rank=self.rank, dp_rank=self.dp_rank, device=self.device)
         self._weigh_share()
@@ -161,7 +161,7 @@ class CompiledModel:
 
     def set_extra_warmup(self, extra_warmup) -> None:
         """Run ``extra_warmup[r]`` more forwards in pipeline rank r's 1F1B warm-up from the next step on
-        (codegen/runtime/injection.py; every rank of the pp group must call it with the same values)."""
+        (codegen/runtime/executor/injection.py; every rank of the pp group must call it with the same values)."""
         self.extra_warmup = tuple(extra_warmup)
         self.schedule = self._build_schedule(self.plan)
         self.executor = self._build_executor()
@@ -217,7 +217,7 @@ class CompiledModel:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients (every element once);
-        returns the total norm. Collective; a non-finite norm clips nothing (codegen/runtime/grad_norm.py)."""
+        returns the total norm. Collective; a non-finite norm clips nothing (data_parallel/grad_norm.py)."""
         if self.zero:
             return self.zero.clip_grad_norm_(max_norm, norm_type)
         return clip_grad_norm(self.named_parameters(), max_norm, norm_type, shards=self.program.shards,
@@ -385,8 +385,8 @@ class CompiledModel:
 
     def measured_costs(self):
         """The last step's measured stage and sync seconds, gathered from every rank (collective over the
-        world; ``codegen/runtime/step_costs.measure_step``): what ``xirang.reprice`` corrects the plan with."""
-        from xirang.codegen.runtime.step_costs import measure_step
+        world; ``calibration/step_costs.measure_step``): what ``xirang.reprice`` corrects the plan with."""
+        from xirang.codegen.runtime.calibration.step_costs import measure_step
         return measure_step(self)
 
     def gather_timestamps(self) -> list:

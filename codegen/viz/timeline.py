@@ -25,9 +25,9 @@ from itertools import cycle
 from math import ceil
 from pathlib import Path
 
-from xirang.codegen.runtime.schedule_sim import TimedAction, Timeline, idle_fractions
+from xirang.codegen.runtime.executor.schedule_sim import TimedAction, Timeline, idle_fractions
 from xirang.codegen.viz.plotting import (DPI, FONT, TITLE_FONT, Colour, add_legend, fit_legend, new_figure, plain,
-                                        png_bytes, rgb, text_size, write_png)
+                                         png_bytes, rgb, text_size, write_png)
 from xirang.ir.schedules import (ACTIVATION, SCHEDULE_SPECS, Action, Backward, BackwardInput, BackwardWeight, Forward,
                                  Recv, Schedule, Send)
 

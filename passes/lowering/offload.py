@@ -4,7 +4,7 @@ enacting ``plan.offload``.
 ``"blocks"``: every block (``UNIT`` = ``block:<path>``) gets ``OFFLOAD`` = its unit on each of its
 computing nodes. ``split_stages`` outlines each such block of a stage into a sub-module
 (``codegen/ops/activations.OffloadedBlock``, passes/lowering/regions.py) that the runtime points at
-this process's ``ActivationOffload`` (codegen/runtime/offload.py): what the block saves for its
+this process's ``ActivationOffload`` (codegen/runtime/memory/offload.py): what the block saves for its
 backward is copied to host memory after its forward (parameters, already resident, stay) and
 comes back ahead of the block's backward, prefetched one block ahead, on a side stream (CUDA) or
 by a background copy thread (CPU ranks). ``"none"``: nothing is marked.

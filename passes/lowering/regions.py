@@ -34,7 +34,7 @@ from xirang.codegen.ops.activations import OffloadedBlock, Recomputed
 KINDS = (("offload", OFFLOAD), ("recompute", RECOMPUTE))  # outer level first
 WRAPPERS = {"offload": OffloadedBlock, "recompute": Recomputed}
 DESCRIPTIONS = {"offload": "saved activations to host memory after the forward, prefetched back before the "
-                           "backward (codegen/runtime/offload.py)",
+                           "backward (codegen/runtime/memory/offload.py)",
                 "recompute": "keeps its inputs only, recomputed in the backward "
                              "(torch.utils.checkpoint, use_reentrant=False)"}
 

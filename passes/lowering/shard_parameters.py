@@ -2,7 +2,7 @@
 
 A state placeholder's tp placement is the output layout the plan gave it; the runtime binds
 ``shard_of(full, placement, tp_rank, tp)`` and glues shards back for ``full_state_dict``
-(codegen/runtime/shard_params.py). Data and pipeline parallelism do not shard state: dp ranks hold
+(codegen/runtime/state/shard_params.py). Data and pipeline parallelism do not shard state: dp ranks hold
 copies, pp ranks hold the state of their own stages (chosen when the stages are bound).
 """
 from __future__ import annotations

@@ -232,7 +232,7 @@ def model_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) ->
 
 # What Xirang's runtime holds per local parameter at a step's peak (measured by the dry run, ``xirang
 # check``, part by part): fp32 weights (the optimizer's dtype; half-precision copies are made per use and
-# remade in the backward, codegen/runtime/weight_casts.py), fp32 gradients (``.grad``; the plan's reduce
+# remade in the backward, codegen/runtime/memory/weight_casts.py), fp32 gradients (``.grad``; the plan's reduce
 # dtype is a copy made after the backward), and AdamW's two fp32 moments. No fp32 master copy is kept
 # beside the weights, so the 16 bytes split 4 + 4 + 8, not Megatron's 2 + 2 + 12.
 RUNTIME_PARAM_BYTES, RUNTIME_GRAD_BYTES, RUNTIME_ADAM_BYTES = 4, 4, 8
@@ -240,7 +240,7 @@ RUNTIME_PARAM_BYTES, RUNTIME_GRAD_BYTES, RUNTIME_ADAM_BYTES = 4, 4, 8
 
 def runtime_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) -> ModelStateBytes:
     """Model states the runtime holds at a step's peak for ``num_params`` local parameters. ZeRO (1 and 3,
-    codegen/runtime/dist_optimizer.py, param_shards.py): AdamW's moments for this rank's 1/dp slice, plus
+    codegen/runtime/data_parallel/dist_optimizer.py, param_shards.py): AdamW's moments for this rank's 1/dp slice, plus
     the slice itself as the optimizer's own fp32 parameter and its gradient-norm mask (the whole weights
     stay, gathered, through the step's forwards and backwards: ZeRO-3 frees them between steps only, so
     its peak is ZeRO-1's)."""

@@ -6,7 +6,7 @@
   rate, ``exact`` fills the buckets unit by unit in backward order. Where the World's calibration says
   communication does not overlap compute (CPU ranks: gloo's threads run on the cores that compute),
   every bucket's all-reduce is exposed.
-- ZeRO-1 (``Candidate.zero_stage`` 1, codegen/runtime/dist_optimizer.py): ZeRO's P_os (Rajbhandari et
+- ZeRO-1 (``Candidate.zero_stage`` 1, codegen/runtime/data_parallel/dist_optimizer.py): ZeRO's P_os (Rajbhandari et
   al. 2020, fig. 1; ``model_state_bytes(zero_stage=1)``): 2 + 2 + 12/dp bytes per parameter at bf16,
   4 + 4 + 8/dp at fp32 (Megatron-LM's distributed optimizer with fp32 gradients, 6 + 12/dp, is the
   same rule over its fp32 gradient buffer; Xirang's gradients are in the plan's precision; the memory
@@ -14,14 +14,14 @@
   time), and the updated parameters are all-gathered, in fp32 (``PARAM_STORAGE_BYTES``: the runtime
   keeps parameters in fp32 and casts in the graph), before the next forward: the runtime does not
   overlap that gather, so all of it is exposed.
-- ZeRO-3 (``Candidate.zero_stage`` 3, codegen/runtime/param_shards.py), the variant the runtime runs:
+- ZeRO-3 (``Candidate.zero_stage`` 3, codegen/runtime/data_parallel/param_shards.py), the variant the runtime runs:
   parameters gathered per bucket at the step's first forward and kept until its last backward
   (torchtitan's choice under pipelining: no re-gather per micro-batch), gradients reduce-scattered as
   ZeRO-1's. The gathers move zero-1's bytes but are prefetched one bucket ahead in the forward:
   exposed is the first bucket's and what a gather outlasts its bucket's forward
   (``cost_model.exposed_prefetched_gathers``), added to the exposed reduce-scatter.
 - Staging (``staging``): before its bucket's all-reduce each local gradient is divided by dp into its
-  slot of the bucket's flat buffer, once per step (``codegen/runtime/grad_sync.py``; DDP copies into its
+  slot of the bucket's flat buffer, once per step (``codegen/runtime/data_parallel/grad_sync.py``; DDP copies into its
   buckets the same way): a memory-bound pass, read and written once, on the compute thread (a CUDA
   kernel on the compute stream), so it adds to the step as compute whatever the overlap.
 No torch here.

@@ -15,7 +15,7 @@ import torch
 import xirang
 from tests.bad_input import models
 from tests.bad_input.probe import MODELS, cli
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 
 pytestmark = pytest.mark.matrix
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from xirang.codegen.check.proofs import move_between
 from xirang.codegen.check.rank_step import EXECUTOR_CODES
 from xirang.codegen.check.recorder import Recorder
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 
 GLOBAL, SEQ = 8, 16
 PLANS = {  # name -> plan pins (8 ranks)

@@ -150,7 +150,7 @@ def test_offloaded_activations_leave_the_gpu_for_host_memory(setup):
 def test_a_cpu_tensor_handed_to_nccl_on_a_gpu_rank_is_named(setup):
     """Code that makes a tensor without the rank's device works on CPU ranks and fails on a GPU's first NCCL
     call; the dry run of a GPU plan names it (here: one rank's receive buffers made on the CPU)."""
-    from xirang.codegen.runtime.p2p import ReceiveBuffers
+    from xirang.codegen.runtime.executor.p2p import ReceiveBuffers
     model, example, report, _ = setup
     plan = xirang.plan(model, world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
                        pp=2, schedule="1f1b", micro_batch=1, seq=4096, analysed=report)

@@ -36,9 +36,9 @@ from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.passes.lowering.compute_dtypes import compute_dtypes
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.lower import lower
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 

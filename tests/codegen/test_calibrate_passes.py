@@ -1,7 +1,7 @@
 """The compute samples of a calibration on shared cores are the median of passes spread over its window."""
 from __future__ import annotations
 
-from xirang.codegen.runtime.calibrate import median_of_passes
+from xirang.codegen.runtime.calibration.calibrate import median_of_passes
 
 
 def test_each_timed_number_is_the_median_of_its_passes_and_the_sizes_stay():

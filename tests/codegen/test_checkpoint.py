@@ -24,8 +24,8 @@ from examples.gpt import GPTConfig, build_gpt
 from tests.codegen.single_device import loss_of
 from xirang.cli import main
 from xirang.codegen.ops.padding import shard_of
-from xirang.codegen.runtime.checkpoint_layout import PiecesLoadPlanner, PiecesSavePlanner, pieces_of
-from xirang.codegen.runtime.checkpoint_store import MARKER
+from xirang.codegen.runtime.checkpoint.layout import PiecesLoadPlanner, PiecesSavePlanner, pieces_of
+from xirang.codegen.runtime.checkpoint.store import MARKER
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Replicate, Shard
 

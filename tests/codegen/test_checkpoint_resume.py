@@ -30,11 +30,11 @@ import xirang
 from examples.gpt import GPTConfig, build_gpt
 from tests.conftest import hf_llama
 from tests.codegen.single_device import loss_of
-from xirang.codegen.runtime.checkpoint import load_checkpoint, save_checkpoint
-from xirang.codegen.runtime.checkpoint_store import MARKER, latest_checkpoint
+from xirang.codegen.runtime.checkpoint.save_load import load_checkpoint, save_checkpoint
+from xirang.codegen.runtime.checkpoint.store import MARKER, latest_checkpoint
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 from xirang.lower import lower

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from xirang.codegen.runtime.schedule_sim import simulate
+from xirang.codegen.runtime.executor.schedule_sim import simulate
 from xirang.codegen.viz.chrome_trace import chrome_trace, event_name, with_rank, write_chrome_trace
 from xirang.ir.errors import XirangError
 from xirang.ir.schedules import Backward, BackwardInput, Forward, Send, build_schedule, is_compute

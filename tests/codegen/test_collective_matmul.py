@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from xirang.codegen.ops.collective_matmul import chunk_bounds, gather_linear, gather_linears, linear_reduce_scatter
 from xirang.codegen.ops.collectives import gather_summing_grad, reduce_scatter_to_group
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import InvalidValue
 
 WORLD = 2

@@ -14,11 +14,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from xirang.codegen.ops.collectives import (all_to_all, copy_to_group, gather_from_group,
-                                        reduce_from_group, reduce_scatter_to_group,
-                                        scatter_to_group)
+                                            reduce_from_group, reduce_scatter_to_group,
+                                            scatter_to_group)
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Shard, local_shape

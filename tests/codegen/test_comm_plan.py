@@ -14,8 +14,8 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.comm_check import calls_table, planned_calls
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.data_parallel.comm_check import calls_table, planned_calls
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.world import LinkSpec, NodeSpec, World
 
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences

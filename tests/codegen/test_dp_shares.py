@@ -3,7 +3,7 @@
 A dp rank with n_i of the N samples runs n_i / micro_batch micro-batches of the same program and
 weighs its loss and gradient by n_i * dp / N before the dp average (codegen/runtime/compiled_model.py,
 grad_sync.py), so any split of the global batch trains as one device does. Rebalancing
-(codegen/runtime/dp_balance.py) changes the shares between steps from measured compute times.
+(codegen/runtime/data_parallel/dp_balance.py) changes the shares between steps from measured compute times.
 
 Fast tests: the rebalancing rule and the plan's checks of ``dp_shares``. Matrix: equivalence (loss
 every step, gathered gradients, parameters after 3 AdamW steps, 1e-5 fp32) at (3,1,1) with shares
@@ -23,8 +23,8 @@ import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from tests.conftest import hf_llama
-from xirang.codegen.runtime.dp_balance import balanced_shares
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.data_parallel.dp_balance import balanced_shares
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import PlanError
 from xirang.ir.placement import Shard
 

@@ -26,7 +26,7 @@ from examples.gpt import GPTConfig, build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.ops.comm_counter import CommCounter
 from tests.codegen.single_device import compiled_run, single_device_run
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.meta_keys import BLOCK, BLOCK_KINDS
 from xirang.ir.placement import Shard
 from xirang.plan_assemble import local_elements  # the plan's own per-parameter count

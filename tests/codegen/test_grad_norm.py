@@ -16,8 +16,8 @@ import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime.grad_norm import clip_grad_norm, real_elements, step_if_finite
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.data_parallel.grad_norm import clip_grad_norm, real_elements, step_if_finite
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import ParamShard
 from xirang.ir.placement import Replicate, Shard

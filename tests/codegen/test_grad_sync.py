@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.grad_sync import GradientBuckets, assign_buckets
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.data_parallel.grad_sync import GradientBuckets, assign_buckets
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import XirangError
 
 WORLD = 2

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from xirang.codegen.runtime.grad_sync import GradientBuckets, group_divisor
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.data_parallel.grad_sync import GradientBuckets, group_divisor
+from xirang.codegen.runtime.launch.launcher import launch
 
 WORLDS = (1, 2, 3, 6, 7, 8, 12, 24, 257, 1000, 4099)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.grad_sync import GradientBuckets, PlannedBucket
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_two_level_groups
+from xirang.codegen.runtime.data_parallel.grad_sync import GradientBuckets, PlannedBucket
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_two_level_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
 from xirang.ir.world import World

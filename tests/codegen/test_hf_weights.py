@@ -15,7 +15,7 @@ import torch
 import xirang
 from tests.conftest import hf_llama
 from xirang.codegen.ops.padding import shard_of
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.hf_weights import local_piece, empty_pretrained, load_pretrained, save_pretrained
 from xirang.ir.facts import ParamShard
 from xirang.ir.placement import Replicate, Shard

@@ -1,4 +1,4 @@
-"""Adaptive micro-batch injection (codegen/runtime/injection.py): deeper 1F1B warm-ups chosen from
+"""Adaptive micro-batch injection (codegen/runtime/executor/injection.py): deeper 1F1B warm-ups chosen from
 measured stage times, within the plan's memory, with the numbers of the plain 1F1B.
 
 Fast: the deepened schedules are valid and keep what they claim in flight; the simulated gains the
@@ -19,10 +19,10 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
-from xirang.codegen.runtime.injection import best_extra_warmup, warmup_bounds
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.schedule_check import check_schedule, max_in_flight
-from xirang.codegen.runtime.schedule_sim import simulate
+from xirang.codegen.runtime.executor.injection import best_extra_warmup, warmup_bounds
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.executor.schedule_check import check_schedule, max_in_flight
+from xirang.codegen.runtime.executor.schedule_sim import simulate
 from xirang.ir.errors import InvalidValue
 from xirang.ir.schedules import build_schedule
 

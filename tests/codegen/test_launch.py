@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.launch import DEFAULT_PG_TIMEOUT_S, ensure_distributed, launch, launch_command
+from xirang.codegen.runtime.launch.launcher import DEFAULT_PG_TIMEOUT_S, ensure_distributed, launch, launch_command
 from xirang.ir.errors import XirangError
 
 

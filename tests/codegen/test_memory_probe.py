@@ -8,7 +8,7 @@ import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime.memory_probe import MemoryProbe, check_plan_fits, measure_step
+from xirang.codegen.runtime.memory.memory_probe import MemoryProbe, check_plan_fits, measure_step
 from xirang.ir.device import DeviceSpec
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World

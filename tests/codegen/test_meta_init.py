@@ -1,5 +1,5 @@
 """No rank ever holds the whole model: a model built on ``meta`` compiles, and each rank makes only its shards,
-each tensor from its own stream (codegen/runtime/weight_init.py), equal to the slices of
+each tensor from its own stream (codegen/runtime/state/weight_init.py), equal to the slices of
 ``xirang.init_weights(model, seed)`` on one device.
 
 Single process: the streams are deterministic per (seed, FQN) and independent of order and of the caller's
@@ -29,9 +29,9 @@ from examples.gpt import build_gpt
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from tests.conftest import hf_llama
 from xirang.codegen.ops.padding import shard_of
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.pipeline_state import bind_state
-from xirang.codegen.runtime.weight_init import TensorInit, stream_seed
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.state.pipeline_state import bind_state
+from xirang.codegen.runtime.state.weight_init import TensorInit, stream_seed
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import ParamShard
 from xirang.ir.placement import Shard

@@ -14,7 +14,7 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.placement import Shard
 
 SEQ, VOCAB_USED, STEPS, TOLERANCE, GLOBAL_BATCH = 16, 500, 3, 1e-5, 8

@@ -28,10 +28,10 @@ import torch
 import xirang
 from examples.gpt import build_gpt
 from tests.conftest import hf_gpt2, hf_llama
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.pipeline_executor import LocalStage, PipelineExecutor
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.executor.pipeline_executor import LocalStage, PipelineExecutor
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.schedule_sim import idle_fractions
+from xirang.codegen.runtime.executor.schedule_sim import idle_fractions
 from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, build_schedule
 from xirang.lower import lower
 from xirang.passes.lowering.split_stages import build_stage_modules, tied_parameters

@@ -39,8 +39,8 @@ from tests.conftest import hf_gpt2
 from xirang.codegen.ops import random_ops
 from xirang.codegen.ops.random_ops import ExactReference, RngContext, check_replay, piece_of
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Replicate, Shard
 from xirang.lower import lower

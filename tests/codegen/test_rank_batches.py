@@ -14,8 +14,8 @@ import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.rank_batches import RankBatches, SyntheticTokens, TokenFile
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.data.rank_batches import RankBatches, SyntheticTokens, TokenFile
 from xirang.ir.errors import XirangError
 
 SEQ, GLOBAL_BATCH, VOCAB = 8, 4, 97

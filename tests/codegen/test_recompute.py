@@ -7,7 +7,7 @@
 - The numbers: a training step with ``selective``, ``full``, offload and their combinations gives
   the loss and every gradient of the plain program (fp32 and bf16), also under the executor's split
   backward (BackwardInput, then BackwardWeight), which recomputes and fetches twice.
-- The offload engine (codegen/runtime/offload.py): what it packs (bytes, parameters left in place,
+- The offload engine (codegen/runtime/memory/offload.py): what it packs (bytes, parameters left in place,
   a tensor saved twice copied once), that tensors come back exactly from separate host copies, that
   the prefetch reaches them first, and that a block's forward does not wait for its copies.
 
@@ -28,8 +28,8 @@ from examples.gpt import GPTConfig, build_gpt
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.ops.activations import OffloadedBlock, Recomputed
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.offload import ActivationOffload
-from xirang.codegen.runtime.pipeline_executor import PipelineExecutor
+from xirang.codegen.runtime.memory.offload import ActivationOffload
+from xirang.codegen.runtime.executor.pipeline_executor import PipelineExecutor
 from xirang.ir.meta_keys import OFFLOAD, RECOMPUTE
 from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, with_communication
 from xirang.lower import lower

@@ -27,8 +27,8 @@ from examples.gpt import GPTConfig, build_gpt
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.lower import lower
 
 GLOBAL_BATCH, SEQ, VOCAB_USED, STEPS, TOLERANCE = 8, 16, 500, 3, 1e-5

@@ -19,7 +19,7 @@ import torch
 
 import xirang
 from examples.gpt import build_gpt
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 
 STEPS, SEQ, GLOBAL_BATCH, TOLERANCE = 6, 64, 8, 0.15
 pytestmark = pytest.mark.matrix

@@ -1,5 +1,5 @@
 """Where a rank's tensors live (issue 33, GPU-ready by construction), checked without a GPU: the choice
-itself (codegen/runtime/devices.py: NCCL -> cuda:LOCAL_RANK, gloo or no process group -> cpu, an
+itself (codegen/runtime/launch/devices.py: NCCL -> cuda:LOCAL_RANK, gloo or no process group -> cpu, an
 explicit device wins, mismatches refused naming backend and device), that ``xirang.compile`` hands the
 resolved device to what it builds, and that a program lowered for a GPU rank names no other device."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import xirang
 import xirang.compile_api as compile_api
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime import devices
-from xirang.codegen.runtime.devices import backend_names, runtime_device_for
+from xirang.codegen.runtime.launch import devices
+from xirang.codegen.runtime.launch.devices import backend_names, runtime_device_for
 from xirang.ir.errors import XirangError
 from xirang.lower import rank_source
 

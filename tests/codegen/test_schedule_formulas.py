@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import pytest
 
-from xirang.codegen.runtime.schedule_check import ScheduleError, check_schedule, max_in_flight
-from xirang.codegen.runtime.schedule_sim import simulate, simulated_bubble
+from xirang.codegen.runtime.executor.schedule_check import ScheduleError, check_schedule, max_in_flight
+from xirang.codegen.runtime.executor.schedule_sim import simulate, simulated_bubble
 from xirang.ir import plan as plan_module
 from xirang.ir.schedules import SCHEDULE_SPECS, SCHEDULES, build_schedule, schedule_spec
 from xirang.ir.world import World

@@ -6,11 +6,11 @@ from fractions import Fraction
 import pytest
 
 from tests.codegen.png_reader import read_png
-from xirang.codegen.runtime.schedule_check import ScheduleError, check_schedule, max_in_flight
-from xirang.codegen.runtime.schedule_sim import TimedAction, idle_fractions, simulate, simulated_bubble
+from xirang.codegen.runtime.executor.schedule_check import ScheduleError, check_schedule, max_in_flight
+from xirang.codegen.runtime.executor.schedule_sim import TimedAction, idle_fractions, simulate, simulated_bubble
 from xirang.ir.schedules import (GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Send,
-                                      build_schedule, gpipe, interleaved_one_f_one_b, is_compute, one_f_one_b,
-                                      with_communication)
+                                 build_schedule, gpipe, interleaved_one_f_one_b, is_compute, one_f_one_b,
+                                 with_communication)
 from xirang.codegen.viz.timeline import (IDLE, action_colour, format_schedule, render_timeline_png, timeline_layout)
 from xirang.passes.planning.cost_model import SCHEDULES, bubble_share
 

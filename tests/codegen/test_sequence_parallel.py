@@ -22,8 +22,8 @@ from tests.codegen.single_device import compiled_run, worst_differences
 from tests.codegen.test_3d import GLOBAL_BATCH, STEPS, TOLERANCE, batch, build, reference
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.plan_parts import Layout, NodeStrategy
 from xirang.ir.placement import Shard
 from xirang.lower import lower

@@ -1,4 +1,4 @@
-"""The zero-bubble split backward of one stage (codegen/runtime/split_backward.py): B then W give the
+"""The zero-bubble split backward of one stage (codegen/runtime/executor/split_backward.py): B then W give the
 fused backward's gradients, bit for bit, including where one weight is read by two chained ops (its
 group then reaches the earlier op through the later one, over graph another group's call had freed)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xirang.codegen.runtime.split_backward import backward_input, backward_weights, ungrouped_weights
+from xirang.codegen.runtime.executor.split_backward import backward_input, backward_weights, ungrouped_weights
 
 STAGES = {
     "two weights": lambda x, w, v, b: torch.tanh(x @ w + b) @ v,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.codegen.png_reader import colours, read_png
-from xirang.codegen.runtime.schedule_sim import simulate, simulated_bubble
+from xirang.codegen.runtime.executor.schedule_sim import simulate, simulated_bubble
 from xirang.codegen.viz.timeline import (CHUNK_COLOURS, IDLE, KIND_COLOURS, STRIP, action_colour, axis_title,
                                          legend_items, render_timeline, render_timeline_png, row_label,
                                          timeline_layout, timeline_title, write_timeline_png)

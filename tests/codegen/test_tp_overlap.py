@@ -22,7 +22,7 @@ import xirang
 from tests.codegen.single_device import worst_differences
 from tests.codegen.test_3d import STEPS, TOLERANCE, batch, build, reference
 from tests.codegen.test_sequence_parallel import run_lowered, sequence_plan, tp_records
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.passes.planning.plan_splits import SplitPricer
 
 FUSED = ("gather_linear", "linear_reduce_scatter")

@@ -1,11 +1,11 @@
-"""The calibration's training workload timed again later (``calibrate_sharing.training_probe``), whose
+"""The calibration's training workload timed again later (``calibration/sharing.training_probe``), whose
 figures a benchmark sets beside the calibration's to see how far the host's speed has moved."""
 from __future__ import annotations
 
 import torch
 
-from xirang.codegen.runtime.calibrate_sharing import training_probe
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.calibration.sharing import training_probe
+from xirang.codegen.runtime.launch.launcher import launch
 
 
 def _probe(rank, world_size):

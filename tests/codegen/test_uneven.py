@@ -21,9 +21,9 @@ import torch
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime import shard_params
+from xirang.codegen.runtime.state import shard_params
 from tests.codegen.single_device import compiled_run, single_device_run
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.ops.padding import shard_of, unshard
 from xirang.ir.facts import ParamShard
 from xirang.ir.placement import Shard

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.ops.padding import pad_dim, shard_of, unshard
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.codegen.ops.vocab_parallel import (vocab_parallel_cross_entropy, vocab_parallel_embedding,
-                                           vocab_parallel_embedding_reduced, vocab_shard_range)
+                                               vocab_parallel_embedding_reduced, vocab_shard_range)
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Partial, Replicate, Shard

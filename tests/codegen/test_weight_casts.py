@@ -1,7 +1,7 @@
-"""Saved half-precision weight copies are recipes remade in the backward (codegen/runtime/weight_casts.py)."""
+"""Saved half-precision weight copies are recipes remade in the backward (codegen/runtime/memory/weight_casts.py)."""
 import torch
 
-from xirang.codegen.runtime import weight_casts
+from xirang.codegen.runtime.memory import weight_casts
 
 
 def _step(hooked: bool, observer=None):

@@ -1,4 +1,4 @@
-"""ZeRO-1 (codegen/runtime/dist_optimizer.py) trains as one device, holds 1/dp of the optimizer state,
+"""ZeRO-1 (codegen/runtime/data_parallel/dist_optimizer.py) trains as one device, holds 1/dp of the optimizer state,
 and communicates what its plan lists, collective by collective.
 
 Matrix tier (15-20 s on two loaded cores, over the default tier's budget): the in-repo GPT at
@@ -24,11 +24,11 @@ from examples.gpt import build_gpt
 from tests.codegen.single_device import single_device_run, worst_differences
 from tests.conftest import hf_gpt2, hf_llama
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.checkpoint import load_checkpoint, save_checkpoint
-from xirang.codegen.runtime.comm_check import calls_table, planned_calls
+from xirang.codegen.runtime.checkpoint.save_load import load_checkpoint, save_checkpoint
+from xirang.codegen.runtime.data_parallel.comm_check import calls_table, planned_calls
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.cli.verify import loss_of
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh

@@ -1,4 +1,4 @@
-"""ZeRO-3 (codegen/runtime/param_shards.py) trains as one device, holds 1/dp of the parameters between
+"""ZeRO-3 (codegen/runtime/data_parallel/param_shards.py) trains as one device, holds 1/dp of the parameters between
 steps and 1/dp of the optimizer state, gathers each bucket before its first use with the next one
 prefetched, communicates what its plan lists, and saves and resumes.
 
@@ -28,12 +28,12 @@ import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import single_device_run, worst_differences
 from xirang.codegen.ops.comm_counter import CommCounter
-from xirang.codegen.runtime.checkpoint import load_checkpoint, save_checkpoint
-from xirang.codegen.runtime.comm_check import calls_table, planned_calls
+from xirang.codegen.runtime.checkpoint.save_load import load_checkpoint, save_checkpoint
+from xirang.codegen.runtime.data_parallel.comm_check import calls_table, planned_calls
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.param_shards import GATE_PREFIX, gate_stage, storage_bytes
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.data_parallel.param_shards import GATE_PREFIX, gate_stage, storage_bytes
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Shard
 from xirang.lower import lower

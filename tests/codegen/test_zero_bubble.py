@@ -5,7 +5,7 @@ Matrix tier: HF Llama and HF GPT-2 at (dp, tp, pp) = (1, 1, 4) on 4 CPU gloo ran
 each under both schedules (pinned), against the single-device model: the loss of every step, every
 gathered gradient and the parameters after STEPS AdamW steps within TOLERANCE (fp32). Plans are made
 on ``meta`` at seq 4096 on A100s, so tp really shards (asserted), and run at seq 16. The executor
-splits each backward per op (codegen/runtime/pipeline_executor.py); each run also reports the most
+splits each backward per op (codegen/runtime/executor/pipeline_executor.py); each run also reports the most
 micro-batches a stage held, which must equal the schedule's closed form (2p - 1 for ZB-H2: the
 deferred W keeps them alive).
 
@@ -23,8 +23,8 @@ import xirang
 from tests.conftest import hf_gpt2, hf_llama, token_batch
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from xirang.codegen.runtime.compiled_model import CompiledModel
-from xirang.codegen.runtime.launch import launch
-from xirang.codegen.runtime.process_groups import build_mesh_groups
+from xirang.codegen.runtime.launch.launcher import launch
+from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.placement import Shard
 from xirang.ir.schedules import schedule_spec
 from xirang.lower import lower

@@ -9,7 +9,7 @@ import logging
 import torch
 
 import xirang
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.run_log import on_rank_zero, once_per_run
 
 

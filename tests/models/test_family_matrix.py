@@ -22,7 +22,7 @@ import torch
 import xirang
 from examples.hf_families import FAMILIES
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.placement import Shard
 from xirang.passes.analysis.fingerprint import graph_fingerprint
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import token_batch
 from examples.gpt import GPTConfig, build_gpt
 import xirang
-from xirang.codegen.runtime.calibrated_world import calibrated_world
+from xirang.codegen.runtime.calibration.calibrated_world import calibrated_world
 from xirang.ir.calibration import Calibration, CollectiveFit
 from xirang.ir.device import DEVICE_PRESETS, DeviceSpec, Efficiency
 from xirang.ir.errors import XirangError

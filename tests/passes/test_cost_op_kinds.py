@@ -15,8 +15,8 @@ import pytest
 from conftest import token_batch
 from examples.gpt import GPTConfig, build_gpt
 import xirang
-from xirang.codegen.runtime.calibrate_op_classes import other_samples
-from xirang.codegen.runtime.calibrated_world import calibrated_world, size_bands
+from xirang.codegen.runtime.calibration.op_classes import other_samples
+from xirang.codegen.runtime.calibration.calibrated_world import calibrated_world, size_bands
 from xirang.ir.calibration import OTHER_KINDS, Calibration, CollectiveFit
 from xirang.ir.device import DeviceSpec, Efficiency
 from xirang.ir.errors import XirangError

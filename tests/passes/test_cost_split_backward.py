@@ -1,6 +1,6 @@
 """A split backward (ZB-H1 / ZB-H2's BackwardInput then BackwardWeight) is priced at what it measured
 beside the fused one: ``xirang calibrate`` times both on a transformer stage
-(``calibrate_op_classes.split_backward_sample``), ``calibrated_world`` keeps the extra as a fraction
+(``calibration/op_classes.split_backward_sample``), ``calibrated_world`` keeps the extra as a fraction
 of the fused backward (``Calibration.split_backward_extra``), and the planner adds it to the backward
 of schedules that split it; without it (presets, GPUs, older files) nothing changes."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input
 
-from xirang.codegen.runtime.calibrate_op_classes import split_backward_sample
-from xirang.codegen.runtime.calibrated_world import calibrated_world, split_backward_extra
-from xirang.codegen.runtime.pipeline_executor import backward_weights
+from xirang.codegen.runtime.calibration.op_classes import split_backward_sample
+from xirang.codegen.runtime.calibration.calibrated_world import calibrated_world, split_backward_extra
+from xirang.codegen.runtime.executor.pipeline_executor import backward_weights
 from xirang.ir.calibration import Calibration
 from xirang.ir.device import DeviceSpec
 from xirang.ir.world import LinkSpec, NodeSpec, World

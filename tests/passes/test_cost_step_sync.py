@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import xirang
 from examples.gpt import GPTConfig, build_gpt
-from xirang.codegen.runtime.launch import launch
+from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.calibration import Calibration, CollectiveFit
 from xirang.ir.device import DeviceSpec
 from xirang.ir.world import LinkSpec, NodeSpec, World

@@ -87,7 +87,7 @@ def cmd_explain(args) -> int:
 
 def cmd_launch(args) -> int:
     import subprocess
-    from xirang.codegen.runtime.launch import launch_command
+    from xirang.codegen.runtime.launch.launcher import launch_command
     if not Path(args.script).is_file():
         raise XirangError(f"script {args.script!r} does not exist", where=f"current directory {Path.cwd()}",
                           hint="give the path of a training script, e.g. examples/train_gpt.py")

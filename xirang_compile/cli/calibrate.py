@@ -1,6 +1,6 @@
 """``xirang calibrate``: measure this machine's devices and links on N local ranks and write the World
 JSON that ``xirang plan --world-file``, ``xirang.plan(world=World.load(F))`` and
-``xirang.compile(..., world=...)`` read (the microbenchmarks: ``codegen/runtime/calibrate.py``).
+``xirang.compile(..., world=...)`` read (the microbenchmarks: ``codegen/runtime/calibration/calibrate.py``).
 
 Each calibration is also kept in the user's cache folder (``$XDG_CACHE_HOME/xirang``, else
 ``~/.cache/xirang``), keyed by host name, torch version, device and rank count
@@ -35,7 +35,7 @@ def add_calibrate_parser(commands) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from xirang.codegen.runtime.calibrate import calibrate
+    from xirang.codegen.runtime.calibration.calibrate import calibrate
     if args.world < 1:
         raise XirangError(f"--world must be a positive number of ranks, got {args.world}",
                           where="xirang calibrate --world", hint="pass the rank count training will use, e.g. 8")

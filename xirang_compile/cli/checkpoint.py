@@ -21,9 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from xirang.codegen.runtime.checkpoint_layout import (EXTRA, LAYOUT, MODEL, OPTIM_STATE, PARAM_GROUPS, RNG, STEP,
+from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTIM_STATE, PARAM_GROUPS, RNG, STEP,
                                                       PiecesLoadPlanner, pieces_of, tensor_entries)
-from xirang.codegen.runtime.checkpoint_store import resolve_checkpoint
+from xirang.codegen.runtime.checkpoint.store import resolve_checkpoint
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import Replicate
 

@@ -74,7 +74,7 @@ def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule:
     import xirang
     from xirang.cli.verify import write_trace
     from xirang.codegen.viz.chrome_trace import check_writable
-    from xirang.codegen.runtime.schedule_sim import simulate
+    from xirang.codegen.runtime.executor.schedule_sim import simulate
     from xirang.ir.schedules import build_schedule
     from xirang.codegen.viz.timeline import format_schedule, write_timeline_png
 

@@ -7,7 +7,7 @@ checkpoints every N steps, resume after a crash, and the measured step time besi
     xirang train --config run.toml --steps 50   # options from TOML (train_config.py), flags over the file
 
 The parent plans once (``verify.prepare``: the same plan every rank would reach) and starts the
-local ranks (codegen/runtime/launch.py: a rank that raises, dies or freezes fails the run naming it,
+local ranks (codegen/runtime/launch/launcher.py: a rank that raises, dies or freezes fails the run naming it,
 the others are stopped); ``--torchrun`` makes this process one rank of a torchrun world instead
 (``--print-command`` prints that command, with every option of this one). Each rank builds the
 factory's model under one seed, compiles it with the plan, reads only its dp share of each global
@@ -24,7 +24,7 @@ against the plan's (train_metrics.py; TensorBoard scalars too with ``--tensorboa
 is priced on this machine when ``xirang calibrate`` has kept a calibration of ``--world`` local ranks for this
 host (calibrate.py: the plan is made on that World), and otherwise printed as the preset's figure.
 
-Checkpoints (``xirang.save_checkpoint``, codegen/runtime/checkpoint.py: every rank its own shards,
+Checkpoints (``xirang.save_checkpoint``, codegen/runtime/checkpoint/save_load.py: every rank its own shards,
 complete once its marker is written) hold the model, the optimizer, the randomness and, in ``extra``,
 the data position, the learning-rate schedule's state and the losses so far, so ``--resume``
 continues exactly where the newest complete step left off; the run's last step is always saved.
@@ -70,7 +70,7 @@ def _vocabulary(model) -> int:
 
 def _batches(args, model, example_kwargs: dict, global_batch: int, compiled):
     """This rank's RankBatches over ``--data`` or synthetic tokens (its dp share of each global batch)."""
-    from xirang.codegen.runtime.rank_batches import RankBatches, SyntheticTokens, TokenFile
+    from xirang.codegen.runtime.data.rank_batches import RankBatches, SyntheticTokens, TokenFile
     seq = example_kwargs["input_ids"].shape[1]
     source = TokenFile(args.data) if args.data else SyntheticTokens(_vocabulary(model), seed=args.seed)
     # Hugging Face causal LMs shift their labels themselves; the in-repo models take aligned ones
@@ -100,7 +100,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int, facts=None)
     import torch.distributed as dist
 
     import xirang
-    from xirang.codegen.runtime.grad_norm import step_if_finite
+    from xirang.codegen.runtime.data_parallel.grad_norm import step_if_finite
     from xirang.cli.train_metrics import MetricsWriter, gather_memory, step_began
     model, example_kwargs = token_model(args, global_batch)
     # the runtime device follows the launcher: NCCL ranks (torchrun on GPUs) on cuda:LOCAL_RANK, gloo on the CPU
@@ -329,7 +329,7 @@ def world_spec(args):
 
 def torchrun_command(args) -> list:
     """The torchrun command that runs this training with one ``xirang train ... --torchrun`` per rank."""
-    from xirang.codegen.runtime.launch import launch_command
+    from xirang.codegen.runtime.launch.launcher import launch_command
     rank_args = ["xirang", "train", args.model, "--torchrun"]
     for option, value in sorted(vars(args).items()):
         if option in ("model", "command", "torchrun", "print_command", "config") or value is None or value is False \
@@ -481,7 +481,7 @@ def cmd_train(args) -> int:
         return 0
     pins = {k: getattr(args, k) for k in ("tp", "pp", "dp")}
     if args.torchrun:
-        from xirang.codegen.runtime.launch import ensure_distributed
+        from xirang.codegen.runtime.launch.launcher import ensure_distributed
         rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model],
                                      timeout_s=args.collective_timeout)
         plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world_spec(args))

@@ -8,7 +8,7 @@ A line (``json.loads`` of each; a non-finite number, a NaN loss or an infinite n
     step                 the optimizer step, from 1
     loss                 the global batch's mean loss
     lr                   the learning rate the step used
-    grad_norm            the whole model's gradient norm before clipping (codegen/runtime/grad_norm.py)
+    grad_norm            the whole model's gradient norm before clipping (codegen/runtime/data_parallel/grad_norm.py)
     stepped              false where a non-finite norm skipped the optimizer step (--clip)
     tokens_per_s         global batch tokens / step_s
     step_s               the step measured on rank 0: batch, train_step, clipping, the optimizer

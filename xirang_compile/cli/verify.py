@@ -117,9 +117,9 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
     """One rank: compile, train ``steps`` AdamW steps; with ``gather`` return losses, gradients of the
     last step and final parameters (full tensors; the gathers are collectives, so every rank runs them);
     with ``trace`` each step's executor timestamps, the rank in front (``chrome_trace.with_rank``); with
-    ``memory`` the last step runs under a ``MemoryProbe`` (codegen/runtime/memory_probe.py) and its
+    ``memory`` the last step runs under a ``MemoryProbe`` (codegen/runtime/memory/memory_probe.py) and its
     ``MemoryMeasurement`` is returned."""
-    from xirang.codegen.runtime.memory_probe import measure_step
+    from xirang.codegen.runtime.memory.memory_probe import measure_step
     import xirang
     from xirang.codegen.viz.chrome_trace import with_rank
     model, example_kwargs = _build(spec, global_batch)
@@ -172,7 +172,7 @@ def _train_single(spec: str, global_batch: int, steps: int, reference=None) -> d
 def torchrun_command(args) -> list:
     """The torchrun command that trains ``args.model`` as this ``xirang run`` would: each rank runs
     ``xirang run ... --torchrun`` (torch.distributed.run's ``-m``: run a module, here ``xirang``)."""
-    from xirang.codegen.runtime.launch import launch_command
+    from xirang.codegen.runtime.launch.launcher import launch_command
     rank_args = ["xirang", "run", args.model, "--world", str(args.world), "--steps", str(args.steps), "--torchrun"]
     for option in ("global_batch", "tp", "pp", "dp", "plan"):
         if getattr(args, option) is not None:
@@ -184,7 +184,7 @@ def torchrun_command(args) -> list:
 def _run_under_torchrun(args) -> int:
     """One rank of the printed command: join torchrun's world, plan (every rank deterministically
     reaches the same plan, as xirang.compile does) and train."""
-    from xirang.codegen.runtime.launch import ensure_distributed
+    from xirang.codegen.runtime.launch.launcher import ensure_distributed
     rank, _ = ensure_distributed(args.world, script="-m xirang run", script_args=[args.model])
     plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan,
                                  {k: getattr(args, k) for k in ("tp", "pp", "dp")})
@@ -235,7 +235,7 @@ def report_memory(plan, measurements: list, picture=None, out=print):
     """Print predicted vs measured memory per rank; with ``picture``, draw the plan's bars with the
     measured figures: per pipeline rank its fullest rank's CUDA allocator peak, or on CPU ranks the
     plan's states, buffers and working set plus the saved activations measured."""
-    from xirang.codegen.runtime.memory_probe import format_measurements
+    from xirang.codegen.runtime.memory.memory_probe import format_measurements
     out(f"\nmemory, last step (plan: recompute {plan.recompute}, offload {plan.offload}):")
     out(format_measurements(measurements))
     if not picture:

@@ -23,8 +23,8 @@ from xirang.ir.errors import XirangError
 from xirang.ir.placement import Replicate
 
 from xirang.codegen.ops.padding import shard_of
-from xirang.codegen.runtime.shard_params import full_tensor, load_local
-from xirang.codegen.runtime.weight_init import TensorInit, has_meta_tensors
+from xirang.codegen.runtime.state.shard_params import full_tensor, load_local
+from xirang.codegen.runtime.state.weight_init import TensorInit, has_meta_tensors
 from xirang.ir.facts import ParamShard
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -45,7 +45,7 @@ def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, t
 
     A module built on meta is initialised from scratch, given ``seed`` (and ``init``, the per-module
     init function): each tensor the model holds only on meta is made alone on its own stream
-    (codegen/runtime/weight_init.py), cut to this rank's shard and dropped, so the rank never holds
+    (codegen/runtime/state/weight_init.py), cut to this rank's shard and dropped, so the rank never holds
     more of the model than its shards and one module's tensors."""
     from_module = isinstance(model, torch.nn.Module)  # a mapping says nothing of frozen parameters
     if from_module:

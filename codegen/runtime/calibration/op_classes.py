@@ -3,7 +3,7 @@ the non-matmul FLOPs of a transformer (each kind apart: gelu, layer norm, softma
 fused attention, each forward and backward, with the FLOPs the analysis counts for them
 (``passes/analysis/flops.py``), so the fitted rates (``Efficiency.other`` and each kind's
 ``Calibration.other_kind_efficiency``, ``Efficiency.attention``) and fixed costs
-(``Calibration.op_fixed_s``) price those ops as the planner sees them. ``codegen/runtime/calibrate.py``
+(``Calibration.op_fixed_s``) price those ops as the planner sees them. ``codegen/runtime/calibration/calibrate.py``
 runs them with its timer (``timed``: single calls, on rank 0 alone where ranks share cores) and
 ``calibrated_world`` fits them.
 """
@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from xirang.codegen.runtime.split_backward import backward_input, backward_weights
+from xirang.codegen.runtime.executor.split_backward import backward_input, backward_weights
 from xirang.ir.calibration import OTHER_KINDS
 from xirang.passes.analysis.flops import PER_ELEMENT
 
@@ -140,7 +140,7 @@ def split_backward_sample(device: str, quick: bool, timed, iters: int) -> dict:
     """Seconds of a middle pipeline stage of pre-LN transformer blocks (layer norm, fused QKV, causal
     attention, projection, layer norm, GELU MLP, residuals) forward alone, forward and fused backward
     (``Backward``), and forward and split backward (``BackwardInput`` then ``BackwardWeight``), each
-    backward run as ``codegen/runtime/pipeline_executor.py`` runs it: from a received output gradient,
+    backward run as ``codegen/runtime/executor/pipeline_executor.py`` runs it: from a received output gradient,
     to the stage input and the weights. ``calibrated_world`` prices the split's extra cost as a
     fraction of the fused backward from these: (split - fused) / (fused - forward)."""
     batch, seq, hidden, heads, blocks = QUICK_SPLIT_SHAPE if quick else SPLIT_SHAPE

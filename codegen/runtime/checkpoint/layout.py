@@ -66,7 +66,7 @@ class TensorPieces:
         piece = next((p for p in self.pieces if tuple(p.global_offsets) == tuple(global_offsets)), None)
         if piece is None:
             raise XirangError(f"no local piece starts at global offsets {tuple(global_offsets)}",
-                              where="checkpoint_layout.TensorPieces.view", hint="this is a bug in xirang: report it")
+                              where="checkpoint/layout.py TensorPieces.view", hint="this is a bug in xirang: report it")
         block = self.local.detach()
         for dim, (start, size) in enumerate(zip(piece.local_offsets, piece.sizes)):
             block = block.narrow(dim, start, size)

@@ -219,7 +219,7 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
 # Modules every rank imports. A forkserver imports them once; each rank is then a fork of it, so
 # starting 8 ranks costs milliseconds instead of 8 fresh interpreters importing torch (seconds on
 # 2 cores). The server is started by the first launch and serves every later one in this process.
-_PRELOAD = ["torch", "torch.distributed", "xirang", "xirang.codegen.runtime.launch",
+_PRELOAD = ["torch", "torch.distributed", "xirang", "xirang.codegen.runtime.launch.launcher",
             "xirang.codegen.runtime.compiled_model"]
 
 
@@ -382,7 +382,7 @@ def ensure_distributed(world_size: int, *, backend: Optional[str] = None,
             where=script,
             hint=f"launch it with:\n    {command}\n  (on several nodes replace --standalone with "
                  f"--nnodes and --rdzv-endpoint; for CPU ranks from Python use "
-                 f"xirang.codegen.runtime.launch.launch(fn, {world_size}))")
+                 f"xirang.launch(fn, {world_size}))")
     _check_world(int(env_world), world_size, script, command)
     if world_size == 1:
         return 0, 1

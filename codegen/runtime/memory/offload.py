@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from xirang.codegen.ops.activations import OffloadedBlock
-from xirang.codegen.runtime.storage_identity import storage_key
-from xirang.codegen.runtime import weight_casts
+from xirang.codegen.runtime.memory.storage_identity import storage_key
+from xirang.codegen.runtime.memory import weight_casts
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """How the calibration times a call: the median over iterations, the device synchronised around each
-timed region (``xirang calibrate``: ``calibrate``, ``calibrate_collectives``)."""
+timed region (``xirang calibrate``: ``calibrate``, ``collectives``)."""
 from __future__ import annotations
 
 import statistics

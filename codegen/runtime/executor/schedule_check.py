@@ -26,7 +26,7 @@ from typing import Sequence
 
 from xirang.ir.errors import InvalidValue, ScheduleError
 from xirang.ir.schedules import (ACTIVATION, Action, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
-                        Send, describe, input_recv, is_compute, matching_recv)
+                                 Send, describe, input_recv, is_compute, matching_recv)
 
 ACTION_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, Send, Recv)
 

@@ -8,7 +8,7 @@ m = 8 with F : B = 1 : 2, stage 0 made 1.5x slower: 40.5 -> 36 time units with 3
 rank 0; stage 1 slower: 42 -> 39 with (2, 2, 0, 0); equal stages: no gain, and none is made.
 
 Formulation (``best_extra_warmup``): minimise the simulated makespan of ``one_f_one_b(p, m, e)``
-(codegen/runtime/schedule_sim.py, each stage's measured mean forward and backward seconds) over the
+(codegen/runtime/executor/schedule_sim.py, each stage's measured mean forward and backward seconds) over the
 extra warm-ups e_r with 0 <= e_r <= bound_r, e_{p-1} = 0 (the last rank has nobody downstream) and
 e_{r+1} <= e_r + 1 (a rank can feed only one forward beyond its own warm-up). Local search from
 e = 0: each round tries every sequence of one or two moves (+1 on one rank, or +1 on ranks 0..j) and
@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.schedule_sim import simulate
+from xirang.codegen.runtime.executor.schedule_sim import simulate
 from xirang.ir.errors import InvalidValue
 from xirang.ir.schedules import Backward, Forward, build_schedule, schedule_spec
 

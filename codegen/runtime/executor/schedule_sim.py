@@ -19,7 +19,7 @@ from fractions import Fraction
 from numbers import Rational, Real
 from typing import Iterable, NamedTuple, Sequence
 
-from xirang.codegen.runtime.schedule_check import check_schedule
+from xirang.codegen.runtime.executor.schedule_check import check_schedule
 from xirang.ir.schedules import (Action, Backward, BackwardInput, BackwardWeight, Compute, Forward, Schedule, describe,
                                  is_compute)
 from xirang.ir.errors import InvalidValue, SolverFailure

@@ -19,7 +19,7 @@ reduce-scatter starts the moment the bucket is ready; its cross-node all-reduce 
 next bucket launches (or at ``wait()``), so the three phases of successive buckets pipeline. Every
 sub-group still sees its collectives in bucket order on every rank.
 
-ZeRO-1 (``shard_gradients``, codegen/runtime/dist_optimizer.py): a bucket handed over is reduce-scattered
+ZeRO-1 (``shard_gradients``, codegen/runtime/data_parallel/dist_optimizer.py): a bucket handed over is reduce-scattered
 instead, flat over the dp group (its buffer padded with zeros to a multiple of dp), and ``wait()``
 gives this rank's 1/dp slice of the averaged buffer to the optimizer shards, leaving the parameters'
 ``.grad`` empty: the full averaged gradient exists nowhere, which is the point.
@@ -40,7 +40,7 @@ from xirang.ir.plan_parts import ENACTED_ALGORITHM
 
 from xirang.codegen.ops.collectives import all_gather_flat, group_size, reduce_scatter_flat
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
-from xirang.codegen.runtime.storage_identity import element_key, storage_key
+from xirang.codegen.runtime.memory.storage_identity import element_key, storage_key
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.calibrate_timing import median_time, sync_device
+from xirang.codegen.runtime.calibration.timing import median_time, sync_device
 from xirang.ir.calibration import COLLECTIVE_KINDS
 from xirang.ir.errors import XirangError
 
@@ -71,7 +71,7 @@ def collective_call(kind: str, nbytes: int, group, size: int, group_ranks: Seque
                 work = dist.isend(buffer, dst=peer) if sending else dist.irecv(buffer, src=peer)
                 work.wait()
         return ping_pong
-    raise XirangError(f"no microbenchmark for collective {kind!r}", where="codegen/runtime/calibrate_collectives.py",
+    raise XirangError(f"no microbenchmark for collective {kind!r}", where="codegen/runtime/calibration/collectives.py",
                       hint=f"known kinds: {', '.join(COLLECTIVE_KINDS)}")
 
 

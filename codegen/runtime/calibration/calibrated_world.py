@@ -1,5 +1,5 @@
 """The World ``xirang calibrate`` writes, fitted from what its microbenchmarks measured on every rank
-(``codegen/runtime/calibrate.py`` runs them).
+(``codegen/runtime/calibration/calibrate.py`` runs them).
 
 - Compute: each rate is the slope of ``seconds = c + work / rate`` over the timed sizes (least squares,
   ``ir/calibration.fit_line``); the intercept c is the op's fixed cost there. The matmul and memory
@@ -17,7 +17,7 @@
 - Ranks sharing cores (N ranks on C cores): compute is timed on rank 0 alone, and every figure is
   brought to every rank busy: seconds times N / C (each rank gets C / N of a core) times what the
   same work's CPU grows by beside the other ranks. That growth is the training workload's together
-  / alone CPU (``calibrate_sharing``), split by its two sizes into a per-row part, which slows the
+  / alone CPU (``sharing``), split by its two sizes into a per-row part, which slows the
   FLOP rates, and a per-call part, which slows the per-op fixed costs (``training_slowdowns``: time
   slicing costs small ops far more than FLOPs). ``parallel_ranks`` k = C over the FLOP part: how many
   ranks compute at full speed at once. ``waiting_share``: where between "a waiting rank costs
@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from xirang.codegen.runtime.calibrate_op_classes import KIND_GRADIENTS
+from xirang.codegen.runtime.calibration.op_classes import KIND_GRADIENTS
 from xirang.ir.calibration import Calibration, CollectiveFit, fit_line
 from xirang.ir.device import DeviceSpec, Efficiency
 from xirang.ir.world import LinkSpec, NodeSpec, World
@@ -98,7 +98,7 @@ def training_slowdowns(sharing: dict) -> tuple[float, float] | None:
 
 def split_backward_extra(sample: dict | None) -> float | None:
     """The split backward's extra time over the fused backward, as a fraction of the fused one, from
-    ``calibrate_op_classes.split_backward_sample`` (never below 0); None without the sample. A ratio of
+    ``op_classes.split_backward_sample`` (never below 0); None without the sample. A ratio of
     two times of the same rank: where ranks share cores both grow alike, so no N / C scaling applies."""
     if not sample or sample["fused_s"] <= sample["forward_s"]:
         return None
@@ -139,7 +139,7 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     ranks = len(results)
     raw: dict = {"threads_per_rank": results[0]["threads"], "cpu_count": os.cpu_count()}
     compute, sharing = results[0]["compute"], results[0]["sharing"]
-    # N ranks on k cores (``calibrate_sharing``; GPUs: k = N): what the pipeline's idle ranks give back
+    # N ranks on k cores (``sharing``; GPUs: k = N): what the pipeline's idle ranks give back
     parallel, waiting, slowdown, fixed_slowdown, cores = float(ranks), 0.0, 1.0, 1.0, ranks
     if sharing is not None and sharing["together_s"] > 0:
         # N ranks on C cores, every rank busy: each gets C / N of a core, and its work takes more CPU

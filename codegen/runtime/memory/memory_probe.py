@@ -9,7 +9,7 @@ measured counterpart of the plan's ``activations`` part (``Prediction.memory_par
 parameters and buffers (resident anyway, passed as ``exclude``), and what other saved-tensor hooks
 keep inside the step, since only the innermost hooks of PyTorch's stack see a tensor: the tensors a
 recompute region rebuilds in its backward (torch's checkpoint) and those an offloaded block sends
-to the host (codegen/runtime/offload.py) -- the plan's ``working_set`` part, which the probe does
+to the host (codegen/runtime/memory/offload.py) -- the plan's ``working_set`` part, which the probe does
 not measure. On a CUDA device the allocator's own peak (``torch.cuda.max_memory_allocated``, every
 tensor: states, activations, working sets, temporaries) is reported beside it.
 

@@ -5,9 +5,9 @@
     found["step"], found["extra"]
 
 A checkpoint is a torch.distributed.checkpoint (DCP) folder ``ROOT/step-<8 digits>/``
-(codegen/runtime/checkpoint_store.py: complete only once its marker is written last) holding the
+(codegen/runtime/checkpoint/store.py: complete only once its marker is written last) holding the
 parameters and the optimizer's per-parameter state under the single-device model's names and global
-shapes (codegen/runtime/checkpoint_layout.py: each rank declares which blocks of each global tensor it
+shapes (codegen/runtime/checkpoint/layout.py: each rank declares which blocks of each global tensor it
 holds, padding excluded, a tied weight once), the step, the randomness (``compiled.rng_state()``:
 the seed and step every future draw follows; torch's own generator state of every rank) and the
 caller's ``extra`` (plain data). Loading under another plan -- other dp, tp, pp, world size -- is
@@ -21,7 +21,7 @@ and pieced like the parameter; any other tensor (Adam's scalar ``step``) is save
 groups' hyperparameters by group index. So it is exact for the element-wise optimizers the runtime
 supports (SGD, Adam, AdamW: compiled_model.py). Buffers are not saved: the runtime does not train them.
 Under ZeRO-1 the optimizer holds state per bucket shard: saving goes through a per-parameter view
-gathered over dp (codegen/runtime/dist_optimizer.py), loading through an empty one whose state each
+gathered over dp (codegen/runtime/data_parallel/dist_optimizer.py), loading through an empty one whose state each
 shard then slices, so the files are the same as without ZeRO and load under any plan or zero stage.
 Under ZeRO-3 (parameters freed between steps) both run with the parameters gathered, freed after.
 
@@ -50,12 +50,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from xirang.ir.errors import XirangError
 
-from xirang.codegen.runtime.checkpoint_layout import (EXTRA, LAYOUT, MODEL, OPTIM_STATE, PARAM_GROUPS, RNG, STEP,
+from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTIM_STATE, PARAM_GROUPS, RNG, STEP,
                                                       TORCH_RNG, PiecesLoadPlanner, PiecesSavePlanner, TensorPieces,
                                                       all_model_names, held_by_compiled, held_by_module, pieces_of,
                                                       tensor_entries)
-from xirang.codegen.runtime.checkpoint_store import remove_marker, resolve_checkpoint, step_folder, write_marker
-from xirang.codegen.runtime.dist_optimizer import PerParameterState
+from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
+from xirang.codegen.runtime.data_parallel.dist_optimizer import PerParameterState
 from xirang.ir.placement import Replicate
 
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -85,7 +85,7 @@ def _held(target) -> list:
 
 def _per_parameter(target, optimizer, *, saving: bool):
     """The optimizer as checkpoints see it: itself, or under ZeRO-1 (its state per bucket shard) a
-    per-parameter view (codegen/runtime/dist_optimizer.py): gathered over dp to save, empty to load into.
+    per-parameter view (codegen/runtime/data_parallel/dist_optimizer.py): gathered over dp to save, empty to load into.
     Saving gathers the last optimizer step's slices into the parameters first."""
     zero = getattr(target, "zero", None)
     if zero is None or optimizer is None:

@@ -11,19 +11,19 @@ The executor only interprets the schedule (docs/architecture.md: schedules are d
   gradients; parameter gradients accumulate in ``.grad`` across micro-batches, the crossing
   inputs' gradients go to the previous stage. ``BackwardInput`` then ``BackwardWeight`` split it
   (zero-bubble schedules, Qi et al. 2024) per op, as torch.distributed.pipelining does
-  (codegen/runtime/split_backward.py: B the inputs' gradients, keeping the gradient that reaches each
+  (codegen/runtime/executor/split_backward.py: B the inputs' gradients, keeping the gradient that reaches each
   op using a weight; W those kept gradients into the weights only). A stage whose inputs take no
   gradient (stage 0) has nothing to send: its B does nothing and its W is the whole backward.
-- ``Send``/``Recv``: non-blocking (codegen/runtime/p2p.py). A receive is waited on by its consumer only,
+- ``Send``/``Recv``: non-blocking (codegen/runtime/executor/p2p.py). A receive is waited on by its consumer only,
   so it overlaps whatever this rank computes in between; sends are waited on at the end of the step.
 - Activation offload (plan.offload): the forward of (stage, mb) runs inside ``offload.forward``, so
   its offloaded blocks know whose activations they send to host memory; each backward first asks
   ``offload.begin_backward`` to prefetch the stage's last block, and the last one of (stage, mb)
   (Backward, or BackwardWeight after BackwardInput) ends with ``offload.end_backward``
-  (codegen/runtime/offload.py). Recompute needs nothing here: the stage modules checkpoint it.
+  (codegen/runtime/memory/offload.py). Recompute needs nothing here: the stage modules checkpoint it.
 - Weight copies: a stage's forward runs under ``weight_casts.saved_tensors``, so the half-precision
   copy of a weight that an op saves for its backward is a recipe, remade in the backward, instead of
-  one copy per micro-batch in flight (codegen/runtime/weight_casts.py).
+  one copy per micro-batch in flight (codegen/runtime/memory/weight_casts.py).
 - Randomness: before every compute action the program's ``RngContext`` is told its micro-batch,
   so random ops draw per micro-batch, and a backward that recomputes a forward draws the same.
 - Data parallelism: each local stage's ``GradientBuckets`` runs under ``no_sync()`` except in that
@@ -43,11 +43,11 @@ import torch
 
 from xirang.ir.errors import InvalidValue, XirangError
 
-from xirang.codegen.runtime import weight_casts
-from xirang.codegen.runtime.p2p import ReceiveBuffers, Transfer, message_tag, post_recv, post_send
-from xirang.codegen.runtime.split_backward import backward_input, backward_weights, ungrouped_weights
+from xirang.codegen.runtime.memory import weight_casts
+from xirang.codegen.runtime.executor.p2p import ReceiveBuffers, Transfer, message_tag, post_recv, post_send
+from xirang.codegen.runtime.executor.split_backward import backward_input, backward_weights, ungrouped_weights
 from xirang.ir.schedules import (ACTIVATION, GRADIENT, Backward, BackwardInput, BackwardWeight, Forward, Recv, Schedule,
-                        Send)
+                                 Send)
 from xirang.passes.lowering.split_stages import StageModule
 
 
@@ -73,7 +73,7 @@ class StepRecord:
     timestamps: list = field(default_factory=list)  # (pp_rank, action, start, end)
     most_in_flight: dict = field(default_factory=dict)  # stage -> micro-batches
     # seconds from the step's start until its gradients are final (dp waits, tied sums; set by the
-    # CompiledModel): what follows the last compute is the exposed sync (codegen/runtime/step_costs.py)
+    # CompiledModel): what follows the last compute is the exposed sync (codegen/runtime/calibration/step_costs.py)
     finished: float | None = None
     # seconds of the step outside that window (set by the CompiledModel): the batch agreement before it,
     # and after it the loss's collectives (and ZeRO's slices): what the cost model's step_sync prices
@@ -105,7 +105,7 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, pp_rank: int, stages: dict, *, peers, tensors_per_cut: int,
                  device="cpu", grad_buckets: dict | None = None, offload=None, rng=None, down_group=None):
         self.schedule, self.pp_rank, self.stages = schedule, pp_rank, dict(stages)
-        self.offload = offload  # codegen/runtime/offload.ActivationOffload when blocks offload, else None
+        self.offload = offload  # codegen/runtime/memory/offload.ActivationOffload when blocks offload, else None
         self.saved_observer = None  # sees every tensor a stage's forward saves but weight copies (memory_probe)
         self.rng = rng  # codegen/ops/random_ops.RngContext: told the micro-batch of every compute
         self.actions = schedule.ranks[pp_rank]

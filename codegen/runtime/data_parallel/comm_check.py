@@ -11,9 +11,9 @@ and each tied sum on every holder.
 
 Under ZeRO-1 (``plan.zero_stage`` 1) a bucket is two calls with one label: the reduce-scatter of its
 gradients and the all-gather of its updated parameters, which runs at the start of the next step
-(codegen/runtime/dist_optimizer.py), so a step's records hold the previous step's all-gathers. ZeRO-3
+(codegen/runtime/data_parallel/dist_optimizer.py), so a step's records hold the previous step's all-gathers. ZeRO-3
 lists the same two calls; its all-gather runs at the bucket's first use in the step
-(codegen/runtime/param_shards.py).
+(codegen/runtime/data_parallel/param_shards.py).
 """
 from __future__ import annotations
 

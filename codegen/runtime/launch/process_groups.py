@@ -74,8 +74,8 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
             raise XirangError(
                 f"mesh {mesh} has {mesh.size} ranks but torch.distributed is not initialised",
                 where=where,
-                hint="run the program under torchrun (see xirang.codegen.runtime.launch.launch_command) "
-                     "or xirang.codegen.runtime.launch.launch, which initialise the process group")
+                hint="run the program under torchrun (see xirang.codegen.runtime.launch.launcher.launch_command) "
+                     "or xirang.codegen.runtime.launch.launcher.launch, which initialise the process group")
         world = dist.get_world_size()
         if world != mesh.size:
             raise XirangError(

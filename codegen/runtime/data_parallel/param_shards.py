@@ -3,7 +3,7 @@
     compiled = xirang.compile(model, ..., zero_stage=3)   # parameters(): the shard parameters, as ZeRO-1
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
 
-Built on ZeRO-1 (codegen/runtime/dist_optimizer.py, whose shard parameters, reduce-scattered gradients,
+Built on ZeRO-1 (codegen/runtime/data_parallel/dist_optimizer.py, whose shard parameters, reduce-scattered gradients,
 clipping and checkpoint views it keeps): the parameters of a bucket become views of one flat buffer of
 the bucket's padded size, whose storage is freed (``untyped_storage().resize_(0)``, as FSDP does) at
 rest, so between steps a rank holds its fp32 shard parameters only. Rajbhandari et al. 2020 (P_os+g+p);
@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from xirang.codegen.ops.collectives import all_gather_flat
 from xirang.codegen.ops.comm_counter import record_call
-from xirang.codegen.runtime.dist_optimizer import ZeroOneShards
+from xirang.codegen.runtime.data_parallel.dist_optimizer import ZeroOneShards
 from xirang.ir.schedules import Forward
 
 GATE_PREFIX = "xr_gather_bucket_"

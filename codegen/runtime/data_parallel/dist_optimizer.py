@@ -6,7 +6,7 @@
 
 Megatron-LM's DistributedOptimizer and DeepSpeed's stage 1 (Rajbhandari et al. 2020, P_os): a
 bucket's flat gradient buffer, padded with zeros to a multiple of dp, is reduce-scattered over the
-dp group instead of all-reduced (codegen/runtime/grad_sync.py ``shard_gradients``), so dp rank r
+dp group instead of all-reduced (codegen/runtime/data_parallel/grad_sync.py ``shard_gradients``), so dp rank r
 receives the average of the r-th contiguous 1/dp slice. Per bucket this rank holds one "shard
 parameter": a flat leaf tensor with the values of its slice of the bucket's parameters, whose
 ``.grad`` the reduce-scatter fills. ``compiled.parameters()`` yields these, so any element-wise torch
@@ -31,7 +31,7 @@ all-reduced: its copies' gradients are summed over the tied group after the dp a
 slices of two pipeline ranks' buckets do not line up. After that sum ``collect_whole_buckets`` cuts
 this rank's slice out of the full gradients and drops them.
 
-ZeRO-3 (codegen/runtime/param_shards.py ``ZeroThreeShards``) is this class with the parameters freed at
+ZeRO-3 (codegen/runtime/data_parallel/param_shards.py ``ZeroThreeShards``) is this class with the parameters freed at
 rest; ``param_shards.zero_shards`` builds whichever the plan's stage asks for.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from xirang.codegen.ops.collectives import all_gather_flat
 from xirang.codegen.ops.comm_counter import record_call
-from xirang.codegen.runtime.grad_norm import CLIP_EPS, LOG, global_grad_norm, owned_mask
+from xirang.codegen.runtime.data_parallel.grad_norm import CLIP_EPS, LOG, global_grad_norm, owned_mask
 from xirang.ir.errors import XirangError
 
 
@@ -240,7 +240,7 @@ class ZeroOneShards:
 
 @dataclass
 class PerParameterState:
-    """What checkpoint.py reads of an optimizer: ``state`` per model parameter and the ``param_groups``
+    """What checkpoint/save_load.py reads of an optimizer: ``state`` per model parameter and the ``param_groups``
     (the real optimizer's, so loading updates its hyperparameters)."""
 
     state: dict

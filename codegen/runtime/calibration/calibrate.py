@@ -5,7 +5,7 @@ Collectives run on all N local ranks at once, as training runs them, so what ran
 alone on its device, the others waiting. Where the ranks share the host's cores, both are timed in
 three passes, at the start, middle and end of the calibration, each sample the median of the three
 (``_compute_pass``, ``_collective_pass``: the machine's speed drifts over a calibration), and
-``calibrate_sharing`` times what training ranks take of each other for ``calibrated_world`` to scale
+``sharing`` times what training ranks take of each other for ``calibrated_world`` to scale
 the compute by:
 
 - compute: matmuls at training-like shapes (fp32 and bf16), each as training runs it (the linear op
@@ -27,11 +27,11 @@ the compute by:
   groups of that size running at once, as the dp or tp groups of a mesh do), with the calls the
   runtime makes (all_gather/reduce_scatter as ``codegen/ops/collectives.py`` runs them, send as the
   pipeline's isend/irecv), over a few message sizes. On ranks that share cores each call follows a
-  chunk of work, as in training (``calibrate_collectives.in_context_time``: a matmul before a
+  chunk of work, as in training (``collectives.in_context_time``: a matmul before a
   collective, tiny ops before a send): back-to-back calls on idle ranks answer at once, while in
   training a peer must first get a core behind the busy ranks and finish its own work. There a
   pipeline message's CPU, both sides with gloo's threads, is timed as well
-  (``calibrate_collectives.message_cpu_samples``): what it takes from the other ranks.
+  (``collectives.message_cpu_samples``): what it takes from the other ranks.
 
 A sample's time is the median over iterations on each rank, then the slowest rank (a collective
 ends when its last rank does). ``calibrated_world`` (its own module) fits the lines
@@ -47,12 +47,12 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from xirang.codegen.runtime.calibrate_collectives import collective_samples, measured_groups, message_cpu_samples
-from xirang.codegen.runtime.calibrate_op_classes import (attention_samples, other_samples, recompute_sample,
-                                                         split_backward_sample)
-from xirang.codegen.runtime.calibrate_sharing import measure_sharing
-from xirang.codegen.runtime.calibrate_timing import median_time, sync_device
-from xirang.codegen.runtime.calibrated_world import calibrated_world
+from xirang.codegen.runtime.calibration.collectives import collective_samples, measured_groups, message_cpu_samples
+from xirang.codegen.runtime.calibration.op_classes import (attention_samples, other_samples, recompute_sample,
+                                                           split_backward_sample)
+from xirang.codegen.runtime.calibration.sharing import measure_sharing
+from xirang.codegen.runtime.calibration.timing import median_time, sync_device
+from xirang.codegen.runtime.calibration.calibrated_world import calibrated_world
 from xirang.ir.world import World
 
 # (m, k, n) of the timed matmuls: activations (micro-batch x seq rows) times weight shards of hidden
@@ -226,9 +226,9 @@ def calibrate_rank(rank: int, world_size: int, device: str = "cpu", quick: bool 
 def calibrate(nprocs: int, *, device: str = "cpu", backend: str | None = None, quick: bool = False,
               timeout_s: float = 900.0) -> World:
     """Run the microbenchmarks on ``nprocs`` local ranks and return the measured World."""
-    from xirang.codegen.runtime.launch import launch
+    from xirang.codegen.runtime.launch.launcher import launch
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     # ranks sharing busy cores can be starved for long stretches without being frozen
     results = launch(calibrate_rank, nprocs, (device, quick), backend=backend, timeout_s=timeout_s,
                      heartbeat_s=120.0)
-    return calibrated_world(results, backend=backend, device=device)  # codegen/runtime/calibrated_world.py
+    return calibrated_world(results, backend=backend, device=device)  # codegen/runtime/calibration/calibrated_world.py

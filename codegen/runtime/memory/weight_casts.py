@@ -16,7 +16,7 @@ unchanged and a model's own casts of its parameters are caught too.
 
 Every saved-tensor hook of the runtime consults ``recipe_of`` first (PyTorch uses only the innermost
 pair of hooks): the executor's stage forward (``saved_tensors``, which passes the rest to an observer
-such as the memory probe), offload's block hooks (codegen/runtime/offload.py). Inside a recomputed
+such as the memory probe), offload's block hooks (codegen/runtime/memory/offload.py). Inside a recomputed
 region torch's checkpoint keeps nothing, so nothing is to be done there.
 """
 from __future__ import annotations
