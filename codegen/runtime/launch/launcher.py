@@ -334,7 +334,7 @@ def _launch_error(failures, nprocs, timeout_s, pg_timeout_s, where) -> XirangErr
             where=where,
             hint=f"raise timeout_s, or pass timeout_s=None for no whole-run limit (a frozen rank is still named "
                  f"by its heartbeat){waiting}")
-    grouped: dict = {}  # what a rank reported -> the ranks that reported it, in failure order
+    grouped: dict = {}  # what a rank reported -> the ranks that reported it; reports in failure order
     for rank, text, trace in failures:
         if text is not None:
             grouped.setdefault((text, trace), []).append(rank)
@@ -348,7 +348,7 @@ def _launch_error(failures, nprocs, timeout_s, pg_timeout_s, where) -> XirangErr
 
 
 def _ranks(ranks) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
 
 
 def launch_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list:
