@@ -30,6 +30,7 @@ from xirang.codegen.runtime.memory.memory_probe import check_plan_fits
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
+from xirang.ir.run_log import on_rank_zero
 from xirang.ir.world import World
 from xirang.passes.analysis.fingerprint import check_plan_matches
 
@@ -69,7 +70,9 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     ``bucket_bytes``: re-bucket dp gradients by this size instead of the plan's buckets (``plan.buckets``, the
     default, each with the algorithm the plan chose for it); ``counter`` (a
     ``CommCounter``) records every collective; ``event_log`` receives the buckets' launch/wait
-    events; ``dump_dir`` writes this rank's graph after every lowering pass.
+    events; ``dump_dir`` writes the graph after every pass, as ``xirang inspect --dump`` does: the analysis
+    passes' in ``DIR/analysis`` (by rank 0: every rank traces the same graph) and this rank's lowering passes'
+    in ``DIR/rank<R>``.
 
     Randomness (dropout, ``torch.rand`` in forward) draws on streams the runtime owns
     (codegen/ops/random_ops.py): ``seed`` (default: rank 0's ``torch.initial_seed()``, given to every
@@ -110,7 +113,9 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
         parsed = as_world(world, plan.world.nodes[0].device)  # a bare count: the plan's devices
     else:
         parsed = as_world(world, device)
-    report = analyze(model, example_inputs, example_kwargs)  # the one trace: planning and lowering read it
+    analysis_dump = f"{dump_dir}/analysis" if dump_dir is not None and on_rank_zero() else None
+    # the one trace: planning and lowering read it
+    report = analyze(model, example_inputs, example_kwargs, dump_dir=analysis_dump)
     gm = report.graph_module
     check_trainable(gm)  # no scalar loss, or positions past the table: refused before any rank trains
     if plan is not None:  # a stale plan is the user's first problem, before how to launch

@@ -180,3 +180,14 @@ def test_non_strict_loads_what_matches_and_reports_the_rest(compiled):
     result = compiled.load_full_state_dict(state, strict=False)
     assert result.missing_keys == ["fc1.bias"] and result.unexpected_keys == ["extra"]
     assert torch.equal(compiled.full_state_dict()["fc2.weight"], state["fc2.weight"])
+
+
+def test_compile_dump_dir_writes_the_graph_after_every_analysis_and_lowering_pass(tmp_path):
+    # docs/architecture.md: xirang.compile(..., dump_dir=DIR) writes what `xirang inspect --dump DIR` writes
+    from xirang.pipeline import ANALYSIS_PASSES, LOWERING_PASSES
+    model, inputs = models.mlp()
+    xirang.compile(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8, dump_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis", "rank0"]
+    for folder, passes in (("analysis", ANALYSIS_PASSES), ("rank0", LOWERING_PASSES)):
+        dumps = sorted(p.name for p in (tmp_path / folder).iterdir())
+        assert dumps == [f"{i:02d}_{p.name}.txt" for i, p in enumerate(passes)], dumps
