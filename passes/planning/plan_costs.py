@@ -30,10 +30,11 @@ Terms, each with its source:
   step runs besides the plan's: ``step_sync_costs``.
 - Memory per device: 16 B per local parameter (``runtime_state_bytes``: what the runtime holds, fp32
   weight, fp32 gradient and AdamW's two moments) + activations × micro-batches in flight on that pipeline rank
-  (``in_flight_by_rank``, one more under a split backward: the gradients kept between B and W) + the
-  working set: the largest unit's saved activations, which its backward turns into gradients of the
-  same size, and the largest block's activations that recompute rebuilds during its backward
-  (Korthikanti et al. 2022).
+  (``in_flight_by_rank``) + the working set: the largest unit's saved activations, which its backward
+  turns into gradients of the same size, the largest block's activations that recompute rebuilds
+  during its backward (Korthikanti et al. 2022), and under a split backward the gradients of the
+  weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and whose
+  W has not, counted on the schedule's own actions (``waiting_for_w``: r + 1 on rank r of ZB-H1).
 - Recompute applies to blocks only; segments (embedding, head, loss) keep their activations, as
   Megatron-LM checkpoints transformer layers only.
 - Activation offload ("blocks", blocks only): each block's kept activations are copied to host
@@ -66,7 +67,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from xirang.ir.schedules import schedule_spec
+from xirang.ir.schedules import BackwardInput, BackwardWeight, build_schedule, schedule_spec
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
@@ -124,6 +125,7 @@ class _Units:
     flops: float  # hardware FLOPs of one micro-batch, the whole model
     offload: tuple[float, ...] = ()  # seconds of offload copies left exposed per micro-batch
     buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
+    weight_outputs: tuple[float, ...] = ()  # bytes of weight-op outputs (their gradients wait for W)
     backward_ratio: float = 2.0  # backward over forward time of the whole model (zero-bubble bubbles)
 
     def __post_init__(self):  # totals the search reads once per candidate
@@ -174,7 +176,23 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
         flops=math.fsum(u.model_flops + (u.model_forward_flops if m == "full" else 0.0)
                         for u, m in zip(units, modes)),
         offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units),
+        weight_outputs=tuple(u.weight_output_bytes for u in units),
         backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0)
+
+
+def _most_waiting(actions) -> int:
+    """The most micro-batches at once in one rank's ``actions`` whose BackwardInput ran and whose
+    BackwardWeight has not."""
+    done_b: set = set()
+    done_w: set = set()
+    most = 0
+    for action in actions:
+        if isinstance(action, BackwardInput):
+            done_b.add((action.stage, action.micro_batch))
+        elif isinstance(action, BackwardWeight):
+            done_w.add((action.stage, action.micro_batch))
+        most = max(most, len(done_b) - len(done_w))
+    return most
 
 
 class CandidatePricer:
@@ -288,14 +306,27 @@ class CandidatePricer:
 
     @staticmethod
     def in_flight_by_rank(c: Candidate, m: int) -> tuple[float, ...]:
-        """Micro-batches of activations each pipeline rank holds at its peak: the schedule's figure, and one
-        more where the backward is split: between a micro-batch's B and its W the runtime keeps the
-        gradients of every weight op's output for W (codegen/runtime/split_backward.py), about one
-        micro-batch of the stage's activations (measured by ``xirang check``)."""
-        by_rank = in_flight_by_rank(c.schedule, c.pp, m, c.virtual_stages)
-        if schedule_spec(c.schedule).split_backward:
-            return tuple(x + 1 for x in by_rank)
-        return by_rank
+        """Micro-batches of activations each pipeline rank holds at its peak (the schedule's figure)."""
+        return in_flight_by_rank(c.schedule, c.pp, m, c.virtual_stages)
+
+    def waiting_for_w(self, c: Candidate) -> tuple[int, ...]:
+        """Per pipeline rank, the most micro-batches whose B has run and whose W has not, read off the
+        schedule's own actions (0 where the backward is not split): the runtime keeps, for each, the
+        gradients of its stage's weight-op outputs (codegen/runtime/executor/split_backward.py)."""
+        if not schedule_spec(c.schedule).split_backward:
+            return (0,) * c.pp
+        m = self._most_micro_batches(c)
+        key = ("waiting_for_w", c.schedule, c.pp, m, c.virtual_stages)
+        if key not in self._costs:
+            schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
+            self._costs[key] = tuple(_most_waiting(actions) for actions in schedule.ranks)
+        return self._costs[key]
+
+    def _w_gradients(self, c: Candidate, stages) -> float:
+        """Bytes of weight-op output gradients one micro-batch keeps from B to W on a rank's ``stages`` (the
+        first stage keeps none: its B has no input gradient to make, W is its whole backward)."""
+        n = self.units(c)
+        return math.fsum(math.fsum(n.weight_outputs[a:b]) for a, b in stages if a > 0)
 
     def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
         """Memory caps of the pp·v stages: the rank's usable bytes less the recompute working set,
@@ -379,19 +410,21 @@ class CandidatePricer:
                      "dp_exposed": dp_exposed, "offload": busy * m * offload, "step_sync": self.step_sync(c)}
         step = pipeline + staging + dp_exposed + breakdown["step_sync"]
         in_flight = self.in_flight_by_rank(c, self._most_micro_batches(c))
+        waiting = self.waiting_for_w(c)
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
-                       for r, stages in enumerate(ranks))
+                       + waiting[r] * self._w_gradients(c, stages) for r, stages in enumerate(ranks))
         flops = n.flops * self.global_batch / c.micro_batch
         return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
                       flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes),
-                      tuple(self._parts(c, stages, in_flight[r]) for r, stages in enumerate(ranks)),
+                      tuple(self._parts(c, stages, in_flight[r], waiting[r])
+                            for r, stages in enumerate(ranks)),
                       self._uneven_shares(c))
 
     def _uneven_shares(self, c: Candidate) -> tuple[int, ...]:
         shares = self.micro_batch_shares(c)
         return shares if len(set(shares)) > 1 else ()
 
-    def _parts(self, c: Candidate, stages, in_flight: float) -> dict[str, float]:
+    def _parts(self, c: Candidate, stages, in_flight: float, waiting: int = 0) -> dict[str, float]:
         """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``)."""
         n = self.units(c)
         params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
@@ -399,4 +432,5 @@ class CandidatePricer:
         activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
         state = runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
         return {"parameters": state.params, "gradients": state.grads, "optimizer": state.optimizer,
-                "activations": activations, "working_set": n.transient, "buffers": buffers}
+                "activations": activations, "working_set": n.transient + waiting * self._w_gradients(c, stages),
+                "buffers": buffers}

@@ -100,6 +100,7 @@ class NodeFacts:
     attention: bool = False  # a fused attention kernel (priced at Efficiency.attention where given)
     kind: str | None = None  # its kind where a calibration may time it apart (OTHER_KIND_OPS)
     query_length: int | None = None  # a fused attention's query length, ExprTable index (Calibration.attention_by_seq)
+    weight_output: int | None = None  # a matmul reading a parameter: its output's bytes (traced itemsize)
 
 
 def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
@@ -133,6 +134,7 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         dispatched=node.op == "call_function" and node.target is not operator.getitem,
         grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
         attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)),
+        weight_output=_weight_output(node, table) if op_packet(node) in MATMUL_OPS else None,
         query_length=_query_length(node, table) if op_packet(node) in FUSED_ATTENTION else None)
 
 
@@ -140,6 +142,23 @@ def _query_length(node: Node, table: ExprTable) -> int | None:
     """ExprTable index of the query's sequence length (its dim -2), or None where there is none."""
     query = tensor_info(node.args[0]) if node.args else None
     return table.index(sympy.sympify(query.shape[-2])) if query is not None and len(query.shape) >= 2 else None
+
+
+_VIEWS = frozenset({"t", "transpose", "permute", "view", "reshape", "_to_copy", "to", "expand"})
+
+
+def _weight_output(node: Node, table) -> int | None:
+    """ExprTable index of the output bytes of a matmul that reads a parameter (directly or through a view
+    or cast): a split backward keeps this output's gradient from B until W
+    (codegen/runtime/executor/split_backward.py)."""
+    for value in node.all_input_nodes:
+        while value.op == "call_function" and getattr(value.target, "__name__", "").split(".")[0] in _VIEWS \
+                and value.all_input_nodes:
+            value = value.all_input_nodes[0]
+        if ROLE.get(value, None) == "parameter":
+            info = tensor_info(node)
+            return table.index(info.numel * info.itemsize) if info is not None else None
+    return None
 
 
 def local_fraction(placement, tp: int) -> float:

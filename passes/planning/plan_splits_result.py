@@ -44,6 +44,7 @@ class _Sums:
     selective: dict = field(default_factory=dict)  # the same with the attention core recomputed
     recompute: float = 0.0
     saved_tensors: int = 0  # tensors the unit's ops save for the backward (a checkpoint hooks each)
+    weight_outputs: float = 0.0  # bytes on one rank of the outputs of matmuls reading a parameter
 
 
 class Assembly:
@@ -124,6 +125,10 @@ class Assembly:
                     collectives.append(CollectiveChoice(decision.name, "tp", kind, cost.algorithm,
                                                         round(cost.nbytes)))
             in_core = decision.node in core
+            if facts.weight_output is not None:
+                output = element(strategy.output, 0) if isinstance(strategy.output, tuple) else strategy.output
+                unit.weight_outputs += (pricing.values[facts.weight_output] * facts.byte_scale
+                                        * local_fraction(output, tp))
             unit.saved_tensors += len(facts.saved)
             for kept in facts.saved:
                 nbytes = self.kept_bytes(decision.node, kept, strategy)
@@ -196,7 +201,7 @@ class Assembly:
                 input_bytes=sum(self.local_bytes(*tensor) for tensor in entering.get(unit, ())),
                 cut_bytes_after=cut[i] if i < len(graph.units) - 1 else 0.0,
                 model_flops=values[total_flops], model_forward_flops=values[forward_flops],
-                buffer_bytes=buffers.get(unit, 0.0)))
+                buffer_bytes=buffers.get(unit, 0.0), weight_output_bytes=own.weight_outputs))
         return found
 
 

@@ -38,6 +38,8 @@ class UnitCost:
     - ``model_flops``: forward + backward FLOPs of the whole unit (not the local share, no
       recompute), for TFLOP/s figures; ``model_forward_flops`` the forward part of it (what full
       recompute runs again, counted in hardware FLOP/s as Megatron-LM's figures do).
+    - ``weight_output_bytes``: the outputs of the matmuls that read a parameter, on one rank: a split
+      backward keeps their gradients from B until W.
     - ``buffer_bytes``: the model buffers (non-trainable state: rotary tables, masks) the unit holds
       on one rank, resident like the parameters.
     """
@@ -58,6 +60,7 @@ class UnitCost:
     model_forward_flops: float
     buffer_bytes: float = 0.0
     full_recompute_seconds: float | None = None  # None: one more forward (its compute)
+    weight_output_bytes: float = 0.0  # outputs of matmuls reading a parameter: their gradients wait for W
 
     def __post_init__(self):
         if self.full_recompute_seconds is None:
@@ -65,7 +68,7 @@ class UnitCost:
         for name in ("forward_seconds", "backward_seconds", "tp_comm_forward_seconds",
                      "tp_comm_backward_seconds", "saved_bytes", "selective_saved_bytes",
                      "selective_recompute_seconds", "input_bytes", "cut_bytes_after", "model_flops",
-                     "model_forward_flops", "buffer_bytes", "full_recompute_seconds"):
+                     "model_forward_flops", "buffer_bytes", "full_recompute_seconds", "weight_output_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidValue(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")

@@ -1,0 +1,41 @@
+"""Memory of a split backward (passes/planning/plan_costs.py): between a micro-batch's B and its W the runtime
+keeps the gradients of its stage's weight-op outputs (codegen/runtime/executor/split_backward.py), for every
+micro-batch the schedule has B'd and not yet W'd on that rank (read off the schedule's actions: r + 1 on rank
+r of ZB-H1); the first stage keeps none (its B makes no input gradient). 1F1B keeps none."""
+from __future__ import annotations
+
+import pytest
+
+from xirang.ir.schedules import build_schedule
+from xirang.ir.world import parse_world
+from xirang.passes.planning.plan_costs import _most_waiting
+from xirang.passes.planning.plan_search import search_plan
+from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
+
+
+def _units(tp, micro_batch):
+    return [UnitCost(f"block:{i}", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
+                     tp_comm_backward_seconds=0.0, params_local=0, saved_bytes=100.0, selective_saved_bytes=100.0,
+                     selective_recompute_seconds=0.1, input_bytes=10.0, cut_bytes_after=0.0, model_flops=0.0,
+                     model_forward_flops=0.0, weight_output_bytes=30.0) for i in range(4)]
+
+
+def _price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
+    return TensorSplit(tp, micro_batch, seq, _units(tp, micro_batch))
+
+
+def test_zb_h1_rank_r_waits_on_r_plus_1_ws():
+    assert [_most_waiting(actions) for actions in build_schedule("zb-h1", 4, 8).ranks] == [1, 2, 3, 4]
+    assert [_most_waiting(actions) for actions in build_schedule("1f1b", 4, 8).ranks] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("schedule, kept", [("zb-h1", (0.0, 2 * (30.0 + 30.0))), ("1f1b", (0.0, 0.0))])
+def test_the_gradients_waiting_for_w_are_in_the_working_set(schedule, kept):
+    """p = 2, m = 4, two blocks of 100 B saved (30 B of weight-op outputs) per stage: rank 1 waits on 2 Ws,
+    each keeping 2 x 30 B; rank 0's stage is the first and keeps none."""
+    best = search_plan(_price, parse_world(2), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
+                       recompute="none", schedule=schedule).best
+    assert best.bounds == ((0, 2), (2, 4))
+    base = 100.0  # the largest unit's saved bytes: its backward's gradients
+    for rank, extra in enumerate(kept):
+        assert best.memory_parts[rank]["working_set"] == pytest.approx(base + extra)
