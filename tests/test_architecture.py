@@ -7,7 +7,10 @@ repository's folders mapped to their import names as pyproject.toml maps them. T
 - no import cycle between modules;
 - ir/ (data) imports nothing of the package above it, only ``xirang.ir.*``;
 - the lower layers (ir/, passes/, codegen/) never import the API package (xirang_compile/);
-- no ``from x import _name`` of a private name across modules, in tests, benchmarks and examples too.
+- no ``from x import _name`` of a private name across modules, in tests, benchmarks and examples too;
+- every ``folder/file.py`` a docstring or README of the package (or docs/architecture.md) names exists, and
+  every bare ``file.py`` is the name of a file of the repository; each folder's README names its files;
+  the page's table of passes is the pass lists.
 
 A statement ``from a.b import c`` is an edge to the module ``a.b.c`` when that is a module of the
 repository, else to ``a.b`` (or the deepest package above it that is one). The last tests run the
@@ -16,6 +19,7 @@ checks on a small made-up set of modules, so a checker that finds nothing cannot
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +217,90 @@ def test_the_folder_map_is_the_one_pyproject_installs():
     on_disk = {module_name(p.parent.relative_to(ROOT) / "__init__.py") for top in PACKAGE_DIRS
                for p in (ROOT / top).rglob("__init__.py")}
     assert on_disk == set(config["tool"]["setuptools"]["packages"])
+
+
+# --- file paths in the prose --------------------------------------------------------------------
+
+DOCUMENTS = ("docs/architecture.md",)  # besides every README.md under the package folders
+PATH_MENTION = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
+# what the prose names that is not a file of this repository: other projects' files and placeholders
+NOT_OURS = ("torch/", "deepspeed/", "path/to/")
+PLACEHOLDERS = {"file.py", "model.py"}  # `FILE.py:line` in the format of a message
+
+
+def docstrings(source: str, filename: str) -> list[str]:
+    """The docstrings of a module, its classes and its functions."""
+    nodes = ast.walk(ast.parse(source, filename))
+    return [doc for node in nodes if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            for doc in [ast.get_docstring(node, clean=False)] if doc]
+
+
+def missing_paths(texts, root: Path = ROOT) -> list[str]:
+    """``(path of the text, text)`` pairs -> each ``.py`` path a text names that is not there. A path with a folder
+    is read from the repository root or from the text's folder or one above it (``state/weight_init.py`` in
+    codegen/runtime/); a bare name must be some file's name."""
+    names = {p.name for top in (*PACKAGE_DIRS, *SIDE_DIRS) for p in (root / top).rglob("*.py")}
+    missing = []
+    for where, text in texts:
+        folders = [root / parent for parent in Path(where).parents]  # its own folder, ..., the repository root
+        for mention in sorted(set(PATH_MENTION.findall(text))):
+            if mention.startswith(NOT_OURS) or mention in PLACEHOLDERS:
+                continue
+            found = mention in names if "/" not in mention else any((f / mention).is_file() for f in folders)
+            if not found:
+                missing.append(f"{where}: {mention}")
+    return missing
+
+
+def test_every_file_the_docstrings_and_readmes_name_exists():
+    texts = [(p.relative_to(ROOT).as_posix(), p.read_text())
+             for top in PACKAGE_DIRS for p in sorted((ROOT / top).rglob("README.md"))]
+    texts += [(name, (ROOT / name).read_text()) for name in DOCUMENTS]
+    for module in repository_modules().values():
+        if module.folder in PACKAGE_DIRS:
+            texts += [(module.path, doc) for doc in docstrings(module.source, module.path)]
+    missing = missing_paths(texts)
+    assert not missing, "the prose names files that are not there (moved or renamed?):\n  " + "\n  ".join(missing)
+
+
+def test_the_path_check_finds_a_moved_file(tmp_path):
+    (tmp_path / "codegen/runtime/state").mkdir(parents=True)
+    (tmp_path / "codegen/runtime/state/weight_init.py").write_text("")
+    texts = [("codegen/runtime/compiled_model.py", "state/weight_init.py, codegen/runtime/state/weight_init.py, "
+                                                    "weight_init.py, torch/__init__.py, path/to/file.py"),
+             ("codegen/runtime/README.md", "codegen/runtime/weight_init.py and codegen/schedules.py, grad_sync.py")]
+    assert missing_paths(texts, tmp_path) == ["codegen/runtime/README.md: codegen/runtime/weight_init.py",
+                                              "codegen/runtime/README.md: codegen/schedules.py",
+                                              "codegen/runtime/README.md: grad_sync.py"]
+
+
+
+
+def test_every_folder_of_the_package_has_a_readme_naming_its_files():
+    """Each folder's README names each of its modules (``file.py``, or a ``prefix*.py`` for a family)."""
+    unnamed = []
+    for top in PACKAGE_DIRS:
+        for folder in sorted({p.parent for p in (ROOT / top).rglob("*.py")}):
+            readme = folder / "README.md"
+            where = folder.relative_to(ROOT).as_posix()
+            if not readme.is_file():
+                unnamed.append(f"{where}/ has no README.md")
+                continue
+            text = readme.read_text()
+            families = re.findall(r"`([\w]+)\*\.py`", text)
+            unnamed += [f"{where}/README.md: {p.name}" for p in sorted(folder.glob("*.py"))
+                        if not p.name.startswith("__") and p.name not in text
+                        and not any(p.name.startswith(prefix) for prefix in families)]
+    assert not unnamed, "say in the folder's README what lives in these files:\n  " + "\n  ".join(unnamed)
+
+def test_the_pass_table_of_the_architecture_page_is_the_pass_lists():
+    """docs/architecture.md's table of passes: each row's pass in the lists' order, in the file it names."""
+    import inspect
+    from xirang.pipeline import ANALYSIS_PASSES, LOWERING_PASSES
+    rows = re.findall(r"^\| \w+ \| `(\w+)` \| ([\w/]+\.py) \|", (ROOT / "docs/architecture.md").read_text(), re.M)
+    actual = [(p.name, Path(inspect.getsourcefile(p.fn)).resolve().relative_to(ROOT).as_posix())
+              for p in (*ANALYSIS_PASSES, *LOWERING_PASSES)]
+    assert rows == actual
 
 
 # --- the checks catch what they should -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Run one pipeline rank's action list (codegen/schedules.py) for one training step.
+"""Run one pipeline rank's action list (ir/schedules.py) for one training step.
 
 The executor only interprets the schedule (docs/architecture.md: schedules are data): it never decides an order.
 - ``Forward(s, mb)``: stage s's inputs are micro-batch mb's user inputs plus the tensors crossing

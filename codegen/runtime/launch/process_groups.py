@@ -75,7 +75,7 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
                 f"mesh {mesh} has {mesh.size} ranks but torch.distributed is not initialised",
                 where=where,
                 hint="run the program under torchrun (see xirang.codegen.runtime.launch.launcher.launch_command) "
-                     "or xirang.codegen.runtime.launch.launcher.launch, which initialise the process group")
+                     "or xirang.launch, which initialise the process group")
         world = dist.get_world_size()
         if world != mesh.size:
             raise XirangError(
