@@ -238,19 +238,23 @@ def model_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) ->
 RUNTIME_PARAM_BYTES, RUNTIME_GRAD_BYTES, RUNTIME_ADAM_BYTES = 4, 4, 8
 
 
-def runtime_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0) -> ModelStateBytes:
+def runtime_state_bytes(num_params: float, *, dp: int = 1, zero_stage: int = 0,
+                        reduce_copy_bytes: float = 0.0) -> ModelStateBytes:
     """Model states the runtime holds at a step's peak for ``num_params`` local parameters. ZeRO (1 and 3,
     codegen/runtime/data_parallel/dist_optimizer.py, param_shards.py): AdamW's moments for this rank's 1/dp slice, plus
     the slice itself as the optimizer's own fp32 parameter and its gradient-norm mask (the whole weights
     stay, gathered, through the step's forwards and backwards: ZeRO-3 frees them between steps only, so
-    its peak is ZeRO-1's)."""
+    its peak is ZeRO-1's). ``reduce_copy_bytes``: bytes per element of the dp buckets where they are a
+    copy of the gradients (reduced in half precision, ``plan.grad_reduce_dtype``: 2; an fp32 bucket is the
+    gradients' own storage: 0), alive with them once the backward stages them."""
     if zero_stage not in (0, 1, 3):
         raise InvalidValue(f"the runtime implements zero_stage 0, 1 and 3, got {zero_stage!r}")
     shard = 1 / dp if zero_stage else 1.0
     # the slice, in fp32, and a byte per element of it saying whether this rank counts it in the norm
     slice_bytes = (RUNTIME_PARAM_BYTES + 1) * shard if zero_stage else 0.0
     return ModelStateBytes(params=(RUNTIME_PARAM_BYTES + slice_bytes) * num_params,
-                           grads=RUNTIME_GRAD_BYTES * num_params, optimizer=RUNTIME_ADAM_BYTES * shard * num_params)
+                           grads=(RUNTIME_GRAD_BYTES + reduce_copy_bytes) * num_params,
+                           optimizer=RUNTIME_ADAM_BYTES * shard * num_params)
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, *,

@@ -204,6 +204,8 @@ class CandidatePricer:
         self.splits, self.world, self.global_batch = splits, world, global_batch
         self.batch_inputs = batch_inputs
         self.grad_bytes, self.memory_fraction = GRAD_BYTES[precision], memory_fraction
+        # dp buckets in a half-precision reduce dtype are a copy beside the fp32 gradients (grad_sync.py)
+        self.reduce_copy_bytes = GRAD_BYTES[precision] if GRAD_BYTES[precision] < 4 else 0.0
         links = [node.device.host_link_bytes_per_s for node in world.nodes]
         self.host_link = None if None in links else min(links)  # the slowest device's link sets the pace
         self.overlap = world.calibration is None or world.calibration.comm_overlaps_compute
@@ -229,7 +231,7 @@ class CandidatePricer:
 
     def table(self, c: Candidate) -> UnitTable:
         pair = self._slowest_pair(c)
-        saved = self.zero_saved_per_param(c)
+        saved = self.state_saving_per_param(c)
         key = (*self._units_key(c), pair, saved)
         if key not in self._tables:
             n = self.units(c)
@@ -249,10 +251,16 @@ class CandidatePricer:
             self._tables[key] = UnitTable(n.seconds, static, n.activation, cuts)
         return self._tables[key]
 
-    def zero_saved_per_param(self, c: Candidate) -> float:
-        """Bytes per local parameter ZeRO does not hold at the peak (``runtime_state_bytes``): the other dp
-        ranks' optimizer state, less the fp32 slice the optimizer steps."""
-        return STATE_BYTES_PER_PARAM - runtime_state_bytes(1, dp=c.dp, zero_stage=c.zero_stage).total
+    def state_saving_per_param(self, c: Candidate) -> float:
+        """Bytes per local parameter below the 16 of ``STATE_BYTES_PER_PARAM`` at the peak
+        (``runtime_state_bytes``): ZeRO's other dp ranks' optimizer state, less the fp32 slice the optimizer
+        steps, less the half-precision copy of the gradients dp reduces (negative where that is more)."""
+        return STATE_BYTES_PER_PARAM - self.state_bytes(1, c).total
+
+    def state_bytes(self, params: float, c: Candidate):
+        """``runtime_state_bytes`` of ``params`` local parameters under ``c``."""
+        return runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage,
+                                   reduce_copy_bytes=self.reduce_copy_bytes if c.dp > 1 else 0.0)
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
@@ -378,7 +386,7 @@ class CandidatePricer:
         n = self.units(c)
         _, _, static, activation = n.totals
         fewest = min(self.in_flight_by_rank(c, c.num_micro_batches))
-        static -= self.zero_saved_per_param(c) * n.grads[-1]
+        static -= self.state_saving_per_param(c) * n.grads[-1]
         return (static + activation * fewest) / c.pp + n.transient
 
     def price(self, c: Candidate, bounds: Bounds, *, exact: bool = False, notes=()) -> Priced:
@@ -430,7 +438,7 @@ class CandidatePricer:
         params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
         buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
         activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
-        state = runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
+        state = self.state_bytes(params, c)
         return {"parameters": state.params, "gradients": state.grads, "optimizer": state.optimizer,
                 "activations": activations, "working_set": n.transient + waiting * self._w_gradients(c, stages),
                 "buffers": buffers}

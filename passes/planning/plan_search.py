@@ -381,8 +381,8 @@ def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
     meshes = sorted({(c.dp, c.pp, c.tp) for c in todo})
     return XirangError(
         f"no plan fits device memory: the leanest configuration tried, {leanest.label()}, needs "
-        f"{need / GiB:.1f} GiB on a device of pipeline rank {rank} (model states at 16 B per parameter, "
-        f"activations in flight, recompute working set), but a {device.name} has {device.memory_bytes / GiB:.1f} "
+        f"{need / GiB:.1f} GiB on a device of pipeline rank {rank} (model states: fp32 weights, gradients and "
+        f"AdamW moments, activations in flight, working set), but a {device.name} has {device.memory_bytes / GiB:.1f} "
         f"GiB, of which the plan may use {memory_fraction:.0%} ({memory_fraction * device.memory_bytes / GiB:.1f} GiB)",
         where=f"{world.describe()}; tried {len(todo)} configurations: meshes (dp, pp, tp) "
               f"{', '.join(map(str, meshes[:12]))}{', ...' if len(meshes) > 12 else ''}; micro-batches "
