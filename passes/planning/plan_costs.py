@@ -258,9 +258,17 @@ class CandidatePricer:
         return STATE_BYTES_PER_PARAM - self.state_bytes(1, c).total
 
     def state_bytes(self, params: float, c: Candidate):
-        """``runtime_state_bytes`` of ``params`` local parameters under ``c``."""
-        return runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage,
-                                   reduce_copy_bytes=self.reduce_copy_bytes if c.dp > 1 else 0.0)
+        """``runtime_state_bytes`` of ``params`` local parameters under ``c``, through the forwards and
+        backwards (the dp buckets' copy of the gradients comes after them: ``reduce_copy_excess``)."""
+        return runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
+
+    def reduce_copy_excess(self, c: Candidate, params: float, during: float) -> float:
+        """What the dp buckets' half-precision copy of the gradients adds to a rank's peak: it is made once
+        the last backward staged them, when the activations and working set (``during``) are gone, so only
+        what it exceeds them by."""
+        copy = runtime_state_bytes(params, reduce_copy_bytes=self.reduce_copy_bytes if c.dp > 1 else 0.0).grads \
+            - runtime_state_bytes(params).grads
+        return max(0.0, copy - during)
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
@@ -419,13 +427,14 @@ class CandidatePricer:
         step = pipeline + staging + dp_exposed + breakdown["step_sync"]
         in_flight = self.in_flight_by_rank(c, self._most_micro_batches(c))
         waiting = self.waiting_for_w(c)
+        parts = tuple(self._parts(c, stages, in_flight[r], waiting[r]) for r, stages in enumerate(ranks))
         memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
-                       + waiting[r] * self._w_gradients(c, stages) for r, stages in enumerate(ranks))
+                       + waiting[r] * self._w_gradients(c, stages) + parts[r]["gradients"]
+                       - self.state_bytes(self._params(c, stages), c).grads for r, stages in enumerate(ranks))
         flops = n.flops * self.global_batch / c.micro_batch
         return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
                       flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes),
-                      tuple(self._parts(c, stages, in_flight[r], waiting[r])
-                            for r, stages in enumerate(ranks)),
+                      parts,
                       self._uneven_shares(c))
 
     def _uneven_shares(self, c: Candidate) -> tuple[int, ...]:
@@ -439,6 +448,11 @@ class CandidatePricer:
         buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
         activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
         state = self.state_bytes(params, c)
-        return {"parameters": state.params, "gradients": state.grads, "optimizer": state.optimizer,
-                "activations": activations, "working_set": n.transient + waiting * self._w_gradients(c, stages),
-                "buffers": buffers}
+        working = n.transient + waiting * self._w_gradients(c, stages)
+        gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
+        return {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
+                "activations": activations, "working_set": working, "buffers": buffers}
+
+    def _params(self, c: Candidate, stages) -> float:
+        n = self.units(c)
+        return math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
