@@ -131,7 +131,8 @@ class CompiledModel:
         cut, groups = max((len(p.crossing_in) for p in self.programs), default=1) or 1, self.groups
         return PipelineExecutor(self.schedule, self.pp_rank, self._stages, peers=groups.pp_ranks, device=self.device,
                                 tensors_per_cut=cut, grad_buckets=self.grad_buckets or None, rng=self.rng,
-                                offload=self.activation_offload, down_group=groups.pp_down)
+                                offload=self.activation_offload, down_group=groups.pp_down,
+                                recast_weights=self.plan.precision != "fp32")
 
     def _weigh_share(self) -> None:
         """This dp rank's weight in the step's averages (loss and gradients): n_i * dp / N for its

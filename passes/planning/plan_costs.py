@@ -180,7 +180,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
         backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0)
 
 
-def _most_waiting(actions) -> int:
+def most_waiting_for_w(actions) -> int:
     """The most micro-batches at once in one rank's ``actions`` whose BackwardInput ran and whose
     BackwardWeight has not."""
     done_b: set = set()
@@ -335,7 +335,7 @@ class CandidatePricer:
         key = ("waiting_for_w", c.schedule, c.pp, m, c.virtual_stages)
         if key not in self._costs:
             schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
-            self._costs[key] = tuple(_most_waiting(actions) for actions in schedule.ranks)
+            self._costs[key] = tuple(most_waiting_for_w(actions) for actions in schedule.ranks)
         return self._costs[key]
 
     def _w_gradients(self, c: Candidate, stages) -> float:

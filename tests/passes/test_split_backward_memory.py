@@ -8,7 +8,7 @@ import pytest
 
 from xirang.ir.schedules import build_schedule
 from xirang.ir.world import parse_world
-from xirang.passes.planning.plan_costs import _most_waiting
+from xirang.passes.planning.plan_costs import most_waiting_for_w
 from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 
@@ -25,8 +25,8 @@ def _price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
 
 
 def test_zb_h1_rank_r_waits_on_r_plus_1_ws():
-    assert [_most_waiting(actions) for actions in build_schedule("zb-h1", 4, 8).ranks] == [1, 2, 3, 4]
-    assert [_most_waiting(actions) for actions in build_schedule("1f1b", 4, 8).ranks] == [0, 0, 0, 0]
+    assert [most_waiting_for_w(actions) for actions in build_schedule("zb-h1", 4, 8).ranks] == [1, 2, 3, 4]
+    assert [most_waiting_for_w(actions) for actions in build_schedule("1f1b", 4, 8).ranks] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("schedule, kept", [("zb-h1", (0.0, 2 * (30.0 + 30.0))), ("1f1b", (0.0, 0.0))])

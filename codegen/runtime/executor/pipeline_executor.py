@@ -99,14 +99,17 @@ class PipelineExecutor:
     stages' offloaded blocks use (told which (stage, micro-batch) runs, and when its backward starts
     and ends), or None. ``rng``: the programs' ``RngContext`` (codegen/ops/random_ops.py), or None.
     ``down_group``: the process group of messages to a lower pipeline rank (``MeshGroups.pp_down``; p2p.py
-    says why); messages to a higher one use the default group.
+    says why); messages to a higher one use the default group. ``recast_weights``: the program reads its
+    weights through half-precision casts (codegen/runtime/memory/weight_casts.py).
     """
 
     def __init__(self, schedule: Schedule, pp_rank: int, stages: dict, *, peers, tensors_per_cut: int,
-                 device="cpu", grad_buckets: dict | None = None, offload=None, rng=None, down_group=None):
+                 device="cpu", grad_buckets: dict | None = None, offload=None, rng=None, down_group=None,
+                 recast_weights: bool = False):
         self.schedule, self.pp_rank, self.stages = schedule, pp_rank, dict(stages)
         self.offload = offload  # codegen/runtime/memory/offload.ActivationOffload when blocks offload, else None
         self.saved_observer = None  # sees every tensor a stage's forward saves but weight copies (memory_probe)
+        self.recast_weights = recast_weights  # a half-precision program: its saved weight copies are remade
         self.rng = rng  # codegen/ops/random_ops.RngContext: told the micro-batch of every compute
         self.actions = schedule.ranks[pp_rank]
         self.peers, self.tensors_per_cut, self.grad_buckets = tuple(peers), tensors_per_cut, grad_buckets or {}
@@ -263,8 +266,8 @@ class PipelineExecutor:
         leaves = [tensor.detach().requires_grad_(spec.requires_grad)
                   for tensor, spec in zip(received, program.crossing_in)]
         user = [self._micro_batches[mb][name] for name in program.user_inputs]
-        # Saved weight copies are recipes, remade in the backward (weight_casts.py)
-        with weight_casts.saved_tensors(self.saved_observer), \
+        # Saved weight copies are recipes, remade in the backward (weight_casts.py); an fp32 program makes none
+        with weight_casts.saved_tensors(self.saved_observer) if self.recast_weights else nullcontext(), \
                 self.offload.forward(action.stage, mb) if self.offload else nullcontext():
             outputs = stage.program(stage.parameters, leaves, user)
         if program.returns_loss:
