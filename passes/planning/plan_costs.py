@@ -28,13 +28,8 @@ Terms, each with its source:
   back only 1 - w of its time: the work bound becomes work + w · (pipeline formula - work).
 - The step's own collectives (``step_sync``: the batch agreement, the loss over dp and pp), which every
   step runs besides the plan's: ``step_sync_costs``.
-- Memory per device: 16 B per local parameter (``runtime_state_bytes``: what the runtime holds, fp32
-  weight, fp32 gradient and AdamW's two moments) + activations × micro-batches in flight on that pipeline rank
-  (``in_flight_by_rank``) + the working set: the largest unit's saved activations, which its backward
-  turns into gradients of the same size, the largest block's activations that recompute rebuilds
-  during its backward (Korthikanti et al. 2022), and under a split backward the gradients of the
-  weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and whose
-  W has not, counted on the schedule's own actions (``waiting_for_w``: r + 1 on rank r of ZB-H1).
+- Memory per device: ``plan_memory.RankMemory`` (its docstring states the parts and where each comes
+  from).
 - Recompute applies to blocks only; segments (embedding, head, loss) keep their activations, as
   Megatron-LM checkpoints transformer layers only.
 - Activation offload ("blocks", blocks only): each block's kept activations are copied to host
@@ -45,15 +40,8 @@ Terms, each with its source:
   working set, whatever the number in flight. Time: a copy overlaps the neighbouring block's
   compute; what is exposed per block and micro-batch is max(0, copy - forward) going out plus
   max(0, copy - backward) coming back (the "offload" cause). Host memory is not checked.
-- Memory parts per pipeline rank (``Priced.memory_parts``): parameters, gradients and optimizer
-  state (the 16 bytes per parameter split 4 + 4 + 8 at every precision: half-precision weight copies
-  are made per use and remade in the backward, not kept), activations (kept by the micro-batches in
-  flight), the working set (a backward's gradients, recompute's rebuilt block, offload's two
-  blocks on the device), model buffers.
-- ZeRO (``Candidate.zero_stage`` 1 and 3): AdamW's moments divided by dp, plus the fp32 slice the
-  optimizer steps (4/dp), so 8 + 12/dp bytes per parameter (ZeRO's P_os, Rajbhandari et al. 2020,
-  fig. 1, as the runtime holds it; ZeRO-3's parameters are 1/dp only between steps, so its peak
-  is the same); its reduce-scatters and all-gathers in the dp sync (``dp_sync_costs``).
+- ZeRO (``Candidate.zero_stage`` 1 and 3): its memory in ``plan_memory``; its reduce-scatters and
+  all-gathers in the dp sync (``dp_sync_costs``).
 - A World mixing device kinds (``device_speeds``): compute / speed per rank, micro-batches dealt to dp
   replicas by pace (``Priced.micro_batch_shares``), the step the slowest replica's pipeline with its
   share, activations in flight those of the replica with the most micro-batches; dp sync as uniform.
@@ -67,20 +55,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from xirang.ir.schedules import BackwardInput, BackwardWeight, build_schedule, schedule_spec
+from xirang.ir.schedules import schedule_spec
 from xirang.ir.world import World
 
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.cost_model import pipeline_step_time, runtime_state_bytes
+from xirang.passes.planning.cost_model import pipeline_step_time
 from xirang.passes.planning.device_speeds import WorldSpeeds, mixed_kinds
 from xirang.passes.planning.dp_sync_costs import DpSyncPricer
+from xirang.passes.planning.plan_memory import STATE_BYTES_PER_PARAM, RankMemory
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
-from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
+from xirang.passes.planning.plan_search_space import Candidate
 from xirang.passes.planning.step_sync_costs import step_sync_seconds
 from xirang.passes.planning.unit_costs import TensorSplit
 from xirang.ir.errors import InvalidValue
 
-STATE_BYTES_PER_PARAM = runtime_state_bytes(1).total  # 16 without ZeRO: fp32 weight, gradient, AdamW's two moments
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # a gradient in the dtype dp reduces it in (plan.grad_reduce_dtype)
 CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
@@ -180,22 +168,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
         backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0)
 
 
-def most_waiting_for_w(actions) -> int:
-    """The most micro-batches at once in one rank's ``actions`` whose BackwardInput ran and whose
-    BackwardWeight has not."""
-    done_b: set = set()
-    done_w: set = set()
-    most = 0
-    for action in actions:
-        if isinstance(action, BackwardInput):
-            done_b.add((action.stage, action.micro_batch))
-        elif isinstance(action, BackwardWeight):
-            done_w.add((action.stage, action.micro_batch))
-        most = max(most, len(done_b) - len(done_w))
-    return most
-
-
-class CandidatePricer:
+class CandidatePricer(RankMemory):
     """Prices candidates of one model on one World; caches everything shared between candidates."""
 
     def __init__(self, splits: Mapping[tuple[int, int], TensorSplit], world: World, *, global_batch: int,
@@ -251,25 +224,6 @@ class CandidatePricer:
             self._tables[key] = UnitTable(n.seconds, static, n.activation, cuts)
         return self._tables[key]
 
-    def state_saving_per_param(self, c: Candidate) -> float:
-        """Bytes per local parameter below the 16 of ``STATE_BYTES_PER_PARAM`` at the peak
-        (``runtime_state_bytes``): ZeRO's other dp ranks' optimizer state, less the fp32 slice the optimizer
-        steps, less the half-precision copy of the gradients dp reduces (negative where that is more)."""
-        return STATE_BYTES_PER_PARAM - self.state_bytes(1, c).total
-
-    def state_bytes(self, params: float, c: Candidate):
-        """``runtime_state_bytes`` of ``params`` local parameters under ``c``, through the forwards and
-        backwards (the dp buckets' copy of the gradients comes after them: ``reduce_copy_excess``)."""
-        return runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
-
-    def reduce_copy_excess(self, c: Candidate, params: float, during: float) -> float:
-        """What the dp buckets' half-precision copy of the gradients adds to a rank's peak: it is made once
-        the last backward staged them, when the activations and working set (``during``) are gone, so only
-        what it exceeds them by."""
-        copy = runtime_state_bytes(params, reduce_copy_bytes=self.reduce_copy_bytes if c.dp > 1 else 0.0).grads \
-            - runtime_state_bytes(params).grads
-        return max(0.0, copy - during)
-
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
         key = (c.pp, c.tp, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
@@ -301,55 +255,6 @@ class CandidatePricer:
         if key not in self._costs:
             self._costs[key] = step_sync_seconds(c, self.batch_inputs, self.cost)
         return self._costs[key]
-
-    def usable(self, c: Candidate) -> tuple[float, ...]:
-        """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
-        key = (c.dp, c.pp, c.tp)
-        if key not in self._usable:
-            if self.uniform:
-                least = [self.world.nodes[0].device.memory_bytes] * c.pp
-            else:
-                mesh = c.mesh
-                least = [min(self.world.device_of(mesh.rank_of(dp=d, pp=r, tp=t)).memory_bytes
-                             for d in range(c.dp) for t in range(c.tp)) for r in range(c.pp)]
-            self._usable[key] = tuple(self.memory_fraction * b for b in least)
-        return self._usable[key]
-
-    def in_flight(self, c: Candidate) -> list[float]:
-        """Micro-batches in flight of each of the pp·v stages (stage i runs on pp rank i % pp)."""
-        by_rank = self.in_flight_by_rank(c, self._most_micro_batches(c))
-        return [by_rank[i % c.pp] for i in range(c.stages)]
-
-    @staticmethod
-    def in_flight_by_rank(c: Candidate, m: int) -> tuple[float, ...]:
-        """Micro-batches of activations each pipeline rank holds at its peak (the schedule's figure)."""
-        return in_flight_by_rank(c.schedule, c.pp, m, c.virtual_stages)
-
-    def waiting_for_w(self, c: Candidate) -> tuple[int, ...]:
-        """Per pipeline rank, the most micro-batches whose B has run and whose W has not, read off the
-        schedule's own actions (0 where the backward is not split): the runtime keeps, for each, the
-        gradients of its stage's weight-op outputs (codegen/runtime/executor/split_backward.py)."""
-        if not schedule_spec(c.schedule).split_backward:
-            return (0,) * c.pp
-        m = self._most_micro_batches(c)
-        key = ("waiting_for_w", c.schedule, c.pp, m, c.virtual_stages)
-        if key not in self._costs:
-            schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
-            self._costs[key] = tuple(most_waiting_for_w(actions) for actions in schedule.ranks)
-        return self._costs[key]
-
-    def _w_gradients(self, c: Candidate, stages) -> float:
-        """Bytes of weight-op output gradients one micro-batch keeps from B to W on a rank's ``stages`` (the
-        first stage keeps none: its B has no input gradient to make, W is its whole backward)."""
-        n = self.units(c)
-        return math.fsum(math.fsum(n.weight_outputs[a:b]) for a, b in stages if a > 0)
-
-    def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
-        """Memory caps of the pp·v stages: the rank's usable bytes less the recompute working set,
-        divided among its chunks when ``per_chunk`` (a conservative split for interleaving)."""
-        usable, transient = self.usable(c), self.units(c).transient
-        share = c.virtual_stages if per_chunk else 1
-        return [(usable[i % c.pp] - transient) / share for i in range(c.stages)]
 
     # --- a World of mixed device kinds (``device_speeds.WorldSpeeds``) ---------------------------
     def speeds(self, c: Candidate):
@@ -388,14 +293,6 @@ class CandidatePricer:
         if self.shared is not None:  # the two bounds of ``price`` on shared cores, at their least
             return max(c.num_micro_batches * total / c.pp, bound * self.shared)
         return bound
-
-    def memory_lower_bound(self, c: Candidate) -> float:
-        """Bytes the average pipeline rank needs at least, so the fullest one too."""
-        n = self.units(c)
-        _, _, static, activation = n.totals
-        fewest = min(self.in_flight_by_rank(c, c.num_micro_batches))
-        static -= self.state_saving_per_param(c) * n.grads[-1]
-        return (static + activation * fewest) / c.pp + n.transient
 
     def price(self, c: Candidate, bounds: Bounds, *, exact: bool = False, notes=()) -> Priced:
         """Step time, breakdown, memory and TFLOP/s of ``c`` cut at ``bounds``. ``exact`` prices the
@@ -441,18 +338,3 @@ class CandidatePricer:
         shares = self.micro_batch_shares(c)
         return shares if len(set(shares)) > 1 else ()
 
-    def _parts(self, c: Candidate, stages, in_flight: float, waiting: int = 0) -> dict[str, float]:
-        """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``)."""
-        n = self.units(c)
-        params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
-        buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
-        activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
-        state = self.state_bytes(params, c)
-        working = n.transient + waiting * self._w_gradients(c, stages)
-        gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
-        return {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
-                "activations": activations, "working_set": working, "buffers": buffers}
-
-    def _params(self, c: Candidate, stages) -> float:
-        n = self.units(c)
-        return math.fsum(n.grads[b] - n.grads[a] for a, b in stages)

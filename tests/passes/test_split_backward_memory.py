@@ -1,4 +1,4 @@
-"""Memory of a split backward (passes/planning/plan_costs.py): between a micro-batch's B and its W the runtime
+"""Memory of a split backward (passes/planning/plan_memory.py): between a micro-batch's B and its W the runtime
 keeps the gradients of its stage's weight-op outputs (codegen/runtime/executor/split_backward.py), for every
 micro-batch the schedule has B'd and not yet W'd on that rank (read off the schedule's actions: r + 1 on rank
 r of ZB-H1); the first stage keeps none (its B makes no input gradient). 1F1B keeps none."""
@@ -8,7 +8,7 @@ import pytest
 
 from xirang.ir.schedules import build_schedule
 from xirang.ir.world import parse_world
-from xirang.passes.planning.plan_costs import most_waiting_for_w
+from xirang.passes.planning.plan_memory import most_waiting_for_w
 from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 

@@ -1,0 +1,139 @@
+"""Memory per pipeline rank of one candidate: what the runtime holds at the step's peak, part by part.
+
+The formulation (each part measured by name on the real program by ``xirang check``, codegen/check/):
+- Model state (``state_bytes``, ``cost_model.runtime_state_bytes``): fp32 weights 4, fp32 gradients 4 and
+  AdamW's two moments 8 bytes per local parameter; ZeRO-1/3 keep the moments of their 1/dp slice and the
+  slice itself with its norm mask (5/dp). Where dp > 1 reduces in half precision, the buckets' copy of the
+  gradients (2 bytes) is made after the last backward, when activations and working set are gone, so it
+  adds only what it exceeds them by (``reduce_copy_excess``).
+- Activations: each unit's saved bytes times the micro-batches in flight on that rank
+  (``in_flight_by_rank``, the schedule's closed form).
+- Working set: the largest unit's saved activations (its backward's gradients of the same size), the
+  largest block that recompute rebuilds, offload's two blocks; and under a split backward the gradients
+  of the weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and
+  whose W has not, counted on the schedule's own actions (``waiting_for_w``: r + 1 on rank r of ZB-H1;
+  none on the first stage, whose B makes no input gradient).
+- Buffers: the model's, whole.
+``RankMemory`` is a part of ``plan_costs.CandidatePricer`` (which gives it ``units``, ``_costs``,
+``_usable``, ``world``, ``memory_fraction``, ``reduce_copy_bytes`` and ``_most_micro_batches``).
+"""
+from __future__ import annotations
+
+import math
+
+from xirang.ir.schedules import BackwardInput, BackwardWeight, build_schedule, schedule_spec
+from xirang.passes.planning.cost_model import runtime_state_bytes
+from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
+
+STATE_BYTES_PER_PARAM = runtime_state_bytes(1).total  # 16 without ZeRO: fp32 weight, gradient, AdamW's two moments
+
+
+def most_waiting_for_w(actions) -> int:
+    """The most micro-batches at once in one rank's ``actions`` whose BackwardInput ran and whose
+    BackwardWeight has not."""
+    done_b: set = set()
+    done_w: set = set()
+    most = 0
+    for action in actions:
+        if isinstance(action, BackwardInput):
+            done_b.add((action.stage, action.micro_batch))
+        elif isinstance(action, BackwardWeight):
+            done_w.add((action.stage, action.micro_batch))
+        most = max(most, len(done_b) - len(done_w))
+    return most
+
+
+class RankMemory:
+    """The memory half of ``CandidatePricer`` (module docstring)."""
+
+    def state_saving_per_param(self, c: Candidate) -> float:
+        """Bytes per local parameter below the 16 of ``STATE_BYTES_PER_PARAM`` at the peak
+        (``runtime_state_bytes``): ZeRO's other dp ranks' optimizer state, less the fp32 slice the optimizer
+        steps, less the half-precision copy of the gradients dp reduces (negative where that is more)."""
+        return STATE_BYTES_PER_PARAM - self.state_bytes(1, c).total
+
+    def state_bytes(self, params: float, c: Candidate):
+        """``runtime_state_bytes`` of ``params`` local parameters under ``c``, through the forwards and
+        backwards (the dp buckets' copy of the gradients comes after them: ``reduce_copy_excess``)."""
+        return runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
+
+    def reduce_copy_excess(self, c: Candidate, params: float, during: float) -> float:
+        """What the dp buckets' half-precision copy of the gradients adds to a rank's peak: it is made once
+        the last backward staged them, when the activations and working set (``during``) are gone, so only
+        what it exceeds them by."""
+        copy = runtime_state_bytes(params, reduce_copy_bytes=self.reduce_copy_bytes if c.dp > 1 else 0.0).grads \
+            - runtime_state_bytes(params).grads
+        return max(0.0, copy - during)
+
+    def usable(self, c: Candidate) -> tuple[float, ...]:
+        """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
+        key = (c.dp, c.pp, c.tp)
+        if key not in self._usable:
+            if self.uniform:
+                least = [self.world.nodes[0].device.memory_bytes] * c.pp
+            else:
+                mesh = c.mesh
+                least = [min(self.world.device_of(mesh.rank_of(dp=d, pp=r, tp=t)).memory_bytes
+                             for d in range(c.dp) for t in range(c.tp)) for r in range(c.pp)]
+            self._usable[key] = tuple(self.memory_fraction * b for b in least)
+        return self._usable[key]
+
+    def in_flight(self, c: Candidate) -> list[float]:
+        """Micro-batches in flight of each of the pp·v stages (stage i runs on pp rank i % pp)."""
+        by_rank = self.in_flight_by_rank(c, self._most_micro_batches(c))
+        return [by_rank[i % c.pp] for i in range(c.stages)]
+
+    @staticmethod
+    def in_flight_by_rank(c: Candidate, m: int) -> tuple[float, ...]:
+        """Micro-batches of activations each pipeline rank holds at its peak (the schedule's figure)."""
+        return in_flight_by_rank(c.schedule, c.pp, m, c.virtual_stages)
+
+    def waiting_for_w(self, c: Candidate) -> tuple[int, ...]:
+        """Per pipeline rank, the most micro-batches whose B has run and whose W has not, read off the
+        schedule's own actions (0 where the backward is not split): the runtime keeps, for each, the
+        gradients of its stage's weight-op outputs (codegen/runtime/executor/split_backward.py)."""
+        if not schedule_spec(c.schedule).split_backward:
+            return (0,) * c.pp
+        m = self._most_micro_batches(c)
+        key = ("waiting_for_w", c.schedule, c.pp, m, c.virtual_stages)
+        if key not in self._costs:
+            schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
+            self._costs[key] = tuple(most_waiting_for_w(actions) for actions in schedule.ranks)
+        return self._costs[key]
+
+    def _w_gradients(self, c: Candidate, stages) -> float:
+        """Bytes of weight-op output gradients one micro-batch keeps from B to W on a rank's ``stages`` (the
+        first stage keeps none: its B has no input gradient to make, W is its whole backward)."""
+        n = self.units(c)
+        return math.fsum(math.fsum(n.weight_outputs[a:b]) for a, b in stages if a > 0)
+
+    def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
+        """Memory caps of the pp·v stages: the rank's usable bytes less the recompute working set,
+        divided among its chunks when ``per_chunk`` (a conservative split for interleaving)."""
+        usable, transient = self.usable(c), self.units(c).transient
+        share = c.virtual_stages if per_chunk else 1
+        return [(usable[i % c.pp] - transient) / share for i in range(c.stages)]
+
+    def memory_lower_bound(self, c: Candidate) -> float:
+        """Bytes the average pipeline rank needs at least, so the fullest one too."""
+        n = self.units(c)
+        _, _, static, activation = n.totals
+        fewest = min(self.in_flight_by_rank(c, c.num_micro_batches))
+        static -= self.state_saving_per_param(c) * n.grads[-1]
+        return (static + activation * fewest) / c.pp + n.transient
+
+    def _parts(self, c: Candidate, stages, in_flight: float, waiting: int = 0) -> dict[str, float]:
+        """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``)."""
+        n = self.units(c)
+        params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
+        buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
+        activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
+        state = self.state_bytes(params, c)
+        working = n.transient + waiting * self._w_gradients(c, stages)
+        gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
+        return {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
+                "activations": activations, "working_set": working, "buffers": buffers}
+
+    def _params(self, c: Candidate, stages) -> float:
+        n = self.units(c)
+        return math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
