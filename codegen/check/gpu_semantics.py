@@ -7,9 +7,12 @@ analysis prices it so: passes/analysis/attention_core.py). On meta it decomposes
 which keeps the seq x seq scores and probabilities: at Llama-2-70B's sequence of 4096 about 8 GiB a layer
 and micro-batch, more than a GPU holds. ``fuse_attention`` points each call at the memory-efficient
 kernel's own op (``_scaled_dot_product_efficient_attention``: a causal flag and an additive mask, as CUDA
-runs it), so the ops, what autograd saves and the peak are the GPU's. A call with dropout is left alone
-(the runtime's random streams own its draws), and grouped-query calls (``enable_gqa``) have k and v
-repeated to the query's heads first, as the CUDA kernels without native GQA do.
+runs it), so the ops, what autograd saves and the peak are the GPU's. Attention with dropout is the
+runtime's random op (codegen/ops/random_ops.py ``attention``): under random streams it calls the fused
+kernel under its site's seed, so on a GPU it keeps no seq x seq tensor either and is pointed at the same
+kernel (with its dropout); in exact mode it writes attention out with this rank's piece of the full mask on
+any device, and is left alone. Grouped-query calls (``enable_gqa``) have k and v repeated to the query's
+heads first, as the CUDA kernels without native GQA do.
 
 Activation offload copies what a block saves to host memory on a GPU (pinned, on a side stream), freeing
 the device's copy; on the fakes' device the CPU path would clone it on the device. ``HostCopies`` copies to
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from xirang.codegen.ops import random_ops
 from xirang.codegen.runtime.memory.offload import Ready
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -29,17 +33,25 @@ _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
 def efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                         enable_gqa=False):
     """``scaled_dot_product_attention`` as CUDA's memory-efficient kernel runs it (module docstring)."""
-    if dropout_p:
-        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes an additive bias
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device).masked_fill(
             ~attn_mask, float("-inf"))
-    output, *_ = _EFFICIENT(query, key, value, attn_mask, query.requires_grad or key.requires_grad, 0.0,
-                            bool(is_causal), scale=scale)
+    output, *_ = _EFFICIENT(query, key, value, attn_mask, query.requires_grad or key.requires_grad,
+                            float(dropout_p), bool(is_causal), scale=scale)
     return output
+
+
+def efficient_random_attention(rng, site, query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                               is_causal: bool = False, *, scale=None, enable_gqa: bool = False):
+    """The runtime's attention with dropout as a GPU runs it: the fused kernel under random streams, the
+    written-out attention in exact mode (module docstring)."""
+    if dropout_p and getattr(rng, "mode", None) == "exact":
+        return random_ops.attention(rng, site, query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                    enable_gqa=enable_gqa)
+    return efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def fuse_attention(program) -> int:
@@ -51,9 +63,10 @@ def fuse_attention(program) -> int:
         for module in stage.module.modules():
             if not isinstance(module, fx.GraphModule):
                 continue
-            found = [node for node in module.graph.nodes if node.op == "call_function" and node.target is _SDPA]
+            found = [node for node in module.graph.nodes if node.op == "call_function"
+                     and node.target in (_SDPA, random_ops.attention)]
             for node in found:
-                node.target = efficient_attention
+                node.target = efficient_attention if node.target is _SDPA else efficient_random_attention
             if found:
                 module.recompile()
                 count += len(found)
