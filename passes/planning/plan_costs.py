@@ -325,9 +325,7 @@ class CandidatePricer(RankMemory):
         in_flight = self.in_flight_by_rank(c, self._most_micro_batches(c))
         waiting = self.waiting_for_w(c)
         parts = tuple(self._parts(c, stages, in_flight[r], waiting[r]) for r, stages in enumerate(ranks))
-        memory = tuple(math.fsum(table.stage_memory(a, b, in_flight[r]) for a, b in stages) + n.transient
-                       + waiting[r] * self._w_gradients(c, stages) + parts[r]["gradients"]
-                       - self.state_bytes(self._params(c, stages), c).grads for r, stages in enumerate(ranks))
+        memory = tuple(math.fsum(rank.values()) for rank in parts)  # the parts are the rank's whole peak
         flops = n.flops * self.global_batch / c.micro_batch
         return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
                       flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes),

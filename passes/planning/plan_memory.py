@@ -133,7 +133,3 @@ class RankMemory:
         gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
         return {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
                 "activations": activations, "working_set": working, "buffers": buffers}
-
-    def _params(self, c: Candidate, stages) -> float:
-        n = self.units(c)
-        return math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
