@@ -40,8 +40,28 @@ class Program:
     random_sites: tuple = ()  # RandomSite of every random op (passes/lowering/random_streams.py)
 
 
+# mesh axes a plan may size that no program enacts yet: (what it is, what a program would get wrong, issue)
+NOT_ENACTED = {
+    "cp": ("context parallelism", "no program splits attention's sequence over a cp group, so every cp rank "
+                                  "would train on the whole sequence as a copy of the others", "issue 36"),
+    "ep": ("expert parallelism", "no program dispatches tokens to experts held on other ranks, so every rank "
+                                 "would keep every expert and the ep groups would go unused", "issue 35"),
+}
+
+
+def check_enacted_axes(mesh, where: str = "plan.mesh") -> None:
+    """Refuse a mesh with cp > 1 or ep > 1 until their runtimes land: run, it would train wrong."""
+    for axis, (name, why, issue) in NOT_ENACTED.items():
+        size = mesh.axis_size(axis)
+        if size > 1:
+            raise XirangError(f"{name} ({axis}={size}) is planned but not yet enacted by the runtime: {why} "
+                              f"({issue})", where=where,
+                              hint=f"re-plan with xirang.plan(...), which keeps {axis}=1 until {issue} lands")
+
+
 def check_emittable(plan) -> None:
     """Refuse what no program is emitted for, before any rank builds anything."""
+    check_enacted_axes(plan.mesh)
     if plan.precision not in COMPUTE_DTYPES:
         raise XirangError(f"the plan computes in {plan.precision!r}, which no program is emitted for",
                           where="plan.precision", hint=f"re-plan with precision in {sorted(COMPUTE_DTYPES)}")

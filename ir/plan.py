@@ -31,7 +31,11 @@ from xirang.ir.plan_parts import COLLECTIVE_KINDS, Layout  # noqa: F401
 from xirang.ir.schedules import SCHEDULES
 from xirang.ir.world import World
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# why a plan of an older schema version cannot be read, said when one is refused
+OLDER_SCHEMAS = {1: "version 1 plans name only the mesh axes dp, pp, tp and number the ranks dp outermost; version 2 "
+                    "names dp, pp, cp, tp, ep and numbers them pp outermost (ir/mesh.py), so an old plan's ranks "
+                    "would land on other devices"}
 RECOMPUTE_MODES = ("none", "selective", "full")
 # activation offload: "none", or "blocks": each block's saved activations go to host memory after its
 # forward and are prefetched back one block ahead of its backward (passes/lowering, codegen/runtime)
@@ -94,7 +98,7 @@ class Plan:
         if mesh.size != world.size:
             raise PlanError(f"mesh {mesh} has {mesh.size} ranks but the world has {world.size} devices "
                             f"({world.describe()})", where="mesh",
-                            hint=f"choose dp, pp, tp whose product is {world.size}")
+                            hint=f"choose dp, pp, cp, tp whose product is {world.size}")
         for name in ("micro_batch", "num_micro_batches", "global_batch", "virtual_stages"):
             check_int(getattr(self, name), name)
         object.__setattr__(self, "dp_shares", check_seq(self.dp_shares, "dp_shares", lambda v, w: check_int(v, w)))
@@ -323,9 +327,10 @@ class Plan:
         with errors_at("plan"):
             check_keys(data, tuple(f.name for f in fields(cls)), "plan", required=("schema_version",))
             if type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:
+                reason = OLDER_SCHEMAS.get(data["schema_version"], "")
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
-                                f"version {SCHEMA_VERSION}", where="schema_version",
-                                hint="re-plan with xirang.plan(...) and save the new plan")
+                                f"version {SCHEMA_VERSION}" + (f": {reason}" if reason else ""),
+                                where="schema_version", hint="re-plan with xirang.plan(...) and save the new plan")
             # alternatives, offload, dp_shares, sequence_parallel, zero_stage, tp_overlap and model_summary came
             # after the first plans were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",

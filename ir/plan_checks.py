@@ -6,7 +6,7 @@ import json
 import math
 from contextlib import contextmanager
 
-from xirang.ir.errors import PlanError
+from xirang.ir.errors import PlanError, XirangError
 
 REPLAN = "re-plan with xirang.plan(...) and save the new plan, or fix this field by hand"
 
@@ -72,6 +72,8 @@ def errors_at(path: str):
         inner = error.where
         where = path if not inner else f"{path}{inner}" if inner.startswith("[") else f"{path}.{inner}"
         raise PlanError(error.what, where=where, hint=error.hint) from None
+    except XirangError as error:  # a Mesh's or World's own error: its words, at the plan's field
+        raise PlanError(error.what, where=path, hint=error.hint or REPLAN) from None
     except (ValueError, TypeError) as error:
         raise PlanError(str(error), where=path, hint=REPLAN) from None
 

@@ -54,7 +54,10 @@ def label(row: Alternative) -> str:
     offload = f" offload={row.offload}" if row.offload != "none" else ""
     zero = f" zero={row.zero_stage}" if row.zero_stage else ""
     sp = " sp" if row.sequence_parallel else ""
-    return (f"dp={row.mesh.dp} pp={row.mesh.pp} tp={row.mesh.tp} b={row.micro_batch} "
+    # cp and ep only where a configuration has them (ir/mesh.py): the planner keeps both at 1 today
+    cp = f" cp={row.mesh.cp}" if row.mesh.cp > 1 else ""
+    ep = f" ep={row.mesh.ep}" if row.mesh.ep > 1 else ""
+    return (f"dp={row.mesh.dp} pp={row.mesh.pp}{cp} tp={row.mesh.tp}{ep} b={row.micro_batch} "
             f"m={row.num_micro_batches} {row.schedule}{v} recompute={row.recompute}{offload}{zero}{sp}")
 
 
@@ -152,7 +155,7 @@ def explain_data(plan) -> dict:
     rank in bytes, fits, and the reasons in words."""
     def row(item: Alternative, chosen: bool, why: str) -> dict:
         return {"configuration": label(item), "chosen": chosen,
-                "dp": item.mesh.dp, "pp": item.mesh.pp, "tp": item.mesh.tp, "micro_batch": item.micro_batch,
+                **item.mesh.to_json(), "micro_batch": item.micro_batch,
                 "num_micro_batches": item.num_micro_batches, "schedule": item.schedule,
                 "virtual_stages": item.virtual_stages, "recompute": item.recompute, "offload": item.offload,
                 "zero_stage": item.zero_stage, "sequence_parallel": item.sequence_parallel,
@@ -160,7 +163,8 @@ def explain_data(plan) -> dict:
                 "seconds_by_cause": {key: item.breakdown.get(key, 0.0) for key, _ in CAUSES},
                 "memory_bytes_per_pipeline_rank": list(item.memory_bytes_per_device),
                 "fits": item.fits, "why": why}
-    return {"world": plan.world.describe(), "global_batch": plan.global_batch, "precision": plan.precision,
+    return {"world": plan.world.describe(), "mesh": plan.mesh.describe(), "global_batch": plan.global_batch,
+            "precision": plan.precision,
             "usable_bytes_per_device": min(stage.memory_limit_bytes for stage in plan.stages),
             "memory_parts_per_pipeline_rank": [dict(part) for part in plan.predicted.memory_parts],
             "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, a.why) for a in plan.alternatives],
@@ -203,7 +207,7 @@ def explain_plan(plan) -> str:
     header = (f"{'':2}{'configuration':<56} {'step s':>8} {'TFLOP/s':>8} "
               + " ".join(f"{title:>10}" for _, title in causes) + f" {'max ' + unit:>8}  fits")
     lines = [f"Plan for {plan.world.describe()}, global batch {plan.global_batch}, precision {plan.precision}",
-             "", header, "-" * len(header)]
+             f"Mesh axes: {plan.mesh.describe()}", "", header, "-" * len(header)]
     for mark, row in [("* ", winner)] + [("  ", a) for a in plan.alternatives]:
         seconds = " ".join(f"{row.breakdown.get(key, 0.0):>10.4g}" for key, _ in causes)
         memory = max(row.memory_bytes_per_device, default=0) / scale

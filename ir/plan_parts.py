@@ -33,6 +33,8 @@ COLLECTIVE_ALGORITHMS = {
 ENACTED_ALGORITHM = {"ring": "flat", "tree": "flat", "pairwise": "flat", "binomial_tree": "flat",
                      "scatter_allgather": "flat", "direct": "flat", "hierarchical": "hierarchical",
                      "measured": "flat"}
+# the mesh axes a tensor layout names; cp and ep layouts come with their runtimes (ir/mesh.py)
+LAYOUT_AXES = ("dp", "pp", "tp")
 
 @dataclass(frozen=True)
 class Layout:
@@ -43,20 +45,20 @@ class Layout:
     tp: Placement = Replicate()
 
     def __post_init__(self):
-        for axis in AXES:
+        for axis in LAYOUT_AXES:
             check_type(getattr(self, axis), (Shard, Replicate, Partial), axis,
                        "placement: Shard, Replicate or Partial")
 
     def __str__(self) -> str:
-        parts = [f"{axis}={getattr(self, axis)}" for axis in AXES if getattr(self, axis) != Replicate()]
+        parts = [f"{axis}={getattr(self, axis)}" for axis in LAYOUT_AXES if getattr(self, axis) != Replicate()]
         return " ".join(parts) or "R"
 
     def to_json(self) -> dict:
-        return {axis: getattr(self, axis).to_json() for axis in AXES if getattr(self, axis) != Replicate()}
+        return {axis: getattr(self, axis).to_json() for axis in LAYOUT_AXES if getattr(self, axis) != Replicate()}
 
     @classmethod
     def from_json(cls, data) -> "Layout":
-        check_keys(data, AXES, "layout", required=())
+        check_keys(data, LAYOUT_AXES, "layout", required=())
         values = {}
         for axis, value in data.items():
             with errors_at(axis):

@@ -54,7 +54,8 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Plan for 1 node x 2 cpu" in result.stdout and "Why this plan" in result.stdout
     saved = json.loads(out.read_text())
-    assert saved["schema_version"] == 1 and saved["global_batch"] == 8
+    assert saved["schema_version"] == 2 and saved["global_batch"] == 8
+    assert set(saved["mesh"]) == {"pp", "dp", "cp", "tp", "ep"} and "Mesh axes: pp=" in result.stdout
     explained = xirang("explain", str(out))
     assert explained.returncode == 0, explained.stderr
     chosen = [line for line in explained.stdout.splitlines() if line.startswith("* dp=")]
@@ -97,7 +98,7 @@ def test_stale_or_hand_broken_plan_json_is_refused_naming_the_field(tmp_path):
     out.write_text(json.dumps(data))
     result = xirang("explain", str(out))
     assert result.returncode == 2 and "schema_version" in result.stderr and str(out) in result.stderr
-    data["schema_version"], data["global_batch"] = 1, 5  # no longer dp x micro_batch x micro-batches
+    data["schema_version"], data["global_batch"] = 2, 5  # no longer dp x micro_batch x micro-batches
     out.write_text(json.dumps(data))
     result = xirang("explain", str(out))
     assert result.returncode == 2 and "global_batch 5 !=" in result.stderr

@@ -22,7 +22,9 @@ def test_inspect_shows_rank_1_of_a_tp_plan_with_its_splits_and_code(tp2_plan):
     result = xirang("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "Rank 1 of mesh dp=1 x pp=1 x tp=2: dp 0, pp 0, tp 1" in out and "tp group: ranks [0, 1]" in out
+    assert "Rank 1 of mesh dp=1 x pp=1 x tp=2: pp 0, dp 0, cp 0, tp 1, edp 0, ep 0" in out
+    assert "mesh axes: pp=1 x dp=1 x cp=1 x tp=2 (ranks laid out pp outermost, tp innermost); ep=1" in out
+    assert "tp group: ranks [0, 1]" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  linear")}
     assert "column" in rows["linear"] and "row" in rows["linear_1"]  # attention qkv, then its projection
     assert "all_reduce     on tp [0, 1]" in out
@@ -53,7 +55,8 @@ def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp
     result = xirang("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
-    assert info["coords"] == {"dp": 0, "pp": 0, "tp": 0} and info["code"] is None
+    assert info["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "edp": 0, "ep": 0} and info["code"] is None
+    assert info["axes"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "ep": 1}
     assert len(info["placements"]) == info["placements_total"] > 50
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.passes.lowering.precision import COMPUTE_DTYPES
-from xirang.codegen.emit import Program, attach, program_source
+from xirang.codegen.emit import Program, attach, check_enacted_axes, program_source
 from xirang.ir.errors import XirangError
 from xirang.codegen.ops.comm_counter import record_call
 from xirang.codegen.runtime.data.batch_checks import BatchChecks
@@ -77,6 +77,7 @@ class CompiledModel:
                  device="cpu", counter=None, event_log: Optional[list] = None,
                  source_of: Optional[Callable[[int], str]] = None, seed: Optional[int] = None,
                  rng: str = "streams", init: Optional[Callable] = None):
+        check_enacted_axes(plan.mesh, "CompiledModel(plan=...)")  # a hand-made runtime too, before any group
         self.groups = groups or build_mesh_groups(plan.mesh)
         self.rank = self.groups.rank
         self.tp, self.tp_rank = self.groups.axis_size("tp"), self.groups.axis_index("tp")

@@ -66,7 +66,7 @@ def mixed_kinds(world: World) -> bool:
 
 def rank_speeds(world: World, mesh, speed_of_kind) -> tuple[tuple[float, ...], ...]:
     """speeds[d][r]: the pace of pipeline rank r of dp replica d, the slowest of its tp ranks
-    (``speed_of_kind(device)``, relative to the reference). Ranks are numbered dp outermost, tp
+    (``speed_of_kind(device)``, relative to the reference). Ranks are numbered pp outermost, tp
     innermost (``Mesh.rank_of``)."""
     return tuple(tuple(min(speed_of_kind(world.device_of(mesh.rank_of(dp=d, pp=r, tp=t)))
                            for t in range(mesh.tp)) for r in range(mesh.pp)) for d in range(mesh.dp))

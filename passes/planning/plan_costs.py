@@ -226,10 +226,11 @@ class CandidatePricer(RankMemory):
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
-        key = (c.pp, c.tp, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
+        key = (c.dp, c.pp, c.tp, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
         if key not in self._pairs:
-            ranks = [r * c.tp for r in range(c.pp)]  # rank_of(dp=0, pp=r, tp=0): tp innermost
-            pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[2] else [])
+            mesh = c.mesh
+            ranks = [mesh.rank_of(dp=0, pp=r, tp=0) for r in range(c.pp)]
+            pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[3] else [])
             crossing = [pair for pair in pairs if not self.world.same_node(*pair)]
             self._pairs[key] = (crossing or pairs or [(0,)])[0]
         return self._pairs[key]
@@ -246,7 +247,7 @@ class CandidatePricer(RankMemory):
         rank = 0 if self.uniform else rank
         key = ("dp", c.dp, c.pp, c.tp, rank)
         if key not in self._pairs:
-            self._pairs[key] = c.mesh.group("dp", rank * c.tp)
+            self._pairs[key] = c.mesh.group("dp", c.mesh.rank_of(dp=0, pp=rank, tp=0))
         return self._pairs[key]
 
     def step_sync(self, c: Candidate) -> float:

@@ -9,7 +9,7 @@ from tests.bad_input.probe import MODELS, assert_clear_cli, cli
 MODEL = f"{MODELS}:mlp"
 BASE = {
     "analyze": ["analyze", MODEL],
-    "plan": ["plan", MODEL, "--global-batch", "8", "--world", "2", "--device", "cpu"],
+    "plan": ["plan", MODEL, "--global-batch", "8", "--world", "2", "--hardware", "cpu"],
     "inspect": ["inspect", "plan.json", "--rank", "0"],
     "run": ["run", MODEL, "--world", "1"],
     "verify": ["verify", MODEL, "--world", "1"],
@@ -64,10 +64,20 @@ def test_out_of_range_number_is_refused_naming_the_option(command, option, value
     assert not marker.exists(), "the model was built before the argument was checked"
 
 
-@pytest.mark.parametrize("mesh", ["0x2x2", "2x2", "axbxc", "-1x2x4", "2x2x2x2"])
-def test_demo_mesh_that_is_not_three_positive_degrees(mesh):
-    assert_clear_cli(cli("demo", f"--mesh={mesh}", "--no-picture", "--no-trace"), f"--mesh {mesh!r}", "DPxTPxPP",
-                     "2x2x2")
+@pytest.mark.parametrize("mesh", ["dp=0,pp=2,tp=2", "dp=2,tp", "dq=2", "dp=-1,pp=2", "dp=2,dp=2", "2x2", "axbxc"])
+def test_demo_mesh_that_is_not_named_positive_degrees(mesh):
+    assert_clear_cli(cli("demo", f"--mesh={mesh}", "--no-picture", "--no-trace"), f"--mesh {mesh!r}", "AXIS=N",
+                     "dp=2,pp=2,tp=2")
+
+
+def test_demo_mesh_in_the_old_positional_form_is_refused_with_its_named_form():
+    # 1x2x4 was read DPxTPxPP: dp=1, tp=2, pp=4
+    assert_clear_cli(cli("demo", "--mesh=1x2x4", "--no-picture", "--no-trace"), "old positional form",
+                     "--mesh dp=1,pp=4,tp=2")
+
+
+def test_demo_mesh_with_context_or_expert_axes_is_refused_until_their_runtimes_land():
+    assert_clear_cli(cli("demo", "--mesh=dp=2,cp=2,tp=2", "--no-picture", "--no-trace"), "cp", "not yet enacted")
 
 
 def test_unknown_command_and_missing_required_option_are_argparse_errors():

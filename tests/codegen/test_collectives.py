@@ -132,6 +132,17 @@ def _rank_checks(rank, world):
     except XirangError as exc:
         results["wrong_world"] = str(exc)
     world_groups = build_mesh_groups(Mesh(dp=1, pp=1, tp=4))
+    # the context and expert axes: each reduced over its own group, as dp and tp above
+    for label, mesh in (("cp_ep4", Mesh(dp=2, pp=1, tp=1, cp=2, ep=4)), ("ep2", Mesh(dp=4, pp=1, tp=1, ep=2))):
+        named = build_mesh_groups(mesh)
+        sums = {}
+        for axis in ("dp", "cp", "ep", "edp"):
+            t = torch.tensor([float(rank)])
+            if named.group(axis) is not None:
+                dist.all_reduce(t, group=named.group(axis))
+            sums[axis] = t.item()
+        results[label] = (sums, {axis: named.ranks(axis) for axis in ("dp", "cp", "ep", "edp")},
+                          named.group("edp") is named.group("dp"), named.group("ep") is named.group("cp"))
 
     tp, k2, r2 = groups.tp, 2, groups.axis_index("tp")
     results["mlp_tp2"] = _megatron_mlp(tp, k2, r2)
@@ -161,6 +172,20 @@ def test_mesh_groups_members_and_coords(ranks):
         pp_ranks, pp_sum, dp_is_none = result["pp_groups"]
         assert pp_ranks == Mesh(1, 2, 2).group("pp", rank) and pp_sum == sum(pp_ranks)
         assert dp_is_none
+
+
+def test_mesh_groups_of_the_context_and_expert_axes(ranks):
+    """cp, ep and edp groups are created from the mesh like dp's; an axis whose groups are an earlier
+    axis's shares its handle (no second communicator for the same ranks)."""
+    for rank, result in enumerate(ranks):
+        for label, mesh in (("cp_ep4", Mesh(dp=2, pp=1, tp=1, cp=2, ep=4)), ("ep2", Mesh(dp=4, pp=1, tp=1, ep=2))):
+            sums, members, edp_is_dp, ep_is_cp = result[label]
+            assert members == {axis: mesh.group(axis, rank) for axis in ("dp", "cp", "ep", "edp")}, (label, rank)
+            assert sums == {axis: float(sum(members[axis])) for axis in members}, (label, rank)
+        assert result["cp_ep4"][1]["ep"] == (0, 1, 2, 3) and result["cp_ep4"][1]["edp"] == (rank,)
+        assert result["ep2"][1]["ep"] == ((0, 1) if rank < 2 else (2, 3))  # ep innermost over the dp ranks
+        assert result["ep2"][1]["edp"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        assert not result["ep2"][2] and not result["ep2"][3]  # distinct groups, each its own handle
 
 
 def test_mesh_groups_refuse_wrong_world_size(ranks):
@@ -199,7 +224,8 @@ def test_counter_bytes_by_hand(ranks):
 
 def test_world_one_mesh_groups_need_no_process_group():
     groups = build_mesh_groups(Mesh(1, 1, 1))
-    assert (groups.rank, groups.coords) == (0, {"dp": 0, "pp": 0, "tp": 0})
+    assert (groups.rank, groups.coords) == (0, {"pp": 0, "dp": 0, "cp": 0, "tp": 0})
+    assert groups.group("cp") is groups.group("ep") is groups.group("edp") is None
     assert groups.group("dp") is groups.group("pp") is groups.group("tp") is None
     assert groups.ranks("tp") == (0,)
 

@@ -1,47 +1,66 @@
-"""The dp x pp x tp mesh: rank layout, process groups, validation, JSON."""
+"""The mesh of named axes: rank layout (pp, dp, cp, tp), ep folded over dp x cp, groups, validation, JSON."""
 import json
 
 import pytest
 
-from xirang.ir.mesh import AXES, Mesh
+from xirang.ir.errors import XirangError
+from xirang.ir.mesh import AXES, RANK_AXES, Mesh
 
-# 2 x 2 x 2, tp innermost: rank = dp*4 + pp*2 + tp, written out by hand
+# dp=2, pp=2, tp=2, pp outermost, tp innermost: rank = pp*4 + dp*2 + tp, written out by hand
 COORDS_222 = {
-    0: {"dp": 0, "pp": 0, "tp": 0},
-    1: {"dp": 0, "pp": 0, "tp": 1},
-    2: {"dp": 0, "pp": 1, "tp": 0},
-    3: {"dp": 0, "pp": 1, "tp": 1},
-    4: {"dp": 1, "pp": 0, "tp": 0},
-    5: {"dp": 1, "pp": 0, "tp": 1},
-    6: {"dp": 1, "pp": 1, "tp": 0},
-    7: {"dp": 1, "pp": 1, "tp": 1},
+    0: {"pp": 0, "dp": 0, "cp": 0, "tp": 0},
+    1: {"pp": 0, "dp": 0, "cp": 0, "tp": 1},
+    2: {"pp": 0, "dp": 1, "cp": 0, "tp": 0},
+    3: {"pp": 0, "dp": 1, "cp": 0, "tp": 1},
+    4: {"pp": 1, "dp": 0, "cp": 0, "tp": 0},
+    5: {"pp": 1, "dp": 0, "cp": 0, "tp": 1},
+    6: {"pp": 1, "dp": 1, "cp": 0, "tp": 0},
+    7: {"pp": 1, "dp": 1, "cp": 0, "tp": 1},
 }
 
 
-def test_axes_order():
-    assert AXES == ("dp", "pp", "tp")
+def test_axes_order_is_megatron_tp_cp_ep_dp_pp_read_outermost_first():
+    assert RANK_AXES == ("pp", "dp", "cp", "tp")
+    assert AXES == ("pp", "dp", "cp", "tp", "edp", "ep")
 
 
 def test_size_and_axis_size():
     mesh = Mesh(dp=2, pp=3, tp=4)
-    assert mesh.size == 24
-    assert mesh.shape == (2, 3, 4)
-    assert (mesh.axis_size("dp"), mesh.axis_size("pp"), mesh.axis_size("tp")) == (2, 3, 4)
-    assert str(mesh) == "dp=2 x pp=3 x tp=4"
+    assert (mesh.size, mesh.cp, mesh.ep, mesh.edp) == (24, 1, 1, 2)
+    assert mesh.shape == (3, 2, 1, 4)
+    assert [mesh.axis_size(axis) for axis in AXES] == [3, 2, 1, 4, 2, 1]
+    assert str(mesh) == "dp=2 x pp=3 x tp=4"  # cp and ep only where over 1
+    assert str(Mesh(dp=2, pp=1, tp=2, cp=2, ep=4)) == "dp=2 x pp=1 x cp=2 x tp=2, ep=4"
+    assert Mesh(dp=2, pp=1, tp=2, cp=2, ep=4).describe() == (
+        "pp=1 x dp=2 x cp=2 x tp=2 (ranks laid out pp outermost, tp innermost); ep=4 folded over dp x cp, edp=1")
 
 
 def test_unknown_axis_lists_valid_axes():
-    with pytest.raises(ValueError, match="'cp'.*dp, pp, tp"):
-        Mesh(1, 1, 1).axis_size("cp")
-    with pytest.raises(ValueError, match="dp, pp, tp"):
+    with pytest.raises(ValueError, match="'sp'.*pp, dp, cp, tp, edp, ep"):
+        Mesh(1, 1, 1).axis_size("sp")
+    with pytest.raises(ValueError, match="pp, dp, cp, tp, edp, ep"):
         Mesh(1, 1, 1).groups("dim")
 
 
-@pytest.mark.parametrize("kwargs", [dict(dp=0, pp=1, tp=1), dict(dp=1, pp=-2, tp=1),
-                                    dict(dp=1, pp=1, tp=2.0), dict(dp=True, pp=1, tp=1)])
-def test_rejects_non_positive_sizes(kwargs):
-    with pytest.raises(ValueError, match="positive int"):
+@pytest.mark.parametrize("kwargs,axis", [(dict(dp=0, pp=1, tp=1), "dp"), (dict(dp=1, pp=-2, tp=1), "pp"),
+                                         (dict(dp=1, pp=1, tp=2.0), "tp"), (dict(dp=True, pp=1, tp=1), "dp"),
+                                         (dict(dp=1, pp=1, tp=1, cp=0), "cp"), (dict(dp=1, pp=1, tp=1, ep=-1), "ep")])
+def test_rejects_non_positive_sizes_naming_the_axis(kwargs, axis):
+    with pytest.raises(XirangError, match=f"Mesh {axis} .*positive int") as error:
         Mesh(**kwargs)
+    assert error.value.where == f"Mesh({axis}=...)" and "1 or more" in error.value.hint
+
+
+def test_ep_must_divide_dp_times_cp_and_the_error_says_which_values_do():
+    with pytest.raises(XirangError, match=r"ep=3 does not divide dp x cp = 2 x 2 = 4") as error:
+        Mesh(dp=2, pp=1, tp=1, cp=2, ep=3)
+    assert "1, 2, 4" in error.value.hint
+    assert Mesh(dp=2, pp=1, tp=1, cp=2, ep=4).edp == 1
+
+
+def test_cp_and_ep_are_keyword_only():
+    with pytest.raises(TypeError):
+        Mesh(1, 1, 1, 2)
 
 
 def test_coords_and_rank_of_222():
@@ -49,34 +68,47 @@ def test_coords_and_rank_of_222():
     for rank, coords in COORDS_222.items():
         assert mesh.coords(rank) == coords
         assert mesh.rank_of(**coords) == rank
+        assert mesh.rank_of(**{k: v for k, v in coords.items() if k != "cp"}) == rank  # size-1 axes may be left out
 
 
-def test_coords_uneven_mesh():
-    mesh = Mesh(dp=3, pp=2, tp=4)  # rank = dp*8 + pp*4 + tp
-    assert mesh.coords(13) == {"dp": 1, "pp": 1, "tp": 1}
-    assert mesh.rank_of(dp=2, pp=0, tp=3) == 19
-    assert [mesh.rank_of(**mesh.coords(r)) for r in range(mesh.size)] == list(range(24))
+def test_coords_uneven_mesh_with_cp():
+    mesh = Mesh(dp=3, pp=2, tp=4, cp=2)  # rank = pp*24 + dp*8 + cp*4 + tp
+    assert mesh.coords(13) == {"pp": 0, "dp": 1, "cp": 1, "tp": 1}
+    assert mesh.rank_of(pp=1, dp=2, cp=0, tp=3) == 43
+    assert [mesh.rank_of(**mesh.coords(r)) for r in range(mesh.size)] == list(range(48))
 
 
 def test_groups_222():
     mesh = Mesh(2, 2, 2)
     assert mesh.groups("tp") == ((0, 1), (2, 3), (4, 5), (6, 7))
-    assert mesh.groups("pp") == ((0, 2), (1, 3), (4, 6), (5, 7))
-    assert mesh.groups("dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
-    assert mesh.group("tp", 5) == (4, 5)
-    assert mesh.group("pp", 5) == (5, 7)
-    assert mesh.group("dp", 5) == (1, 5)
+    assert mesh.groups("dp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert mesh.groups("pp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert mesh.groups("cp") == tuple((r,) for r in range(8))
+    assert (mesh.group("tp", 5), mesh.group("dp", 5), mesh.group("pp", 5)) == ((4, 5), (5, 7), (1, 5))
+    assert mesh.groups("edp") == mesh.groups("dp") and mesh.groups("ep") == mesh.groups("cp")  # ep = 1
 
 
-def test_groups_partition_ranks():
-    mesh = Mesh(dp=2, pp=3, tp=4)
+def test_ep_is_folded_over_dp_and_cp_with_ep_innermost():
+    # dp=2, cp=2, tp=2: the (dp, cp) places of tp rank 0 are ranks 0, 2, 4, 6 (f = dp*2 + cp)
+    mesh = Mesh(dp=2, pp=1, tp=2, cp=2, ep=2)
+    assert mesh.groups("cp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert mesh.groups("ep") == ((0, 2), (1, 3), (4, 6), (5, 7))  # f = 0,1 and f = 2,3: consecutive places
+    assert mesh.groups("edp") == ((0, 4), (1, 5), (2, 6), (3, 7))  # the same expert: f = 0,2 and f = 1,3
+    assert [mesh.index("ep", r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [mesh.index("edp", r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    folded = Mesh(dp=4, pp=2, tp=1, ep=4)  # every dp rank of a stage holds other experts: edp = 1
+    assert folded.groups("ep") == ((0, 1, 2, 3), (4, 5, 6, 7)) and folded.groups("edp") == tuple((r,) for r in range(8))
+
+
+def test_groups_partition_ranks_on_every_axis():
+    mesh = Mesh(dp=2, pp=3, tp=2, cp=2, ep=2)
     for axis in AXES:
         groups = mesh.groups(axis)
         assert len(groups) == mesh.size // mesh.axis_size(axis)
         assert all(len(g) == mesh.axis_size(axis) for g in groups)
         assert sorted(r for g in groups for r in g) == list(range(mesh.size))
         for rank in range(mesh.size):
-            assert rank in mesh.group(axis, rank)
+            assert rank in mesh.group(axis, rank) and mesh.group(axis, rank).index(rank) == mesh.index(axis, rank)
 
 
 def test_tp_groups_are_contiguous():
@@ -100,23 +132,31 @@ def test_rank_errors_state_valid_range():
         mesh.rank_of(dp=0, pp=0, tp=2)
     with pytest.raises(ValueError, match=r"missing \['tp'\]"):
         mesh.rank_of(dp=0, pp=0)
-    with pytest.raises(ValueError, match=r"unknown \['ep'\]"):
+    with pytest.raises(ValueError, match=r"unknown \['ep'\].*group\('ep', rank\)"):
         mesh.rank_of(dp=0, pp=0, tp=0, ep=0)
 
 
-def test_json_round_trip():
+def test_json_names_every_axis_and_round_trips():
     mesh = Mesh(dp=4, pp=2, tp=8)
-    assert mesh.to_json() == {"dp": 4, "pp": 2, "tp": 8}
+    assert mesh.to_json() == {"pp": 2, "dp": 4, "cp": 1, "tp": 8, "ep": 1}
     assert Mesh.from_json(json.loads(json.dumps(mesh.to_json()))) == mesh
+    named = Mesh(dp=4, pp=1, tp=1, cp=2, ep=8)
+    assert Mesh.from_json(named.to_json()) == named
+
+
+def test_from_json_refuses_the_old_three_axis_mesh_saying_to_replan():
+    with pytest.raises(XirangError, match="older Xirang.*dp outermost") as error:
+        Mesh.from_json({"dp": 1, "pp": 1, "tp": 1})
+    assert "re-plan" in error.value.hint
 
 
 @pytest.mark.parametrize("bad", [{"dp": 1, "pp": 1}, {"dp": 1, "pp": 1, "tp": 1, "ep": 1}, [1, 1, 1]])
 def test_from_json_rejects_bad_keys(bad):
-    with pytest.raises(ValueError, match="exactly the keys dp, pp, tp"):
+    with pytest.raises(ValueError, match="exactly the keys pp, dp, cp, tp, ep"):
         Mesh.from_json(bad)
 
 
 def test_hashable_and_frozen():
-    assert len({Mesh(1, 2, 4), Mesh(1, 2, 4), Mesh(2, 1, 4)}) == 2
+    assert len({Mesh(1, 2, 4), Mesh(1, 2, 4), Mesh(2, 1, 4), Mesh(1, 2, 4, ep=1), Mesh(2, 1, 4, ep=2)}) == 3
     with pytest.raises(AttributeError):
         Mesh(1, 1, 1).tp = 2

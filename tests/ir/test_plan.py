@@ -154,7 +154,7 @@ BAD_PLANS = [
     (dict(placements={"addmm": "colwise"}), "plan.placements['addmm']", "must be a NodeStrategy"),
     (dict(predicted=Prediction(1.0, 1.0, (GiB,))), "plan.predicted.memory_bytes_per_device",
      "has 1 entries, one per pipeline rank needs 2"),
-    (dict(schema_version=2), "plan.schema_version", "schema_version is 2; this Xirang reads version 1"),
+    (dict(schema_version=3), "plan.schema_version", "schema_version is 3; this Xirang reads version 2"),
 ]
 
 
@@ -173,7 +173,8 @@ def test_inconsistent_plan_is_refused(overrides, where, message):
     (lambda: Layout(tp=1), "tp must be a placement"),
     (lambda: NodeStrategy("", ()), "strategy must be a non-empty string"),
     (lambda: CollectiveChoice("mm", "tp", "allreduce", "ring", 8), "kind is 'allreduce', which is not one of"),
-    (lambda: CollectiveChoice("mm", "xp", "all_reduce", "ring", 8), "axis is 'xp', which is not one of dp, pp, tp"),
+    (lambda: CollectiveChoice("mm", "xp", "all_reduce", "ring", 8),
+     "axis is 'xp', which is not one of pp, dp, cp, tp, edp, ep"),
     (lambda: Prediction(-1.0, 1.0, ()), "step_seconds must be a finite number >= 0"),
     (lambda: Prediction(1.0, math.nan, ()), "tflops_per_device must be a finite number >= 0"),
     (lambda: Prediction(1.0, 1.0, (), breakdown={"compute": math.inf}), "breakdown['compute'] must be a finite"),
@@ -232,7 +233,11 @@ def edited(edit) -> dict:
 
 
 BAD_FILES = [
-    (lambda d: d.update(schema_version=2), "plan.schema_version", "plan has schema_version 2; this Xirang reads"),
+    (lambda d: d.update(schema_version=3), "plan.schema_version", "plan has schema_version 3; this Xirang reads"),
+    # a plan of the first schema: refused with why (the mesh's axes and rank order changed) and what to do
+    (lambda d: d.update(schema_version=1, mesh={"dp": 1, "pp": 2, "tp": 4}), "plan.schema_version",
+     "plan has schema_version 1; this Xirang reads version 2: version 1 plans name only the mesh axes dp, pp, tp "
+     "and number the ranks dp outermost"),
     (lambda d: d.update(schema_version="1"), "plan.schema_version", "plan has schema_version '1'"),
     (lambda d: d.update(micro_batchs=d.pop("micro_batch")), "plan.micro_batchs",
      "unknown field 'micro_batchs' (did you mean 'micro_batch'?)"),
@@ -246,7 +251,7 @@ BAD_FILES = [
      "bad placement {'shrad': 1}"),
     (lambda d: d["placements"]["mm_1"]["outputs"][0].update(xp="replicate"), "plan.placements['mm_1'].outputs[0].xp",
      "layout has an unknown field 'xp'"),
-    (lambda d: d["mesh"].update(tp="2"), "plan.mesh", "Mesh tp must be a positive int"),
+    (lambda d: d["mesh"].update(tp="2"), "plan.mesh", "Mesh tp (tensor-parallel degree) must be a positive int"),
     (lambda d: d["world"].pop("inter_node"), "plan.world", "bad world"),
     (lambda d: d["collectives"][0].update(bytes=4), "plan.collectives[0].bytes", "did you mean 'nbytes'?"),
     (lambda d: d["predicted"].update(step_seconds="fast"), "plan.predicted.step_seconds", "finite number"),

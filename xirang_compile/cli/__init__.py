@@ -101,14 +101,9 @@ def cmd_launch(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from xirang.cli.demo import run_demo
-    try:
-        dp, tp, pp = (int(part) for part in args.mesh.lower().split("x"))
-        if min(dp, tp, pp) < 1:
-            raise ValueError
-    except ValueError:
-        raise XirangError(f"--mesh {args.mesh!r} is not DPxTPxPP with each degree at least 1", where="--mesh",
-                          hint="e.g. --mesh 2x2x2 (dp=2, tp=2, pp=2: 8 ranks)") from None
+    from xirang.cli.demo import parse_mesh, run_demo
+    sizes = parse_mesh(args.mesh)
+    dp, tp, pp = sizes["dp"], sizes["tp"], sizes["pp"]
     for option, path, skip in (("--timeline", args.timeline, args.no_picture), ("--trace", args.trace, args.no_trace)):
         if not skip:
             check_output_file(path, option)  # before the 8-rank run
@@ -223,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="the main job: plan a small GPT for 8 local CPU ranks, show the plan and "
                                             "schedule, train on a dp x tp x pp plan, compare with one device")
-    demo.add_argument("--mesh", default="2x2x2", help="DPxTPxPP (default 2x2x2: 8 ranks)")
+    demo.add_argument("--mesh", default="dp=2,pp=2,tp=2", help="the named mesh axes, e.g. dp=2,pp=2,tp=2 (the "
+                                                                "default: 8 ranks; an axis left out is 1)")
     demo.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1 or zb-h2 (default 1f1b)")
     demo.add_argument("--timeline", default="demo_timeline.png", help="where to draw the pipeline timeline (PNG)")
     demo.add_argument("--no-picture", action="store_true", help="do not write the timeline picture")

@@ -1,5 +1,5 @@
 """``xirang demo``: the main job. Plan a small GPT for 8 local CPU ranks, show the plan and the pipeline
-schedule, train a few steps on a dp × tp × pp plan with real gloo ranks, and show the loss of every
+schedule, train a few steps on a dp × pp × tp plan with real gloo ranks, and show the loss of every
 step beside single-device training of the same model on the same batches.
 
 The model is small so the demo runs in a minute or two on a laptop; it is planned as if its sequence
@@ -22,6 +22,35 @@ from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=512, seq_len=64, hidden=64, heads=4, layers=4)
 PLAN_SEQ, TRAIN_SEQ, GLOBAL_BATCH, STEPS, LR = 2048, 32, 8, 3, 1e-3
+
+
+DEMO_AXES = ("dp", "pp", "tp")  # the axes the demo's plan pins; cp and ep wait for their runtimes
+
+
+def parse_mesh(text: str) -> dict:
+    """``--mesh dp=2,pp=2,tp=2`` as ``{"dp": 2, "pp": 2, "tp": 2}`` (an axis left out is 1). The old
+    positional ``2x2x2`` (read DPxTPxPP, unlike ``Mesh(dp, pp, tp)``) is refused with its named form."""
+    from xirang.ir.errors import XirangError
+    example = "e.g. --mesh dp=2,pp=2,tp=2 (8 ranks; an axis left out is 1)"
+    parts = text.lower().split("x")
+    if "=" not in text and len(parts) == 3 and all(part.strip().isdigit() for part in parts):
+        dp, tp, pp = (int(part) for part in parts)
+        named = f"write --mesh dp={dp},pp={pp},tp={tp}" if min(dp, tp, pp) >= 1 else example
+        raise XirangError(f"--mesh {text!r} is the old positional form (DPxTPxPP); the mesh axes are named now",
+                          where="--mesh", hint=named)
+    sizes = {}
+    for item in text.split(","):
+        axis, _, value = item.strip().partition("=")
+        axis = axis.strip().lower()
+        if axis in ("cp", "ep"):
+            raise XirangError(f"--mesh {text!r} asks for {axis}, which the demo does not plan: context and expert "
+                              f"parallelism are not yet enacted by the runtime", where="--mesh",
+                              hint=f"name only {', '.join(DEMO_AXES)}, {example}")
+        if axis not in DEMO_AXES or axis in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise XirangError(f"--mesh {text!r}: {item.strip()!r} is not AXIS=N with AXIS one of "
+                              f"{', '.join(DEMO_AXES)} (each once) and N at least 1", where="--mesh", hint=example)
+        sizes[axis] = int(value)
+    return {axis: sizes.get(axis, 1) for axis in DEMO_AXES}
 
 
 def _model():

@@ -33,9 +33,8 @@ def check_rank(plan: Plan, rank: int) -> None:
 
 
 def group_of(plan: Plan, rank: int, axis: str) -> list[int]:
-    """The global ranks sharing every coordinate with ``rank`` except ``axis``: its group on that axis."""
-    coords = plan.mesh.coords(rank)
-    return [plan.mesh.rank_of(**{**coords, axis: i}) for i in range(plan.mesh.axis_size(axis))]
+    """The global ranks of ``rank``'s group along mesh axis ``axis`` (any named axis: ir/mesh.py)."""
+    return list(plan.mesh.group(axis, rank))
 
 
 def _replicated(strategy) -> bool:
@@ -94,7 +93,8 @@ def inspect_rank(plan: Plan, rank: int, *, stage: int | None = None, every_node:
     groups = {axis: group_of(plan, rank, axis) for axis in AXES if plan.mesh.axis_size(axis) > 1}
     collectives = [{"node": c.node, "axis": c.axis, "kind": c.kind, "algorithm": c.algorithm, "bytes": c.nbytes,
                     "group": groups[c.axis]} for c in plan.collectives if c.axis in groups]
-    result = {"rank": rank, "mesh": str(plan.mesh), "pp": plan.mesh.pp, "coords": coords, "groups": groups,
+    result = {"rank": rank, "mesh": str(plan.mesh), "axes": plan.mesh.to_json(), "layout": plan.mesh.describe(),
+              "pp": plan.mesh.pp, "coords": {axis: plan.mesh.index(axis, rank) for axis in AXES}, "groups": groups,
               "stages": [{"index": s.index, "units": list(s.units)} for s in stages],
               "placements": placements, "placements_total": len(nodes),
               "collectives": collectives, "code": None, "passes": pass_list()}
@@ -125,7 +125,8 @@ def format_passes(passes: list[dict]) -> str:
 
 def format_inspection(info: dict, *, every_node: bool) -> str:
     c = info["coords"]
-    lines = [f"Rank {info['rank']} of mesh {info['mesh']}: dp {c['dp']}, pp {c['pp']}, tp {c['tp']}"]
+    lines = [f"Rank {info['rank']} of mesh {info['mesh']}: " + ", ".join(f"{axis} {c[axis]}" for axis in AXES),
+             f"  mesh axes: {info['layout']}"]
     for axis, members in info["groups"].items():
         lines.append(f"  {axis} group: ranks {members}")
     lines.append("\nStages:")

@@ -9,8 +9,9 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder ``ROOT/step-<8 digit
 parameters and the optimizer's per-parameter state under the single-device model's names and global
 shapes (codegen/runtime/checkpoint/layout.py: each rank declares which blocks of each global tensor it
 holds, padding excluded, a tied weight once), the step, the randomness (``compiled.rng_state()``:
-the seed and step every future draw follows; torch's own generator state of every rank) and the
-caller's ``extra`` (plain data). Loading under another plan -- other dp, tp, pp, world size -- is
+the seed and step every future draw follows; torch's own generator state of every rank), the mesh
+it was saved under by named axes (codegen/runtime/checkpoint/mesh_record.py) and the caller's
+``extra`` (plain data). Loading under another plan -- other dp, tp, pp, world size -- is
 DCP's resharding: each rank reads the overlap of the saved blocks with the ones it holds now.
 ``target`` may also be a plain ``nn.Module`` (one device, no process group): the same checkpoint
 loads into the single-device model (a single-device save is the same format: loading one on a mesh
@@ -54,8 +55,10 @@ from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTI
                                                       TORCH_RNG, PiecesLoadPlanner, PiecesSavePlanner, TensorPieces,
                                                       all_model_names, held_by_compiled, held_by_module, pieces_of,
                                                       tensor_entries)
+from xirang.codegen.runtime.checkpoint.mesh_record import mesh_record, saving_rank
 from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
 from xirang.codegen.runtime.data_parallel.dist_optimizer import PerParameterState
+from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Replicate
 
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -147,8 +150,9 @@ def _torch_rng() -> dict:
 
 def _layout(target, held: list) -> dict:
     if _is_module(target):
-        return {"mesh": "one device", "world": 1, "aliases": {h.name: list(h.aliases) for h in held}}
-    return {"mesh": str(target.plan.mesh), "world": dist.get_world_size(),
+        return {"mesh": mesh_record(Mesh(dp=1, pp=1, tp=1)), "world": 1,
+                "aliases": {h.name: list(h.aliases) for h in held}}
+    return {"mesh": mesh_record(target.plan.mesh), "world": dist.get_world_size(),
             "aliases": {names[0]: list(names) for names in all_model_names(target)}}
 
 
@@ -356,6 +360,8 @@ def _load_checkpoint(target, optimizer, path) -> dict:
         if PARAM_GROUPS in metadata.state_dict_metadata:
             state[PARAM_GROUPS] = None
     state.update({STEP: None, EXTRA: None, TORCH_RNG: None, RNG: None})
+    if LAYOUT in metadata.state_dict_metadata:  # the saving mesh: whose torch generator state each rank takes
+        state[LAYOUT] = None
     with torch.no_grad():
         for h in held:
             h.pieces.local.zero_()  # padding rows are in no piece: they load as zeros
@@ -389,11 +395,15 @@ def _install_optimizer_state(optimizer, state: dict, installs: list, groups, fol
 
 
 def _restore_rng(target, loaded: dict) -> None:
-    """Xirang's draws follow (seed, step): restored on every layout. Torch's generator: rank r takes the
-    state rank r saved (a rank beyond the saving world keeps its own; one device takes rank 0's)."""
-    if not _is_module(target) and loaded.get(RNG) is not None:
-        target.load_rng_state(loaded[RNG])
+    """Xirang's draws follow (seed, step): restored on every layout. Torch's generator: on the same mesh
+    sizes, the state saved at this rank's coordinates, under whichever rank layout saved it
+    (mesh_record.py); on another mesh rank r takes the state rank r saved (a rank beyond the saving
+    world keeps its own; one device takes rank 0's)."""
     states, rank = loaded[TORCH_RNG], _rank(target)
+    if not _is_module(target):
+        if loaded.get(RNG) is not None:
+            target.load_rng_state(loaded[RNG])
+        rank = saving_rank(rank, target.plan.mesh, (loaded.get(LAYOUT) or {}).get("mesh"))
     if rank < len(states):
         torch.set_rng_state(states[rank]["cpu"])
         if "cuda" in states[rank] and torch.cuda.is_available():

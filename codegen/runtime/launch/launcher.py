@@ -173,7 +173,7 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
     where = f"launch({_fn_name(fn)}, nprocs={nprocs}, backend={backend!r})"
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise XirangError(f"nprocs must be a positive int, got {nprocs!r}", where=where,
-                          hint="pass the number of ranks the mesh needs (dp * pp * tp)")
+                          hint="pass the number of ranks the mesh needs (pp * dp * cp * tp)")
     for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s), ("heartbeat_s", heartbeat_s)):
         if value is None and name != "heartbeat_s":
             continue

@@ -1,9 +1,10 @@
-"""The dp, pp and tp process groups of one rank, built from a Mesh.
+"""The process groups of one rank along every named mesh axis, built from a Mesh.
 
 ``torch.distributed.new_group`` is collective over the *whole* world: every rank must call it for
 every group, members or not, in the same order, or the ranks pair the wrong rendezvous and hang.
-``Mesh.groups(axis)`` fixes that order (axes outermost to innermost, groups by lowest rank), and
-``build_mesh_groups`` walks it identically on every rank, keeping the handles of the groups this
+``Mesh.groups(axis)`` fixes the order within an axis (groups by lowest rank), ``AXES`` the order of
+the axes (pp, dp, cp, tp, then the expert axes edp and ep folded over dp x cp: ir/mesh.py), and
+``build_mesh_groups`` walks both identically on every rank, keeping the handles of the groups this
 rank is in.
 
 An axis of size 1 gets no process group: its "group" is ``None``, which the collectives in
@@ -25,11 +26,13 @@ from xirang.ir.mesh import AXES, Mesh
 
 @dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity
 class MeshGroups:
-    """This rank's place on the mesh and its three process groups (``None`` on a size-1 axis)."""
+    """This rank's place on the mesh and its process group along every named axis (``None`` where
+    the axis has size 1). ``dp``, ``pp``, ``tp`` (and ``cp``, ``ep``, ``edp``) are the handles,
+    ``dp_ranks``... the members; ``group(axis)`` and ``ranks(axis)`` take any axis by name."""
 
     mesh: Mesh
     rank: int
-    coords: dict          # {"dp": i, "pp": j, "tp": k} of ``rank``
+    coords: dict          # {"pp": i, "dp": j, "cp": k, "tp": l} of ``rank`` (Mesh.coords)
     dp_ranks: tuple       # global ranks of this rank's dp group, in dp order
     pp_ranks: tuple
     tp_ranks: tuple
@@ -40,6 +43,13 @@ class MeshGroups:
     # one on the default group: NCCL runs a communicator's messages between two ranks in order on one stream,
     # so one channel per direction keeps a posted receive from waiting behind the other direction's send
     pp_down: Optional[object] = None
+    # the context and expert axes (ir/mesh.py): created like the others, used once their runtimes land
+    cp_ranks: tuple = ()
+    ep_ranks: tuple = ()
+    edp_ranks: tuple = ()
+    cp: Optional[object] = None
+    ep: Optional[object] = None
+    edp: Optional[object] = None
 
     def group(self, axis: str):
         """The process group along mesh axis ``axis`` (``None``: size 1, collectives are identity).
@@ -56,12 +66,13 @@ class MeshGroups:
 
     def axis_index(self, axis: str) -> int:
         """This rank's position along ``axis`` (its rank inside that axis's group)."""
-        self.mesh.axis_size(axis)
-        return self.coords[axis]
+        return self.mesh.index(axis, self.rank)
 
 
 def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
-    """Create the dp, pp and tp groups of ``mesh``; call it on every rank, at the same point.
+    """Create the groups of every named axis of ``mesh`` whose size is over 1 (``AXES`` order; an axis
+    whose groups are an earlier axis's shares its handles), then ``pp_down``; call it on every rank,
+    at the same point.
 
     ``rank`` defaults to ``torch.distributed.get_rank()`` (0 for a one-rank mesh without a
     process group). The default process group must already be initialised with exactly
@@ -82,28 +93,31 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
                 f"mesh {mesh} needs {mesh.size} ranks but the process group has {world}",
                 where=where,
                 hint=f"launch exactly {mesh.size} ranks (--nproc-per-node times nodes), "
-                     f"or plan for a mesh whose dp * pp * tp is {world}")
+                     f"or plan for a mesh whose pp * dp * cp * tp is {world}")
     if rank is None:
         rank = dist.get_rank() if initialised else 0
     coords = mesh.coords(rank)  # range-checks rank
 
-    handles = {}
+    handles, made = {}, {}  # made: an axis's groups -> this rank's handle among them
     for axis in AXES:
         if mesh.axis_size(axis) == 1:
             continue  # every rank skips the same axes, so the new_group order still agrees
-        for members in mesh.groups(axis):
+        layout = mesh.groups(axis)
+        if layout in made:  # the same ranks as an earlier axis (edp is dp when ep = cp = 1): one group
+            handles[axis] = made[layout]
+            continue
+        for members in layout:
             group = dist.new_group(list(members), group_desc=axis)
             if rank in members:
-                handles[axis] = group
+                handles[axis] = made[layout] = group
     if mesh.axis_size("pp") > 1:  # after the axes, in the same order on every rank
         for members in mesh.groups("pp"):
             group = dist.new_group(list(members), group_desc="pp_down")
             if rank in members:
                 handles["pp_down"] = group
-    return MeshGroups(mesh=mesh, rank=rank, coords=coords,
-                      dp_ranks=mesh.group("dp", rank), pp_ranks=mesh.group("pp", rank),
-                      tp_ranks=mesh.group("tp", rank), dp=handles.get("dp"),
-                      pp=handles.get("pp"), tp=handles.get("tp"), pp_down=handles.get("pp_down"))
+    members = {f"{axis}_ranks": mesh.group(axis, rank) for axis in AXES}
+    return MeshGroups(mesh=mesh, rank=rank, coords=coords, **members,
+                      **{axis: handles.get(axis) for axis in AXES}, pp_down=handles.get("pp_down"))
 
 
 @dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity
