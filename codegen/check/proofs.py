@@ -72,8 +72,8 @@ class Move:
     memo: dict = field(default_factory=dict)
 
     def __call__(self, rank: int) -> int:
-        coords = self.mesh.coords(rank)
-        return self.mesh.rank_of(**{axis: (coords[axis] + self.delta[axis]) % self.mesh.axis_size(axis)
+        coords = self.mesh.coords(rank)  # a shift that names no cp (or any axis) leaves that index as it is
+        return self.mesh.rank_of(**{axis: (coords[axis] + self.delta.get(axis, 0)) % self.mesh.axis_size(axis)
                                     for axis in coords})
 
     def group(self, group: tuple) -> tuple:
