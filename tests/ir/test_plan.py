@@ -252,6 +252,8 @@ BAD_FILES = [
     (lambda d: d["placements"]["mm_1"]["outputs"][0].update(xp="replicate"), "plan.placements['mm_1'].outputs[0].xp",
      "layout has an unknown field 'xp'"),
     (lambda d: d["mesh"].update(tp="2"), "plan.mesh", "Mesh tp (tensor-parallel degree) must be a positive int"),
+    (lambda d: d.update(mesh={"dp": 1, "pp": 2, "tp": 4}), "plan.mesh", "was written by an older Xirang"),
+    (lambda d: d["mesh"].update(ep=3), "plan.mesh", "Mesh ep=3 does not divide dp x cp = 2 x 1 = 2"),
     (lambda d: d["world"].pop("inter_node"), "plan.world", "bad world"),
     (lambda d: d["collectives"][0].update(bytes=4), "plan.collectives[0].bytes", "did you mean 'nbytes'?"),
     (lambda d: d["predicted"].update(step_seconds="fast"), "plan.predicted.step_seconds", "finite number"),
