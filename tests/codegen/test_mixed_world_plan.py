@@ -3,8 +3,10 @@
 The planner deals micro-batches to dp replicas by device speed (passes/planning/device_speeds.py) and
 writes them as ``Plan.dp_shares``; the runtime weighs each replica's gradient by its share. Here GPT
 tiny is planned at seq 4096 (so tp shards; asserted) for one node of four A100s and one of four H100s
-at (dp, tp, pp) = (2, 2, 2): replica 0 on the A100 node, replica 1 on the H100 node, which gets the
-larger share. Then it runs small on 8 CPU ranks (matrix tier) with the plan's own shares.
+at (dp, tp, pp) = (2, 4, 1): replica 0 on the A100 node, replica 1 on the H100 node, which gets the
+larger share. (With pp > 1 the replicas would not split by node: the mesh numbers ranks pp outermost,
+ir/mesh.py, so each node would hold a pipeline stage of every replica.) Then it runs small on 8 CPU
+ranks (matrix tier) with the plan's own shares.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def batch(step: int, size: int = GLOBAL_BATCH) -> dict:
 
 def mixed_plan():
     return xirang.plan(build(), world=WORLD, example_kwargs=batch(0, 2), global_batch=GLOBAL_BATCH, seq=4096,
-                       precision="fp32", dp=2, tp=2, pp=2, schedule="1f1b", micro_batch=1)
+                       precision="fp32", dp=2, tp=4, pp=1, schedule="1f1b", micro_batch=1)
 
 
 def test_the_plan_for_a_mixed_world_gives_the_faster_replica_the_larger_share():
