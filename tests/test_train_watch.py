@@ -41,7 +41,7 @@ def _check_lines(lines: list, *, steps: int, ranks: int, tokens: int, lr: float)
     for line in lines:
         assert set(line) == FIELDS, set(line) ^ FIELDS
         assert 0 < line["loss"] < 10 and 0 < line["grad_norm"] < 100 and line["stepped"] is True
-        assert 0 < line["step_s"] < 60
+        assert line["step_s"] > 0  # a measurement: its size is a benchmark's business, not a test's
         assert line["tokens_per_s"] == pytest.approx(tokens / line["step_s"])
         assert line["step_over_predicted"] == pytest.approx(line["step_s"] / line["predicted_step_s"])
         # the analysis's count: 6 FLOPs per parameter and token (2 forward, 4 backward) plus attention's

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _rank_batch_fault(rank: int, world: int, fault: str):
     model, inputs = models.mlp()
-    compiled = xirang.compile(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, dp=2)
+    compiled = xirang.compile(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8, dp=2)
     batch = models.features(8)
     if rank == 1 and fault == "different":
         batch = {k: v.flip(0) for k, v in batch.items()}
@@ -41,9 +40,7 @@ def _rank_batch_fault(rank: int, world: int, fault: str):
     ("dtype", "'y' has dtype float32", "another rank was given a batch"),
 ])
 def test_ranks_given_bad_batches_fail_together_naming_it(fault, mine, other):
-    began = time.perf_counter()
-    results = launch(_rank_batch_fault, 2, args=(fault,), timeout_s=120)
-    assert time.perf_counter() - began < 120
+    results = launch(_rank_batch_fault, 2, args=(fault,), timeout_s=120)  # liveness: the launcher's deadline
     assert mine in results[1], results
     assert other in results[0], results
 
@@ -57,7 +54,7 @@ def _two_batches() -> tuple[dict, dict]:
 
 def _rank_accumulate(rank: int, world: int, zero_between: bool):
     model, inputs = models.mlp()
-    compiled = xirang.compile(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, dp=2)
+    compiled = xirang.compile(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8, dp=2)
     a, b = _two_batches()
     compiled.train_step(**a)
     if zero_between:  # zeroed in place: the gradients stay the same tensors
@@ -95,7 +92,7 @@ def _rank_batchnorm(rank: int, world: int, plan):
 
 def test_batchnorm_planned_for_two_ranks_equals_one_device():
     model, inputs = models.batchnorm()
-    plan = xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8)
+    plan = xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8)
     assert plan.mesh.dp == 1 and plan.num_micro_batches == 1
     results = launch(_rank_batchnorm, 2, args=(plan,), timeout_s=180)
     reference, _ = models.batchnorm()

@@ -19,7 +19,5 @@ def test_the_probe_times_the_workload_alone_and_together_as_the_calibration_does
     # the same keys as the calibration's raw["sharing"]["training"] (what a benchmark divides by)
     assert {"alone_s", "together_s", "alone_cpu_s", "together_cpu_s", "beside_waiters_s"} <= set(figures)
     assert figures["alone_s"] > 0 and figures["alone_cpu_s"] > 0 and figures["together_cpu_s"] > 0
-    # rank 0's own CPU for the work alone is at most its wall time (one thread), within timer granularity
-    assert figures["alone_cpu_s"] <= figures["alone_s"] * 1.05 + 1e-3
     # the together CPU is every rank's mean, the same figure on both ranks (one all-reduce)
     assert results[1]["together_cpu_s"] == figures["together_cpu_s"]
