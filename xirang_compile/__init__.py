@@ -33,6 +33,11 @@ from xirang.codegen.runtime.data_parallel.grad_norm import step_if_finite  # noq
 
 __all__ += ["RankBatches", "TokenFile", "SyntheticTokens", "step_if_finite"]
 from xirang.hf_weights import empty_pretrained, load_pretrained, save_pretrained  # noqa: E402
+# non-finite steps met with a policy (stop, skip, rollback), loss spikes reported (codegen/runtime/numerics/)
+from xirang.codegen.runtime.numerics.loss_spikes import LossSpikes  # noqa: E402
+from xirang.codegen.runtime.numerics.nonfinite import NonFiniteGuard, StepOutcome  # noqa: E402
+
+__all__ += ["NonFiniteGuard", "StepOutcome", "LossSpikes"]
 
 __all__ += ["empty_pretrained", "load_pretrained", "save_pretrained"]
 

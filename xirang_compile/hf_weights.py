@@ -127,7 +127,7 @@ def _load_pieces(compiled, directory) -> dict:
     files = _checkpoint_files(directory)
     shards, aliases = compiled.program.shards, compiled.program.aliases
     wanted = {}
-    for fqn, local in compiled.named_parameters():
+    for fqn, local in compiled.named_model_parameters():
         key = next((n for n in (fqn, *aliases.get(fqn, ())) if n in files), None)
         if key is None:
             raise XirangError(f"the checkpoint has no tensor for {fqn} (names tried: {(fqn, *aliases.get(fqn, ()))})",

@@ -22,8 +22,10 @@ the ranks holding the copies) gives every copy the full gradient, so the same op
 
 Optimizer: any torch optimizer over ``parameters()``; tp-sharded parameters are updated shard by shard, which is exact
 for element-wise optimizers (SGD, Adam, AdamW), not for ones that read a whole tensor (LAMB's trust ratio); clipping
-by total norm is ``clip_grad_norm_`` (grad_norm.py). ZeRO-1 and 3 (plan.zero_stage, dp > 1): ``parameters()`` are the
-shard parameters of dist_optimizer.py; under 3 the model's parameters are freed between steps (param_shards.py).
+by total norm is ``clip_grad_norm_`` (grad_norm.py).
+ZeRO-1 and 3 (plan.zero_stage, dp > 1): ``parameters()`` and ``named_parameters()`` are the
+shard pieces of dist_optimizer.py, each under its model parameter's name; under 3 the model's parameters
+(``named_model_parameters()``) are freed between steps (param_shards.py).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from xirang.codegen.runtime.data_parallel.param_shards import zero_shards
 from xirang.codegen.runtime.executor.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
 from xirang.codegen.runtime.state.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups, build_two_level_groups
+from xirang.codegen.runtime.state.optimizer_check import OptimizerCheck
 from xirang.codegen.runtime.state.rng_streams import make_rng
 from xirang.codegen.runtime.executor.schedule_check import check_schedule
 from xirang.codegen.runtime.state.state_dict_keys import refuse_mismatch, state_dict_keys
@@ -87,6 +90,7 @@ class CompiledModel:
         # plan.offload: the program's offloaded blocks share one ActivationOffload (None: no block offloads)
         self.activation_offload = attach_offload(program, device)
         self._forward = inspect.signature(model.forward) if isinstance(model, torch.nn.Module) else None
+        self._optimizer_check = OptimizerCheck(model)  # the first step refuses an optimizer of other tensors
         self._source_of = source_of
         self.plan, self.device, self.program = plan, torch.device(device), program
         self.dp, self.dp_rank = self.groups.axis_size("dp"), self.groups.axis_index("dp")
@@ -200,13 +204,22 @@ class CompiledModel:
     # --- parameters ------------------------------------------------------------------------------
 
     def named_parameters(self) -> list:
-        """(FQN, tensor) of this rank's trainable parameters, each once, in forward order."""
-        return [(fqn, tensor) for fqn, tensor in self._state.items()
-                if fqn in self._trainable and tensor.requires_grad]
+        """(FQN, tensor) pairs the optimizer steps, under the single-device model's names: this rank's
+        trainable parameters (each its tp shard, once, in forward order), or under ZeRO-1 and 3 the shard
+        pieces of this dp rank (data_parallel/dist_optimizer.py), so optimizer groups chosen by name train
+        as ``parameters()`` does whatever the stage."""
+        return self.zero.named_parameters() if self.zero else self.named_model_parameters()
 
     def parameters(self) -> list:
-        """What the optimizer steps: the model's parameters, or under ZeRO-1 this rank's shard parameters."""
-        return self.zero.parameters() if self.zero else [tensor for _, tensor in self.named_parameters()]
+        """What the optimizer steps (``named_parameters()``'s tensors)."""
+        return [tensor for _, tensor in self.named_parameters()]
+
+    def named_model_parameters(self) -> list:
+        """(FQN, tensor) of the program's bound parameters, each its tp shard, once, in forward order: what
+        the stages read. Without ZeRO these are what the optimizer steps; under ZeRO they are refreshed from
+        the shard pieces (ZeRO-3: freed at rest, read them inside ``parameters_resident()``)."""
+        return [(fqn, tensor) for fqn, tensor in self._state.items()
+                if fqn in self._trainable and tensor.requires_grad]
 
     def parameters_resident(self):
         """A context in which ``named_parameters()`` hold their values between steps: under ZeRO-3 they are
@@ -222,21 +235,22 @@ class CompiledModel:
         returns the total norm. Collective; a non-finite norm clips nothing (data_parallel/grad_norm.py)."""
         if self.zero:
             return self.zero.clip_grad_norm_(max_norm, norm_type)
-        return clip_grad_norm(self.named_parameters(), max_norm, norm_type, shards=self.program.shards,
+        return clip_grad_norm(self.named_model_parameters(), max_norm, norm_type, shards=self.program.shards,
                               tied=self._tied, groups=self.groups, device=self.device)
 
     def full_state_dict(self) -> dict:
         """FQN -> parameter of the whole model, tied weights under every alias. Collective over the
         tp and pp groups: call it on every rank."""
         if not self.zero:
-            return self._gather({fqn: t.detach() for fqn, t in self.named_parameters()})
+            return self._gather({fqn: t.detach() for fqn, t in self.named_model_parameters()})
         with self.zero.parameters_resident():  # the optimizer's updates (ZeRO-3: freed again after, so copied)
-            return self._gather({fqn: t.detach().clone() for fqn, t in self.named_parameters()})
+            return self._gather({fqn: t.detach().clone() for fqn, t in self.named_model_parameters()})
 
     def full_gradients(self) -> dict:
         """FQN -> gradient after ``train_step``, gathered like ``full_state_dict`` (ZeRO-1: from the shards)."""
-        grads = self.zero.full_gradients() if self.zero else {id(t): t.grad for _, t in self.named_parameters()}
-        return self._gather({fqn: grads[id(t)] for fqn, t in self.named_parameters() if grads.get(id(t)) is not None})
+        named = self.named_model_parameters()
+        grads = self.zero.full_gradients() if self.zero else {id(t): t.grad for _, t in named}
+        return self._gather({fqn: grads[id(t)] for fqn, t in named if grads.get(id(t)) is not None})
 
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
         """Copy this rank's piece of the full tensors in place (optimizers keep their references):
@@ -313,6 +327,9 @@ class CompiledModel:
             self._batch_checks.check(batch, pre_sharded)
         except XirangError as error:
             problem = error
+        # an optimizer over tensors the runtime does not step: refused on every rank at once, with the batch's
+        problem = problem or self._optimizer_check.problem(self.named_parameters(), self.named_model_parameters(),
+                                                           self.zero is not None, self.rank)
         entered = time.perf_counter()
         self._batch_checks.agree(batch, pre_sharded, problem)
         origin = time.perf_counter()  # every rank leaves the agreement together: this step's common clock

@@ -74,7 +74,7 @@ def zero_run(compiled, counter, batch_of, steps: int, checkpoint_dir) -> dict:
     return {"steps": found, "params": params, "records": records, "norm": norm, "refreshed": refreshed,
             "restored": checkpoint_round_trip(compiled, optimizer, params, checkpoint_dir),
             "state_elements": compiled.zero.optimizer_state_elements(optimizer),
-            "model_elements": sum(p.numel() for _, p in compiled.named_parameters()),
+            "model_elements": sum(p.numel() for _, p in compiled.named_model_parameters()),
             "buckets": len(compiled.zero.shards), "rank": compiled.rank}
 
 

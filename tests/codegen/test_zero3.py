@@ -45,9 +45,9 @@ SMALL_BUCKETS = 64 * 1024  # bytes: several buckets per stage, so the prefetch h
 def held(compiled) -> dict:
     """Parameter bytes this rank holds now (storage counted), its parameters' full bytes, the shards' bytes."""
     shards = [s.param for s in compiled.zero.shards]
-    return {"held": storage_bytes(shards + [t for _, t in compiled.named_parameters()]),
-            "nan": all(torch.isnan(t).all().item() for _, t in compiled.named_parameters()),
-            "full": sum(t.numel() * t.element_size() for _, t in compiled.named_parameters()),
+    return {"held": storage_bytes(shards + [t for _, t in compiled.named_model_parameters()]),
+            "nan": all(torch.isnan(t).all().item() for _, t in compiled.named_model_parameters()),
+            "full": sum(t.numel() * t.element_size() for _, t in compiled.named_model_parameters()),
             "shards": storage_bytes(shards)}
 
 
@@ -69,7 +69,7 @@ def zero3_run(compiled, counter, steps: int, folder: str) -> dict:
     with compiled.parameters_resident():  # the values, for code that reads named_parameters() between steps
         compiled.load_full_state_dict(params)  # its own resident context inside: the caller's stays resident
         again = compiled.full_state_dict()  # and another
-        resident = (not any(torch.isnan(t).any().item() for _, t in compiled.named_parameters())
+        resident = (not any(torch.isnan(t).any().item() for _, t in compiled.named_model_parameters())
                     and all(torch.equal(again[fqn], value) for fqn, value in params.items()))
     state = [value for s in optimizer.state.values() for value in s.values() if value.dim() > 0]
     save_checkpoint(compiled, optimizer, folder, step=steps)

@@ -9,13 +9,14 @@ checkpoints every N steps, resume after a crash, and the measured step time besi
 The parent plans once (``verify.prepare``: the same plan every rank would reach) and starts the
 local ranks (codegen/runtime/launch/launcher.py: a rank that raises, dies or freezes fails the run naming it,
 the others are stopped); ``--torchrun`` makes this process one rank of a torchrun world instead
-(``--print-command`` prints that command, with every option of this one). Each rank builds the
-factory's model under one seed, compiles it with the plan, reads only its dp share of each global
-batch (``RankBatches``: a token file ``--data`` or ``--synthetic`` tokens; the model takes
-``input_ids`` and ``labels``), and per step: ``train_step`` on its share, ``clip_grad_norm_`` (``--clip``;
-a non-finite norm skips the step), AdamW, the schedule. Rank 0 logs the loss, tokens per second and
-the measured step time against the plan's predicted ``step_seconds`` (a live bar on a terminal), and
-draws the loss curve at the end (``--loss-picture``, matplotlib: the ``viz`` extra).
+(``--print-command`` prints that command, with every option of this one). Before planning, every input
+is checked (train_prechecks.py: the model file, the plan, the data's type, values and length, the
+checkpoint folder and its free space, resume compatibility, the World file), so a wrong input fails here,
+named, and not inside the ranks. Each rank runs ``train_rank`` (train_loop.py): its dp share of each
+global batch, ``train_step``, the global gradient norm (``--clip``), AdamW on finite numbers and
+``--on-nonfinite``'s policy (stop, skip, rollback) otherwise, the schedule. Rank 0 logs the loss, tokens per
+second and the measured step time against the plan's predicted ``step_seconds`` (a live bar on a terminal),
+and draws the loss curve at the end (``--loss-picture``, matplotlib: the ``viz`` extra).
 
 The run's folder (``--run-dir``, else ``--checkpoint-dir``) gets ``config.toml``, every option's value, which
 ``--config`` reads back to the same run, and ``metrics.jsonl`` (or ``--metrics FILE``): a line per step
@@ -37,233 +38,12 @@ wrote instead of the default CPU ranks.
 """
 from __future__ import annotations
 
-import math
 import os
-import signal
-import sys
-import threading
 import time
 
-import torch
 
 from xirang.ir.errors import XirangError
-
-MODEL_SEED, ADAM_EPS = 0, 1e-8
-
-
-def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up over ``warmup`` steps to the peak, then a half cosine down to ``min_ratio`` of it
-    at ``total`` (Loshchilov & Hutter 2017, without restarts)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _vocabulary(model) -> int:
-    """Token ids below this are valid: the input embedding's rows (Hugging Face's, or the first table)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embedding is None:
-        embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return embedding.num_embeddings
-
-
-def _batches(args, model, example_kwargs: dict, global_batch: int, compiled):
-    """This rank's RankBatches over ``--data`` or synthetic tokens (its dp share of each global batch)."""
-    from xirang.codegen.runtime.data.rank_batches import RankBatches, SyntheticTokens, TokenFile
-    seq = example_kwargs["input_ids"].shape[1]
-    source = TokenFile(args.data) if args.data else SyntheticTokens(_vocabulary(model), seed=args.seed)
-    # Hugging Face causal LMs shift their labels themselves; the in-repo models take aligned ones
-    shift = not hasattr(getattr(model, "config", None), "model_type")
-    return RankBatches(source, global_batch=global_batch, seq=seq, dp=compiled.dp, dp_rank=compiled.dp_rank,
-                       shift_labels=shift, seed=args.seed, shares=getattr(compiled, "dp_shares", None))
-
-
-def token_model(args, global_batch: int):
-    """The factory's model under the run's seed and real example inputs; refused unless it takes token ids."""
-    from xirang.cli.model_files import build, load_factory
-    torch.manual_seed(MODEL_SEED)
-    model, example_kwargs = build(load_factory(args.model), global_batch, None)
-    if set(example_kwargs or {}) != {"input_ids", "labels"} or not any(
-            isinstance(m, torch.nn.Embedding) for m in model.modules()):
-        raise XirangError(f"xirang train feeds token ids: the model must take input_ids and labels and embed "
-                          f"tokens; this factory's inputs are {sorted(example_kwargs or {})}",
-                          where=args.model, hint="train other models with xirang run, or your own loop over "
-                                                 "xirang.compile")
-    example = {name: torch.zeros(tuple(value.shape), dtype=value.dtype) for name, value in example_kwargs.items()}
-    return model, example
-
-
-def train_rank(rank: int, world: int, args, plan, global_batch: int, facts=None) -> dict:
-    """One rank's run (see the module docstring); returns the losses (rank 0 prints as it goes). ``facts``
-    (rank 0's, train_metrics.RunFacts) when the run writes metrics."""
-    import torch.distributed as dist
-
-    import xirang
-    from xirang.codegen.runtime.data_parallel.grad_norm import step_if_finite
-    from xirang.cli.train_metrics import MetricsWriter, gather_memory, step_began
-    model, example_kwargs = token_model(args, global_batch)
-    # the runtime device follows the launcher: NCCL ranks (torchrun on GPUs) on cuda:LOCAL_RANK, gloo on the CPU
-    # the plan's own World: a calibrated one (--world-file, the cache) is not a count of preset CPU ranks
-    compiled = xirang.compile(model, world=plan.world, example_kwargs=example_kwargs, plan=plan)
-    device = compiled.device
-    batches = _batches(args, model, example_kwargs, global_batch, compiled)
-    optimizer = torch.optim.AdamW(compiled.parameters(), lr=args.lr, eps=ADAM_EPS, weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
-        step, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio))
-    say = rank == 0
-    pids = [None] * world
-    if world > 1:
-        dist.all_gather_object(pids, os.getpid())
-    else:
-        pids = [os.getpid()]
-    if say:
-        print("rank pids: " + " ".join(f"{r}:{pid}" for r, pid in enumerate(pids)), flush=True)
-    start, losses = 0, []
-    if args.resume:
-        start, losses = _resume(compiled, optimizer, schedule, batches, args.checkpoint_dir, say)
-    tokens = global_batch * example_kwargs["input_ids"].shape[1]
-    predicted = plan.predicted.step_seconds
-    bar = TrainProgress(args.steps, start, live=say and sys.stdout.isatty()) if say else None
-    step = start
-    from xirang.reprice import RepriceAfter
-    pins = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
-    repricing = RepriceAfter(reprice_step(args), start, compiled, model=model, example_kwargs=example_kwargs,
-                             pins=pins, say=say)
-    watch = watching(args)
-    metrics = MetricsWriter(metrics_path(args), facts, device=device, tensorboard=args.tensorboard,
-                            resume_at=start if args.resume else None) if say and watch else None
-    stopped = StopOnSigterm(rank, lambda: step)
-    try:
-        for step in range(start, args.steps):
-            began = time.perf_counter()
-            if watch:
-                step_began(device)
-            share = {name: value.to(device, non_blocking=True) for name, value in batches.next_batch().items()}
-            loss = compiled.train_step(pre_sharded=True, **share)
-            # watched without --clip: the norm only (an infinite bound scales by 1)
-            norm = compiled.clip_grad_norm_(args.clip or math.inf) if args.clip or watch else None
-            stepped = step_if_finite(optimizer, norm) if args.clip else (optimizer.step() or True)
-            optimizer.zero_grad()
-            lr = schedule.get_last_lr()[0]  # the rate this step used
-            schedule.step()
-            took = time.perf_counter() - began
-            losses.append(loss.item())
-            memory = gather_memory(device, world) if watch else None  # a collective: after the step's clock
-            if say:
-                bar.line(step, losses[-1], tokens / took, took, predicted, lr,
-                         None if norm is None else norm.item(), stepped)
-            if metrics is not None:
-                metrics.record(step=step + 1, loss=losses[-1], lr=lr, step_s=took,
-                               grad_norm=None if norm is None else norm.item(), stepped=stepped, memory=memory)
-            repricing.after_step(step + 1)
-            done = step + 1
-            every = args.checkpoint_every
-            if args.checkpoint_dir and (done == args.steps or (every and done % every == 0)):
-                extra = {"data": batches.state_dict(),
-                         "lr": schedule.state_dict(), "losses": list(losses)}
-                xirang.save_checkpoint(compiled, optimizer, args.checkpoint_dir, step=done, extra=extra)
-    except RuntimeError as error:  # a peer that died shows here as a failed collective (gloo, NCCL, a timeout)
-        if isinstance(error, XirangError) or not _peer_failure(error):
-            raise
-        raise XirangError(f"rank {rank} lost a peer in step {step + 1}: {str(error).splitlines()[0][:300]}",
-                          where=f"xirang train, rank {rank}, step {step + 1}",
-                          hint="another rank died or stopped (the launcher's or torchrun's summary names it); "
-                               "rerun the same command with --resume to continue from the newest complete "
-                               "checkpoint in --checkpoint-dir") from error
-    finally:
-        stopped.restore()
-        if metrics is not None:
-            metrics.close()
-    if bar is not None:
-        bar.finish()
-    return {"losses": losses, "start": start}
-
-
-def reprice_step(args) -> int:
-    """The step after which the plan is re-priced: ``--reprice-after``, else 3 when the run is longer than
-    5 steps; 0: never."""
-    if args.reprice_after is not None:
-        return args.reprice_after
-    return 3 if args.steps > 5 else 0
-
-
-class StopOnSigterm:
-    """While installed, SIGTERM raises a XirangError naming the rank and step instead of killing the
-    process silently: torchrun stops the surviving ranks with SIGTERM the moment one rank fails, often
-    before the survivors' own collectives notice the loss, and they should still say what happened."""
-
-    def __init__(self, rank: int, current_step):
-        self.rank, self.current_step, self.previous = rank, current_step, None
-        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
-            self.previous = signal.signal(signal.SIGTERM, self._stop)
-
-    def _stop(self, signum, frame):
-        step = self.current_step() + 1
-        raise XirangError(f"rank {self.rank} was stopped by its launcher (SIGTERM) in step {step}",
-                          where=f"xirang train, rank {self.rank}, step {step}",
-                          hint="torchrun stops every rank once one fails (its summary names the rank that failed "
-                               "first); rerun the same command with --resume to continue from the newest "
-                               "complete checkpoint in --checkpoint-dir")
-
-    def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-
-
-def _peer_failure(error: RuntimeError) -> bool:
-    """Whether a RuntimeError is a collective that lost its peer (torch names these DistError, or gloo's
-    transport and NCCL errors say so in their text) rather than a bug of the step itself."""
-    import torch.distributed as dist
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error)
-    return any(word in text for word in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
-
-
-def _resume(compiled, optimizer, schedule, batches, root, say: bool) -> tuple:
-    """(first step, losses so far) from the newest complete checkpoint under ``root`` (0, [] if none)."""
-    import xirang
-    if xirang.latest_checkpoint(root) is None:
-        if say:
-            print(f"resume: no complete checkpoint in {root}; starting at step 0", flush=True)
-        return 0, []
-    found = xirang.load_checkpoint(compiled, optimizer, root)
-    extra = found["extra"]
-    schedule.load_state_dict(extra["lr"])
-    batches.load_state_dict(extra["data"])
-    if say:
-        print(f"resume: step {found['step']} from {xirang.latest_checkpoint(root, quiet=True)}", flush=True)
-    return found["step"], list(extra["losses"])
-
-
-class TrainProgress:
-    """Rank 0's log: one line per step, and on a terminal a bar redrawn under it."""
-
-    def __init__(self, total: int, start: int, live: bool):
-        self.total, self.start, self.live, self.began = total, start, live, time.perf_counter()
-
-    def line(self, step, loss, tokens_per_s, took, predicted, lr, norm, stepped) -> None:
-        clip = "" if norm is None else f"  |grad| {norm:.3g}" + ("" if stepped else " (non-finite: step skipped)")
-        text = (f"step {step + 1}/{self.total}  loss {loss:.4f}  lr {lr:.3g}{clip}  {tokens_per_s:,.0f} tok/s  "
-                f"step {took * 1e3:.0f} ms (plan {predicted * 1e3:.3g} ms)")
-        if self.live:
-            sys.stdout.write("\r\033[K")
-        print(text, flush=True)
-        if self.live:
-            done = step + 1
-            width = 30
-            filled = int(width * done / self.total)
-            rate = (done - self.start) / max(1e-9, time.perf_counter() - self.began)
-            left = (self.total - done) / rate if rate else 0.0
-            sys.stdout.write(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  ~{left:.0f} s left")
-            sys.stdout.flush()
-
-    def finish(self) -> None:
-        if self.live:
-            sys.stdout.write("\r\033[K")
-            sys.stdout.flush()
+from xirang.cli.train_loop import metrics_path, run_folder, token_model, train_rank, watching
 
 
 def write_loss_picture(path, losses: list, title: str):
@@ -390,16 +170,6 @@ def run_options(args) -> dict:
     return {dest: getattr(args, dest) for dest in train_actions() if dest not in NOT_SAVED}
 
 
-def run_folder(args):
-    """Where the run's config.toml and metrics.jsonl go: --run-dir, else --checkpoint-dir (None: neither)."""
-    return args.run_dir or args.checkpoint_dir
-
-
-def metrics_path(args):
-    from xirang.cli.train_metrics import default_metrics_path
-    return args.metrics or default_metrics_path(run_folder(args))
-
-
 def save_run_config(args):
     """config.toml in the run's folder: ``xirang train --config`` of it runs the same options again."""
     import socket
@@ -461,21 +231,17 @@ def run_facts(args, plan, global_batch: int, calibrated_by):
                     tokens_per_step=global_batch * example["input_ids"].shape[1])
 
 
-def watching(args) -> bool:
-    """Whether the run writes metrics (then every rank hands in its memory and the gradient norm is taken)."""
-    return bool(metrics_path(args) or args.tensorboard)
-
-
 def cmd_train(args) -> int:
     import shlex
 
     import xirang
     from xirang.cli.verify import prepare
     from xirang.cli.model_files import load_factory
+    from xirang.cli.train_prechecks import check_before_ranks
     args = effective_options(args)
     load_factory(args.model)
     check_train_args(args)
-    token_model(args, args.global_batch)  # a model that does not take token ids is refused before planning
+    model, example = token_model(args, args.global_batch)  # one that does not take token ids: refused before planning
     if args.print_command:
         print(shlex.join(torchrun_command(args)))
         return 0
@@ -485,6 +251,7 @@ def cmd_train(args) -> int:
         rank, _ = ensure_distributed(args.world, script="-m xirang train", script_args=[args.model],
                                      timeout_s=args.collective_timeout)
         plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world_spec(args))
+        check_before_ranks(args, model, example, global_batch, say=rank == 0)
         calibrated_by = f"--world-file {args.world_file}" if args.world_file else None
         facts = None
         if rank == 0:
@@ -500,6 +267,7 @@ def cmd_train(args) -> int:
         return 0
     world, calibrated_by = planning_world(args)
     plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world)
+    check_before_ranks(args, model, example, global_batch)  # every input, before a rank starts (train_prechecks.py)
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
           f"global batch {global_batch}; predicted step {plan.predicted.step_seconds * 1e3:.3g} ms "
           f"({priced_on(plan, calibrated_by)}); {args.steps} steps on {args.world} local CPU ranks", flush=True)
@@ -559,6 +327,10 @@ def add_train_arguments(train) -> None:
                        help="the cosine ends at this fraction of the peak (default 0.1)")
     train.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay (default 0)")
     train.add_argument("--clip", type=positive_float, help="clip the global gradient norm to this (default: none)")
+    train.add_argument("--on-nonfinite", choices=("stop", "skip", "rollback"), default="stop",
+                       help="a step whose loss or global gradient norm is NaN or inf: stop naming where it appeared "
+                            "(default), skip its optimizer step, or roll back to the newest checkpoint and go on with "
+                            "the next batches (needs --checkpoint-dir)")
     train.add_argument("--checkpoint-dir", help="folder of checkpoints (step-<n>/); the last step is always saved")
     train.add_argument("--checkpoint-every", type=positive_int, help="save every N steps")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")

@@ -118,7 +118,7 @@ def held_by_compiled(compiled) -> list:
     """This rank's trainable parameters (``CompiledModel``), each once, with their tp pieces."""
     shards, aliases = compiled.program.shards, compiled.program.aliases
     held = []
-    for name, param in compiled.named_parameters():
+    for name, param in compiled.named_model_parameters():
         shard = shards.get(name)
         placement, full_shape = (shard.placement, shard.full_shape) if shard else (Replicate(), tuple(param.shape))
         held.append(HeldParameter(name, tuple(aliases.get(name, (name,))),

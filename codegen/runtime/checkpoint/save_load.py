@@ -8,7 +8,8 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder ``ROOT/step-<8 digit
 (codegen/runtime/checkpoint/store.py: complete only once its marker is written last) holding the
 parameters and the optimizer's per-parameter state under the single-device model's names and global
 shapes (codegen/runtime/checkpoint/layout.py: each rank declares which blocks of each global tensor it
-holds, padding excluded, a tied weight once), the step, the randomness (``compiled.rng_state()``:
+holds, padding excluded, a tied weight once; a NaN or inf in any refuses the save: finite_check.py),
+the step, the randomness (``compiled.rng_state()``:
 the seed and step every future draw follows; torch's own generator state of every rank), the mesh
 it was saved under by named axes (codegen/runtime/checkpoint/mesh_record.py) and the caller's
 ``extra`` (plain data). Loading under another plan -- other dp, tp, pp, world size -- is
@@ -57,6 +58,7 @@ from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTI
                                                       tensor_entries)
 from xirang.codegen.runtime.checkpoint.mesh_record import mesh_record, saving_rank
 from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
+from xirang.codegen.runtime.checkpoint.finite_check import refuse_nonfinite
 from xirang.codegen.runtime.data_parallel.dist_optimizer import PerParameterState
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Replicate
@@ -198,6 +200,8 @@ def _save_checkpoint(target, optimizer, directory, *, step: int, extra, async_sa
             future = dcp.async_save(staged, storage_writer=writer, planner=PiecesSavePlanner(),
                                     process_group=_async_group(target) if distributed else None,
                                     async_stager=_AlreadyStaged(), no_dist=not distributed)
+    refuse_nonfinite(state, step=step, folder=folder, rank=_rank(target), distributed=distributed,
+                     device=getattr(target, "device", "cpu"))  # before the folder is touched: no bad checkpoint
         return PendingCheckpoint(future, folder, step, layout, coordinator)
     with _one_process(not distributed):
         dcp.save(state, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not distributed)

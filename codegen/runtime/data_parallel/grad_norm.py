@@ -21,9 +21,11 @@ same gradients as every other dp replica. So each rank sums ``|g|^p`` over the e
 
 The owned sums are added over the tp group, then the pp group (``max`` for the inf-norm), which
 gives every rank of the mesh the same total norm ``(sum |g|^p)^(1/p)``. Each local gradient is then
-scaled by ``min(1, max_norm / (total + 1e-6))``, torch's coefficient. A non-finite total (an inf
-or nan gradient anywhere) leaves the gradients untouched and is logged; ``step_if_finite`` is the
-caller's way to skip the optimizer step then (the same decision on every rank: the total is).
+scaled by ``min(1, max_norm / (total + 1e-6))``, torch's coefficient (``max_norm=inf``: the norm only,
+nothing scaled). A non-finite total (an inf or nan gradient anywhere) leaves the gradients untouched
+and is logged; clipping does not decide the step: ``step_if_finite`` skips it, and
+codegen/runtime/numerics/nonfinite.py applies the user's policy (stop, skip, roll back) -- the same
+decision on every rank, since every rank holds the same total.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from xirang.ir.placement import Shard
 
 LOG = logging.getLogger("xirang.grad_norm")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (total + 1e-6)
+# clipping does not decide the step: the caller does (step_if_finite, or numerics/nonfinite.py's policy)
+UNCLIPPED = "rank %d: the global gradient norm is %s; the gradients were left unclipped"
 
 
 def real_elements(local: torch.Tensor, shard, tp_rank: int, tp: int) -> torch.Tensor:
@@ -123,8 +127,10 @@ def clip_grad_norm(named_parameters, max_norm: float, norm_type: float = 2.0, *,
     owned = owned_gradients(named_parameters, shards=shards, tied=tied, groups=groups)
     total = global_grad_norm(owned, float(norm_type), groups, device)
     if not torch.isfinite(total):
-        LOG.warning("rank %d: the gradient norm is %s; gradients left unclipped, skip this optimizer step",
-                    groups.rank, total.item())
+        if not math.isinf(max_norm):  # the norm alone was asked for: the caller's guard reports it
+            LOG.warning(UNCLIPPED, groups.rank, total.item())
+        return total
+    if math.isinf(max_norm):  # the norm only: scaling by 1 would be a pass over every gradient for nothing
         return total
     coefficient = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
     for _, param in named_parameters:
