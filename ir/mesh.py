@@ -5,7 +5,7 @@ Four axes size the ranks (``world = pp * dp * cp * tp``); listed outermost to in
 
     rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
-This is Megatron-Core's order ``tp-cp-ep-dp-pp`` (``parallel_state.py``, written innermost
+This is Megatron-Core's order ``tp-cp-ep-dp-pp`` (its ``parallel_state`` module, written innermost
 first). Why each place: ranks are numbered node by node (``xirang.ir.world``), so the innermost
 axes ride the intra-node links (NVLink) and the outermost ones the slower network.
 
