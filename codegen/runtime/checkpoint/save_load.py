@@ -57,8 +57,8 @@ from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTI
                                                       all_model_names, held_by_compiled, held_by_module, pieces_of,
                                                       tensor_entries)
 from xirang.codegen.runtime.checkpoint.mesh_record import mesh_record, saving_rank
-from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
 from xirang.codegen.runtime.checkpoint.finite_check import refuse_nonfinite
+from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
 from xirang.codegen.runtime.data_parallel.dist_optimizer import PerParameterState
 from xirang.ir.mesh import Mesh
 from xirang.ir.placement import Replicate
@@ -186,6 +186,8 @@ def _save_checkpoint(target, optimizer, directory, *, step: int, extra, async_sa
     layout = _layout(target, held)
     state.update({STEP: step, EXTRA: extra, RNG: None if _is_module(target) else target.rng_state(),
                   TORCH_RNG: rng_states, LAYOUT: layout})
+    refuse_nonfinite(state, step=step, folder=folder, rank=_rank(target), distributed=distributed,
+                     device=getattr(target, "device", "cpu"))  # before the folder is touched: no bad checkpoint
     coordinator = _rank(target) == 0
     if coordinator:
         folder.mkdir(parents=True, exist_ok=True)
@@ -200,8 +202,6 @@ def _save_checkpoint(target, optimizer, directory, *, step: int, extra, async_sa
             future = dcp.async_save(staged, storage_writer=writer, planner=PiecesSavePlanner(),
                                     process_group=_async_group(target) if distributed else None,
                                     async_stager=_AlreadyStaged(), no_dist=not distributed)
-    refuse_nonfinite(state, step=step, folder=folder, rank=_rank(target), distributed=distributed,
-                     device=getattr(target, "device", "cpu"))  # before the folder is touched: no bad checkpoint
         return PendingCheckpoint(future, folder, step, layout, coordinator)
     with _one_process(not distributed):
         dcp.save(state, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not distributed)
