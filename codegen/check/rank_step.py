@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from xirang.codegen.check.gpu_semantics import HostCopies, fuse_attention
 from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
 from xirang.codegen.check.send_completion import completed_by_causality
+from xirang.codegen.check.send_completion import completed_by_causality
 from xirang.codegen.check.records import MemoryReport, RankLog
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.compiled_model import CompiledModel
@@ -109,6 +110,7 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
             hooks = [param.register_post_accumulate_grad_hook(recorder.mark_gradient)  # ZeRO drops them
                      for _, param in compiled.named_parameters() if param.requires_grad]  # before the step ends
             with completed_by_causality():  # fake sends never complete; a network's do (send_completion.py)
+                with completed_by_causality():  # fake sends never complete; a network's do (send_completion.py)
                 compiled.train_step(**batch, pre_sharded=True)
             for hook in hooks:
                 hook.remove()
