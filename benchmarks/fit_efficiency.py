@@ -4,7 +4,7 @@ The roofline prices matmuls at ``Efficiency.matmul`` of the datasheet peak and m
 ``Efficiency.memory`` of the datasheet bandwidth (passes/planning/cost_model.py ``compute_time``). The
 fractions are a device's (ir/device.py: ``DeviceSpec.efficiency``, one per preset and generation); this
 script fits the A100 preset's, what a calibration would measure; with no A100 here, to the five rows of
-../shared/reference/published_configs.json: each row's published configuration is priced (pinned, as
+benchmarks/published_configs.json: each row's published configuration is priced (pinned, as
 in benchmarks/published_configs.py) on a grid of (matmul, memory) and the pair with the smallest
 worst-case |log(predicted / published TFLOP/s)| wins. Leave-one-out: each row is also predicted with
 the pair fitted to the other four, which is the honest figure for a configuration not in the table.

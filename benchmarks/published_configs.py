@@ -1,4 +1,4 @@
-"""Xirang's planner against the experts: every row of ../shared/reference/published_configs.json.
+"""Xirang's planner against the experts: every row of benchmarks/published_configs.json.
 
 For each row (Narayanan et al. 2021, table 1: GPT models on A100-80GB, seq 2048, vocab 51200, global
 batch B), this script plans the same model for the same cluster twice with the same cost model:
@@ -28,7 +28,7 @@ import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from xirang.ir.world import World  # noqa: E402
 
-REFERENCE = ROOT.parent / "shared" / "reference" / "published_configs.json"
+REFERENCE = ROOT / "benchmarks" / "published_configs.json"  # Narayanan et al. 2021 table 1, source inside
 SEQ, VOCAB, DEVICE, GPUS_PER_NODE = 2048, 51200, "a100-80g", 8
 
 

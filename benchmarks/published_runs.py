@@ -10,7 +10,7 @@ TFLOP/s per GPU are counted the way the source counts them (the JSON's "flops"),
 count for the published and the predicted figure, so the error is the step-time ratio:
 error = predicted TFLOP/s / published - 1 = published step / predicted step - 1 (negative: predicted
 too slow). Nothing here is fitted: the A100 efficiencies were fitted to the five runs of
-../shared/reference/published_configs.json (benchmarks/fit_efficiency.py), none of which is a row
+benchmarks/published_configs.json (benchmarks/fit_efficiency.py), none of which is a row
 here; the H100's are set from the reasons written beside them, not from these rows. So no
 leave-one-out errors are due: no row's figure enters any other row's price.
 

@@ -221,7 +221,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         # 2020-21 software (Megatron-LM with apex kernels, attention unfused: its seq x seq scores
         # written, masked, softmaxed and dropped out in HBM): the pair fitted by
         # benchmarks/fit_efficiency.py to the five Megatron-LM runs of
-        # ../shared/reference/published_configs.json (worst error 4.8%, leave-one-out 10.6%).
+        # benchmarks/published_configs.json (worst error 4.8%, leave-one-out 10.6%).
         # matmul 0.7 = 218 of 312 TFLOP/s; memory 0.35 lumps the unfused elementwise passes.
         efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.35),
     ),
