@@ -108,7 +108,7 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
             first_event = len(recorder.events)
             counter.reset()
             hooks = [param.register_post_accumulate_grad_hook(recorder.mark_gradient)  # ZeRO drops them
-                     for _, param in compiled.named_parameters() if param.requires_grad]  # before the step ends
+                     for _, param in compiled.named_model_parameters() if param.requires_grad]  # before the step ends
             with completed_by_causality():  # fake sends never complete; a network's do (send_completion.py)
                 with completed_by_causality():  # fake sends never complete; a network's do (send_completion.py)
                 compiled.train_step(**batch, pre_sharded=True)
@@ -145,7 +145,7 @@ def _failing_action(error: BaseException) -> str:
 
 def _keys(recorder: Recorder, compiled) -> dict:
     """Storage keys of what the rank holds by part, read after the step (before the optimizer runs)."""
-    params = [t for _, t in compiled.named_parameters()] + list(compiled.parameters())
+    params = [t for _, t in compiled.named_model_parameters()] + list(compiled.parameters())
     grads = [t.grad for t in params if t.grad is not None]
     buffers = compiled.executor.buffers.tensors()
     keys = lambda tensors: {recorder.storage_key(t) for t in tensors} - {None}  # noqa: E731
