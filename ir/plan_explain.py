@@ -86,8 +86,8 @@ def why_lost(winner: Alternative, other: Alternative, usable_bytes: float) -> st
         speed = f"{faster / winner.step_seconds:.0%} faster, but " if faster > 0 else ""
         return speed + _too_big(other, usable_bytes)
     slower = other.step_seconds - winner.step_seconds
-    if slower <= 1e-3 * winner.step_seconds:
-        return "as fast within 0.1%; listed after the winner by the planner's tie-break"
+    if abs(slower) <= 1e-3 * winner.step_seconds:
+        return "the same predicted step (within 0.1%); the planner's tie-break put the winner first"
     grew = sorted(((other.breakdown.get(key, 0.0) - winner.breakdown.get(key, 0.0), key) for key, _ in CAUSES),
                   reverse=True)
     names = dict(CAUSES)
@@ -135,14 +135,23 @@ def option_trades(plan) -> list[tuple[str, str]]:
     return found
 
 
+def runners_up(plan) -> list[tuple[Alternative, str]]:
+    """The alternatives with why each lost, those that fit first, each group fastest first. The sentence
+    is written from the plan's figures now, not read from ``Alternative.why``: that was written when the
+    search ended, and the winner's step can move after it (the tp overlap chosen, shares, a re-price)."""
+    winner, usable = as_row(plan), min(stage.memory_limit_bytes for stage in plan.stages)
+    ordered = sorted(plan.alternatives, key=lambda row: (not row.fits, row.step_seconds))
+    return [(row, why_lost(winner, row, usable)) for row in ordered]
+
+
 def why_won(plan) -> str:
     """Why the plan's configuration was chosen, read from the alternatives it carries."""
     if not plan.alternatives:
         return "it was the only configuration priced (every choice pinned, or no other fits the rules)."
     usable = min(stage.memory_limit_bytes for stage in plan.stages)
-    fitting = [a for a in plan.alternatives if a.fits]
+    fitting = [(row, why) for row, why in runners_up(plan) if row.fits]
     parts = [f"it has the shortest predicted step of the configurations that fit; the next best, "
-             f"{label(fitting[0])}, is {fitting[0].why}." if fitting else
+             f"{label(fitting[0][0])}, is {fitting[0][1]}." if fitting else
              "no other configuration priced fits device memory."]
     parts += [f"{label(a)} would be faster but {_too_big(a, usable)}." for a in plan.alternatives
               if not a.fits and a.step_seconds < plan.predicted.step_seconds]
@@ -167,7 +176,7 @@ def explain_data(plan) -> dict:
             "precision": plan.precision,
             "usable_bytes_per_device": min(stage.memory_limit_bytes for stage in plan.stages),
             "memory_parts_per_pipeline_rank": [dict(part) for part in plan.predicted.memory_parts],
-            "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, a.why) for a in plan.alternatives],
+            "rows": [row(as_row(plan), True, why_won(plan))] + [row(a, False, why) for a, why in runners_up(plan)],
             "options": [{"option": title, "trade": line} for title, line in option_trades(plan)],
             "notes": list(plan.predicted.notes)}
 
@@ -198,8 +207,8 @@ def _memory_table(plan) -> list[str]:
 
 def explain_plan(plan) -> str:
     """The text table ``Plan.explain()`` returns."""
-    winner = as_row(plan)
-    rows = [winner, *plan.alternatives]
+    winner, ranked = as_row(plan), runners_up(plan)
+    rows = [winner, *(row for row, _ in ranked)]
     # the offload column only where some configuration offloads
     causes = [(key, title) for key, title in CAUSES
               if key != "offload" or any(row.breakdown.get(key, 0.0) for row in rows)]
@@ -208,7 +217,7 @@ def explain_plan(plan) -> str:
               + " ".join(f"{title:>10}" for _, title in causes) + f" {'max ' + unit:>8}  fits")
     lines = [f"Plan for {plan.world.describe()}, global batch {plan.global_batch}, precision {plan.precision}",
              f"Mesh axes: {plan.mesh.describe()}", "", header, "-" * len(header)]
-    for mark, row in [("* ", winner)] + [("  ", a) for a in plan.alternatives]:
+    for mark, row in [("* ", winner)] + [("  ", row) for row, _ in ranked]:
         seconds = " ".join(f"{row.breakdown.get(key, 0.0):>10.4g}" for key, _ in causes)
         memory = max(row.memory_bytes_per_device, default=0) / scale
         lines.append(f"{mark}{label(row):<56} {row.step_seconds:>8.4g} {row.tflops_per_device:>8.1f} {seconds} "
@@ -224,8 +233,8 @@ def explain_plan(plan) -> str:
     lines.append("")
     lines.append(f"Why this plan: {why_won(plan)}")
     lines.extend(f"{title}: {line}" for title, line in option_trades(plan))
-    for a in plan.alternatives:
-        lines.append(f"  - {label(a)}: {a.why}")
+    for row, why in ranked:
+        lines.append(f"  - {label(row)}: {why}")
     if plan.predicted.notes:
         lines.append("Notes:")
         lines.extend(f"  - {note}" for note in plan.predicted.notes)
