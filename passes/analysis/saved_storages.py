@@ -23,8 +23,10 @@ aten = torch.ops.aten
 ZERO = sympy.Integer(0)
 STAT_BYTES = 4  # mean/rstd/logsumexp statistics are kept in float32 (the accumulation type)
 
-# Ops whose output aliases an input's storage: nothing is read or written. ``reshape`` copies when
-# its input is not contiguous (e.g. after a transpose); that copy is not priced here.
+# Ops whose output aliases an input's storage: nothing is read or written. ``reshape`` copies when its
+# input cannot be viewed in the new shape; ``_reshape_copies`` counts the copy where it does not depend on
+# the device: a broadcast input (repeat_kv's expanded kv heads) merged into another dim. A reshape after a
+# transpose copies on CPU's math attention but views a GPU's fused kernel output, so it stays an alias.
 ALIAS_OPS = frozenset({
     operator.getitem, aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.t,
     aten.permute, aten.expand, aten.expand_as, aten.squeeze, aten.unsqueeze, aten.slice, aten.select,
@@ -104,11 +106,29 @@ ALIAS_WHEN = {aten.to: _same_dtype, aten.dropout: _dropout_alias}
 
 # --- storages: what a saved tensor keeps alive ------------------------------------------------
 
+def _reshape_copies(node: Node) -> bool:
+    """Does this ``aten.reshape`` copy on every device: its traced input broadcasts a dim (stride 0, size
+    not 1) and cannot be viewed in the output's shape? (Grouped-query attention's repeat_kv: k and v expanded
+    to the query heads, then reshaped; the copy is what attention keeps for its backward.)"""
+    source, result = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None, node.meta.get("val")
+    if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
+        return False
+    broadcast = any(isinstance(stride, int) and stride == 0 and not (isinstance(size, int) and size == 1)
+                    for size, stride in zip(source.shape, source.stride()))
+    if not broadcast:
+        return False
+    try:
+        source.view(result.shape)
+    except (RuntimeError, ValueError):
+        return True
+    return False
+
+
 def is_alias(node: Node) -> bool:
     """Does ``node``'s output share its input's storage (a view, or an op that returns its input)?"""
     packet = op_packet(node)
     if packet in ALIAS_OPS:
-        return True
+        return not (packet is aten.reshape and _reshape_copies(node))
     when = ALIAS_WHEN.get(packet)
     return when is not None and when(node)
 

@@ -148,3 +148,25 @@ def test_batched_matmul_keeps_copies_of_the_heads_except_at_a_micro_batch_of_one
     hidden = 64 * 4  # bytes of one token's hidden vector, float32
     assert evaluate(saved, {"batch": 2, "seq": 16}) == 2 * (2 * 16 * hidden)  # copies of q and k
     assert evaluate(saved, {"batch": 1, "seq": 16}) == (1 + 3) * 16 * hidden  # scaled q, the qkv storage
+
+
+class _RepeatKV(nn.Module):
+    """Grouped-query attention's repeat_kv (Hugging Face Llama): 2 kv heads expanded to 4 query heads."""
+
+    def forward(self, q, k, v):
+        b, heads, s, d = k.shape
+        k = k[:, :, None].expand(b, heads, 2, s, d).reshape(b, heads * 2, s, d)
+        v = v[:, :, None].expand(b, heads, 2, s, d).reshape(b, heads * 2, s, d)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_a_reshape_that_merges_a_broadcast_dim_is_a_copy_that_attention_keeps():
+    q = torch.randn(3, 4, 5, 8, requires_grad=True)
+    k, v = (torch.randn(3, 2, 5, 8, requires_grad=True) for _ in range(2))
+    gm = analysed(_RepeatKV(), q=q, k=k, v=v)
+    from xirang.passes.analysis.saved_storages import input_saved, storage_of
+    reshapes = [n for n in gm.graph.nodes if str(getattr(n.target, "overloadpacket", "")) == "aten.reshape"]
+    attention = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    assert len(reshapes) == 2 and all(storage_of(n) is n for n in reshapes)  # each owns a new storage
+    kept = {item.storage for value in attention.args[:3] for item in input_saved(attention, value)}
+    assert {n.name for n in reshapes} <= kept  # the 4-head copies are what attention saves, not the 2-head k, v
