@@ -237,6 +237,25 @@ def test_an_incomplete_newest_step_is_passed_over_for_the_complete_one(tmp_path)
     assert check_resume(folder, build_gpt(TINY)) == []
 
 
+POSITION = {"seed": 0, "rows": 100, "row_tokens": SEQ + 1, "global_batch": BATCH, "shuffle": True}
+
+
+@pytest.mark.parametrize("change, words", [({}, ()), ({"global_batch": 16}, ("global_batch 8 there, 16 now",)),
+                                           ({"seed": 3}, ("seed 0 there, 3 now",)),
+                                           ({"rows": 7, "row_tokens": SEQ}, ("row_tokens 65 there, 64 now",
+                                                                            "rows 100 there, 7 now"))])
+def test_a_checkpoint_saved_reading_other_data_is_refused_naming_what_differs(tmp_path, change, words):
+    torch.manual_seed(0)
+    model = build_gpt(TINY)
+    xirang.save_checkpoint(model, None, tmp_path / "ckpt", step=3, extra={"data": dict(POSITION, step=3)})
+    now = dict(POSITION, **change)
+    if not words:
+        assert check_resume(tmp_path / "ckpt", model, data=now) == []
+        return
+    refused(lambda: check_resume(tmp_path / "ckpt", model, data=now), "was saved reading other data",
+            "extra['data']", "--global-batch and --seed", *words)
+
+
 def test_the_cli_refuses_resuming_another_models_checkpoint_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     folder = saved(tmp_path, GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=4, layers=2))
     monkeypatch.chdir(REPO)
@@ -244,6 +263,36 @@ def test_the_cli_refuses_resuming_another_models_checkpoint_before_any_rank_star
                  "--reprice-after", "0"]) == 2
     captured = capsys.readouterr()
     assert "is for another model" in captured.err and "rank pids" not in captured.out
+
+
+# --- the World file, the plan and the model file: read before planning -------------------------------------------
+
+def test_a_missing_world_file_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", MODEL, "--world", "2", "--synthetic", "--world-file", str(tmp_path / "w.json")]) == 2
+    err = capsys.readouterr().err
+    assert "w.json" in err and "xirang calibrate" in err, err
+
+
+def test_a_world_file_of_another_size_is_refused_naming_both(tmp_path, capsys, monkeypatch):
+    from xirang.ir.world import parse_world
+    parse_world(4, "cpu").save(tmp_path / "w.json")
+    monkeypatch.chdir(REPO)
+    assert main(["train", MODEL, "--world", "2", "--synthetic", "--world-file", str(tmp_path / "w.json")]) == 2
+    assert "describes 4 ranks, not --world 2" in capsys.readouterr().err
+
+
+def test_a_missing_plan_file_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", MODEL, "--world", "1", "--synthetic", "--plan", str(tmp_path / "plan.json")]) == 2
+    captured = capsys.readouterr()
+    assert "plan.json" in captured.err and "rank pids" not in captured.out, captured
+
+
+def test_a_missing_model_file_is_refused_naming_it(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", "no_such_model.py:build", "--world", "1", "--synthetic"]) == 2
+    assert "no_such_model.py" in capsys.readouterr().err
 
 
 # --- options: the non-finite policy ------------------------------------------------------------------------------

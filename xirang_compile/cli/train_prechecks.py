@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,16 +40,17 @@ def check_before_ranks(args, model, example_kwargs: dict, global_batch: int, say
     from xirang.cli.train_loop import vocabulary
     notes = []
     check_policy(args)
+    seq = example_kwargs["input_ids"].shape[1]
+    shift = not hasattr(getattr(model, "config", None), "model_type")  # as train_loop's _batches reads
     if args.data:
-        seq = example_kwargs["input_ids"].shape[1]
-        shift = not hasattr(getattr(model, "config", None), "model_type")  # as train_loop's _batches reads
         notes += check_data(args.data, vocab=vocabulary(model), seq=seq, shift=shift,
                             global_batch=global_batch, steps=args.steps)
     if args.checkpoint_dir:
         params = sum(p.numel() for p in model.parameters())
         check_checkpoint_folder(args.checkpoint_dir, params * CHECKPOINT_BYTES_PER_PARAMETER)
         if args.resume:
-            notes += check_resume(args.checkpoint_dir, model)
+            notes += check_resume(args.checkpoint_dir, model,
+                                  data=data_position(args, seq=seq, shift=shift, global_batch=global_batch))
     for note in notes if say else ():
         print(note, flush=True)
     return notes
@@ -144,8 +146,19 @@ def check_checkpoint_folder(folder, need_bytes: int) -> None:
                                "every step since its last checkpoint")
 
 
-def check_resume(folder, model) -> list:
-    """The newest complete checkpoint's tensors against ``model``'s, the first difference named."""
+def data_position(args, *, seq: int, shift: bool, global_batch: int) -> dict:
+    """What this run's ``RankBatches.state_dict()`` will hold but its step: a checkpoint's must match it."""
+    from xirang.codegen.runtime.data.rank_batches import SyntheticTokens, TokenFile
+    row = seq + 1 if shift else seq
+    tokens = len(TokenFile(args.data)) if args.data else len(SyntheticTokens(1))
+    return {"seed": args.seed, "rows": tokens // row, "row_tokens": row, "global_batch": global_batch,
+            "shuffle": True}
+
+
+def check_resume(folder, model, data=None) -> list:
+    """The newest complete checkpoint's tensors against ``model``'s, the first difference named; and, given
+    ``data`` (``data_position``), its saved data position against this run's (another file, sequence length,
+    global batch or seed would continue on other batches, refused in every rank otherwise)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from xirang.codegen.runtime.checkpoint.layout import MODEL
@@ -174,7 +187,33 @@ def check_resume(folder, model) -> list:
     extra = sorted(set(saved) - known)
     if extra:
         raise _mismatch(found, f"it holds {extra[0]!r}, which the model does not have", saved)
+    if data is not None:
+        _check_data_position(found, data)
     return []
+
+
+def _check_data_position(found, data: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from xirang.codegen.runtime.checkpoint.layout import EXTRA
+    state = {EXTRA: {}}
+    try:
+        with warnings.catch_warnings():  # DCP warns that one process reads alone: that is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=FileSystemReader(str(found)), no_dist=True)
+    except Exception:  # noqa: BLE001 - no readable extra: the ranks' own load says more
+        return
+    saved = state[EXTRA].get("data") if isinstance(state[EXTRA], dict) else None
+    if not isinstance(saved, dict):
+        return  # not a checkpoint of xirang train: nothing to compare
+    differ = [key for key in ("global_batch", "row_tokens", "rows", "seed", "shuffle") if saved.get(key) != data[key]]
+    if differ:
+        said = "; ".join(f"{key} {saved.get(key)!r} there, {data[key]!r} now" for key in differ)
+        raise XirangError(f"--resume: the checkpoint {found} was saved reading other data: {said}",
+                          where=f"--resume, {found}, extra['data']",
+                          hint="resume with the same --data file, sequence length, --global-batch and --seed, or "
+                               "point --checkpoint-dir at a new folder to start afresh")
 
 
 def _mismatch(found, what: str, saved: dict) -> XirangError:

@@ -6,15 +6,17 @@
         outcome = guard.step(compiled, optimizer, loss, step=step + 1, clip=1.0)   # instead of step + zero_grad
         if outcome.rolled_back_to is not None: ...       # continue from that checkpoint (its ``extra``)
 
-Detection costs no collective of its own. The loss ``train_step`` returns is already the same on every
+Detection reads numbers the step already shares. The loss ``train_step`` returns is the same on every
 rank (the global-batch mean, all-reduced over dp and broadcast over pp), and the global gradient norm
 (``compiled.clip_grad_norm_``: ``clip``, or ``inf`` for the norm alone) is one scalar all-reduce per mesh
-axis -- the one clipping runs anyway. A NaN or inf gradient anywhere makes the norm non-finite on every
-rank (NaN and inf survive every sum), so every rank reaches the same verdict in the same step and no rank
-waits in a collective the others skipped. Only on a non-finite step does one more collective run: every
-rank hands in where it saw non-finite numbers (its own micro-batches' losses before the dp average, its
-first gradient and weight by name, the optimizer group holding it), so the report names the first rank
-and parameter where it appeared.
+axis -- the one clipping runs anyway; a NaN or inf gradient anywhere makes it non-finite on every rank
+of the tp x pp group (NaN and inf survive every sum). The norm is not summed over dp (replicas hold
+equal gradients), so one more small all-reduce, a flag over the world, makes the verdict every rank's
+even where a replica went wrong on its own (a fault, a rank-local bug): every rank takes the same branch
+in the same step and no rank waits in a collective the others skipped. Only on a non-finite step does
+one more collective run: every rank hands in where it saw non-finite numbers (its own micro-batches'
+losses before the dp average, its first gradient and weight by name, the optimizer group holding it), so
+the report names the first rank and parameter where it appeared.
 
 Policies (Megatron-LM stops on a non-finite loss or norm by default; skipping is what loss scaling does):
 
@@ -88,7 +90,7 @@ class NonFiniteGuard:
         ``zero_grad`` on finite numbers, else the policy. ``step``: the step's number in messages (1-based)."""
         norm = compiled.clip_grad_norm_(clip if clip else math.inf)
         value, total = float(loss), float(norm)
-        if math.isfinite(value) and math.isfinite(total):
+        if not _any_rank(not (math.isfinite(value) and math.isfinite(total)), compiled.device):
             optimizer.step()
             optimizer.zero_grad()
             return StepOutcome(step, value, total, "stepped", spike=self.spikes.observe(step, value))
@@ -127,6 +129,15 @@ class NonFiniteGuard:
             LOG.info("%s: rolled back to step %d", what, back)
         return StepOutcome(step, value, total, "rolled back", found=found, rolled_back_to=back,
                            extra=loaded["extra"])
+
+
+def _any_rank(bad: bool, device) -> bool:
+    """Whether any rank of the world says ``bad`` (one all-reduce of a flag; no collective on one process)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return bad
+    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
 
 
 def _first_nonfinite(named) -> Optional[str]:
