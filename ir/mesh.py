@@ -161,16 +161,23 @@ class Mesh:
         """
         size = self.axis_size(axis)
         coords = self.coords(rank)
-        if axis in RANK_AXES:
-            return tuple(self.rank_of(**{**coords, axis: i}) for i in range(size))
+        if axis in RANK_AXES:  # row-major: a step along ``axis`` is the product of the inner axes' sizes
+            stride = self._stride(axis)
+            base = rank - coords[axis] * stride
+            return tuple(base + i * stride for i in range(size))
+        # the (dp, cp) places f of one (pp, tp) place are tp apart: rank = (pp_index * dp * cp + f) * tp + tp_index
+        folded = coords["dp"] * self.cp + coords["cp"]
+        ep_index, edp_index = folded % self.ep, folded // self.ep
+        places = (range(edp_index * self.ep, (edp_index + 1) * self.ep) if axis == "ep"
+                  else range(ep_index, self.dp * self.cp, self.ep))
+        return tuple(rank + (f - folded) * self.tp for f in places)
 
-        def place(folded: int) -> int:  # the rank at (dp, cp) place ``folded`` of this (pp, tp)
-            dp_index, cp_index = divmod(folded, self.cp)
-            return self.rank_of(**{**coords, "dp": dp_index, "cp": cp_index})
-        ep_index, edp_index = self.index("ep", rank), self.index("edp", rank)
-        if axis == "ep":
-            return tuple(place(edp_index * self.ep + i) for i in range(size))
-        return tuple(place(i * self.ep + ep_index) for i in range(size))
+    def _stride(self, axis: str) -> int:
+        inner = RANK_AXES[RANK_AXES.index(axis) + 1:]
+        stride = 1
+        for other in inner:
+            stride *= getattr(self, other)
+        return stride
 
     def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
         """Every process group along ``axis``, ordered by their lowest rank.

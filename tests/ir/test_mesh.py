@@ -109,6 +109,13 @@ def test_groups_partition_ranks_on_every_axis():
         assert sorted(r for g in groups for r in g) == list(range(mesh.size))
         for rank in range(mesh.size):
             assert rank in mesh.group(axis, rank) and mesh.group(axis, rank).index(rank) == mesh.index(axis, rank)
+            kept = [a for a in RANK_AXES if a != axis and not (axis in ("ep", "edp") and a in ("dp", "cp"))]
+            # the definition: a group's members share every rank coordinate but its axis (ep and edp: pp and tp)
+            assert all(mesh.index(a, member) == mesh.index(a, rank) for member in mesh.group(axis, rank)
+                       for a in kept), (axis, rank)
+            other = "edp" if axis == "ep" else "ep" if axis == "edp" else None
+            if other:  # and an expert group keeps the other expert axis's index
+                assert {mesh.index(other, member) for member in mesh.group(axis, rank)} == {mesh.index(other, rank)}
 
 
 def test_tp_groups_are_contiguous():
