@@ -351,4 +351,5 @@ def test_sigterm_names_the_rank_and_step_and_the_handler_is_restored():
         signal.raise_signal(signal.SIGTERM)
     stop.restore()
     assert "rank 3 was stopped by its launcher (SIGTERM) in step 7" in caught.value.what
+    assert "fix what that rank's error says" in caught.value.hint and "not a wrong input" in caught.value.hint
     assert signal.getsignal(signal.SIGTERM) == before

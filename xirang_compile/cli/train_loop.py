@@ -204,8 +204,8 @@ class StopOnSigterm:
         raise XirangError(f"rank {self.rank} was stopped by its launcher (SIGTERM) in step {step}",
                           where=f"xirang train, rank {self.rank}, step {step}",
                           hint="torchrun stops every rank once one fails (its summary names the rank that failed "
-                               "first); rerun the same command with --resume to continue from the newest "
-                               "complete checkpoint in --checkpoint-dir")
+                               "first): fix what that rank's error says; a crash, not a wrong input, is then "
+                               "continued by the same command with --resume from the newest complete checkpoint")
 
     def restore(self) -> None:
         if self.previous is not None:
