@@ -1,12 +1,23 @@
-"""The ``xirang`` command run as a user would: a real subprocess, its output and its errors."""
+"""The ``xirang`` command run as a user would: a real subprocess, its output and its errors.
+
+Default tier: the subprocesses whose point is what a shell sees (analyze from another folder, plan then
+explain); the pins and the two module entry points run in this process (an interpreter start is
+seconds of the tier on a loaded machine, and what they check is the command, not the start). The error
+paths run as subprocesses in the matrix tier only: tests/bad_input probes each message in-process
+(test_cli_files.py, test_planning_inputs.py) and test_run_command.py runs one subprocess refusal.
+"""
 from __future__ import annotations
 
-import pytest
-
+import importlib
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.bad_input.probe import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,18 +40,21 @@ def test_analyze_prints_json_report(tmp_path):
     assert [(k["type"], k["count"]) for k in report["kinds"]] == [("Block", 2)]
 
 
+@pytest.mark.matrix  # a second interpreter for a message tests/bad_input checks in-process
 def test_missing_model_file_says_so():
     result = xirang("analyze", "no/such/file.py:build")
     assert result.returncode == 2
     assert "model file 'no/such/file.py' does not exist" in result.stderr
 
 
+@pytest.mark.matrix  # a second interpreter for a message tests/bad_input checks in-process
 def test_model_without_factory_part_says_the_form():
     result = xirang("analyze", "examples/catalog.py")
     assert result.returncode == 2
     assert "is not of the form path/to/file.py:factory" in result.stderr
 
 
+@pytest.mark.matrix  # a second interpreter for a message tests/bad_input checks in-process
 def test_unknown_factory_lists_the_functions():
     result = xirang("analyze", "examples/catalog.py:gpt_huge")
     assert result.returncode == 2
@@ -76,12 +90,15 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
 
 
 def test_plan_pins_are_honoured():
-    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "8",
-                    "--pp", "2", "--micro-batch", "2", "--schedule", "gpipe", "--recompute", "full")
-    assert result.returncode == 0, result.stderr
-    assert "* dp=1 pp=2 tp=1 b=2 m=4 gpipe recompute=full" in result.stdout
+    # in this process: what is checked is how the options become pins, not an interpreter's start
+    code, out, err = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu",
+                         "--global-batch", "8", "--pp", "2", "--micro-batch", "2", "--schedule", "gpipe",
+                         "--recompute", "full")
+    assert code == 0, err
+    assert "* dp=1 pp=2 tp=1 b=2 m=4 gpipe recompute=full" in out
 
 
+@pytest.mark.matrix  # a second interpreter for a message tests/bad_input checks in-process
 def test_bad_world_string_says_the_accepted_forms():
     result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2x9y", "--global-batch", "8")
     assert result.returncode == 2
@@ -104,6 +121,7 @@ def test_stale_or_hand_broken_plan_json_is_refused_naming_the_field(tmp_path):
     assert result.returncode == 2 and "global_batch 5 !=" in result.stderr
 
 
+@pytest.mark.matrix  # a second interpreter for a message tests/bad_input checks in-process
 def test_explain_of_a_missing_file_says_how_to_make_one():
     result = xirang("explain", "no/such/plan.json")
     assert result.returncode == 2 and "plan file 'no/such/plan.json' does not exist" in result.stderr
@@ -119,22 +137,25 @@ def test_launch_runs_a_training_script_on_local_ranks_through_torchrun():
     assert len(losses) == 2 and losses[1] < losses[0]
 
 
+@pytest.mark.matrix  # a second interpreter for a message tests/bad_input checks in-process
 def test_launch_of_a_missing_script_says_so():
     result = xirang("launch", "-n", "2", "no/such/train.py")
     assert result.returncode == 2 and "script 'no/such/train.py' does not exist" in result.stderr
 
 
-def test_importing_the_main_module_runs_nothing():
-    # `python -m xirang` runs the command; importing xirang.__main__ (a tool walking the package) must not
-    result = subprocess.run([sys.executable, "-c", "import xirang.__main__; print('imported')"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == "imported\n"
+def test_importing_the_main_module_runs_nothing(capsys, monkeypatch):
+    # `python -m xirang` runs the command; importing xirang.__main__ (a tool walking the package) must not.
+    # Were it to run, it would print the usage for --help and exit.
+    monkeypatch.setattr(sys, "argv", ["xirang", "--help"])
+    monkeypatch.delitem(sys.modules, "xirang.__main__", raising=False)
+    importlib.import_module("xirang.__main__")
+    assert capsys.readouterr().out == ""
 
 
-def test_the_metrics_picture_command_runs_as_documented(tmp_path):
+def test_the_metrics_picture_command_runs_as_documented(capsys, monkeypatch):
     # docs/architecture.md and the cli README: python -m xirang.cli.train_metrics FILE OUT.png
-    result = subprocess.run([sys.executable, "-m", "xirang.cli.train_metrics", "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: python -m xirang.cli.train_metrics")
+    monkeypatch.setattr(sys, "argv", ["train_metrics.py", "--help"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("xirang.cli.train_metrics", run_name="__main__")
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m xirang.cli.train_metrics")

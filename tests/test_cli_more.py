@@ -112,6 +112,7 @@ def test_run_memory_prints_measured_beside_predicted_per_rank(tmp_path, schedule
     assert picture.is_file() and "memory picture:" in result.stdout
 
 
+@pytest.mark.matrix  # a second interpreter for what tests/bad_input/test_run_command.py checks in-process
 def test_run_print_command_spells_torchrun():
     result = xirang("run", "examples/catalog.py:gpt_tiny", "--world", "4", "--print-command")
     assert result.returncode == 0, result.stderr

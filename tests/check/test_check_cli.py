@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,6 +30,7 @@ def test_plan_check_then_check_a_saved_plan(tmp_path):
     assert all(row["calls"] > 0 and row["peak_bytes"] > 0 for row in data["classes"])
 
 
+@pytest.mark.matrix  # two more interpreters: the refusal is check_plan_matches' (tests/passes/test_fingerprint.py)
 def test_check_of_a_plan_for_another_model_is_refused_naming_it(tmp_path):
     plan = tmp_path / "plan.json"
     assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "8",

@@ -13,9 +13,10 @@ Interleaved at pp 4 with v = 2 needs 8 units, so the (1, 1, 4) runs use 6-layer 
 uses the 2-layer models of tests/codegen/test_3d.py (pp 2 x v 2 = 4 units). Plans are made at seq
 4096 on A100s, as in test_3d.py, so tp really shards, then run at seq 16.
 
-By default one test runs a subset that covers every model, mode, mesh and schedule at least once,
-in two launches (4 ranks for (1, 1, 4), 8 for (2, 2, 2)); ``-m matrix`` runs the full grid (3 models
-x 3 modes x 2 meshes x 2 schedules).
+The default tier runs one launch of 2 ranks at (1, 1, 2) 1F1B: the in-repo GPT with selective recompute,
+and with full recompute plus offload. ``-m matrix`` runs a subset that covers every model, mode, mesh and
+schedule at least once, in two launches (4 ranks for (1, 1, 4), 8 for (2, 2, 2)), and the full grid
+(3 models x 3 modes x 2 meshes x 2 schedules).
 """
 from __future__ import annotations
 
@@ -128,6 +129,15 @@ SUBSET = [("gpt", (1, 1, 4), "1f1b", "selective"), ("gpt2", (1, 1, 4), "interlea
           ("llama", (1, 1, 4), "1f1b", "offload"), ("gpt", (1, 1, 4), "interleaved", "full+offload"),
           ("llama", (2, 2, 2), "interleaved", "selective"), ("gpt", (2, 2, 2), "1f1b", "full"),
           ("gpt2", (2, 2, 2), "1f1b", "offload"), ("gpt2", (2, 2, 2), "interleaved", "selective")]
+
+
+# The default tier's one launch: 2 ranks, pp 2 1F1B, the in-repo GPT (one trace per rank), selective
+# recompute, and full recompute with offload; tp, the HF models and interleaving are the matrix's.
+DEFAULT = [("gpt", (1, 1, 2), "1f1b", "selective"), ("gpt", (1, 1, 2), "1f1b", "full+offload")]
+
+
+def test_recompute_and_offload_on_two_pipeline_ranks_equal_one_device():
+    run_jobs([job(*entry) for entry in DEFAULT])
 
 
 @pytest.mark.matrix
