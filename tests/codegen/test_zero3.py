@@ -75,15 +75,16 @@ def zero3_run(compiled, counter, steps: int, folder: str) -> dict:
     save_checkpoint(compiled, optimizer, folder, step=steps)
     at_rest.append(held(compiled))
     shards = [s.param.detach().clone() for s in compiled.zero.shards]
-    before = [{k: v.clone() for k, v in optimizer.state[s.param].items()} for s in compiled.zero.shards]
+    pieces = [piece.param for _, piece in compiled.zero.named_pieces()]  # what the optimizer holds state for
+    before = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in pieces]
     next_loss = compiled.train_step(**batch(steps)).item()
     optimizer.step()
     optimizer.zero_grad()
     next_params = compiled.full_state_dict()
     load_checkpoint(compiled, optimizer, folder)
     restored = max([(s.param - shards[i]).abs().max().item() for i, s in enumerate(compiled.zero.shards)]
-                   + [(v - before[i][k]).abs().max().item() for i, s in enumerate(compiled.zero.shards)
-                      for k, v in optimizer.state[s.param].items()])
+                   + [(v - before[i][k]).abs().max().item() for i, p in enumerate(pieces)
+                      for k, v in optimizer.state[p].items()])
     resumed_loss = compiled.train_step(**batch(steps)).item()
     optimizer.step()
     resumed = max(abs(resumed_loss - next_loss), *((v - next_params[k]).abs().max().item()

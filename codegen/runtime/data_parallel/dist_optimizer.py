@@ -291,9 +291,9 @@ class ZeroOneShards:
             for key, first in per[0].items():
                 whole = isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape == shard.params[0].shape
                 entry[key] = shard.mine(shard.flat([s[key] for s in per])).clone() if whole else first
-            for piece in shard.pieces:
+            for piece in shard.pieces:  # each piece its own tensors: AdamW counts its step in place
                 optimizer.state[piece.param] = {key: value[piece.lo:piece.hi].clone() if _elementwise(
-                    per[0][key], shard.params[0]) else value for key, value in entry.items()}
+                    per[0][key], shard.params[0]) else _own(value) for key, value in entry.items()}
 
     def optimizer_state_elements(self, optimizer) -> int:
         """Elements of ``optimizer``'s tensor state held for this rank's shards (a direct count)."""
@@ -319,6 +319,11 @@ def _accumulate(shard: BucketShard, grad: torch.Tensor) -> None:
             piece.param.grad = part
         else:
             piece.param.grad.add_(part)
+
+
+def _own(value):
+    """A copy of a tensor (Adam's ``step``, which ``optimizer.step`` increments in place), other values as they are."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _elementwise(value, like: torch.Tensor) -> bool:

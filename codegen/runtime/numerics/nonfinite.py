@@ -10,10 +10,11 @@ Detection reads numbers the step already shares. The loss ``train_step`` returns
 rank (the global-batch mean, all-reduced over dp and broadcast over pp), and the global gradient norm
 (``compiled.clip_grad_norm_``: ``clip``, or ``inf`` for the norm alone) is one scalar all-reduce per mesh
 axis -- the one clipping runs anyway; a NaN or inf gradient anywhere makes it non-finite on every rank
-of the tp x pp group (NaN and inf survive every sum). The norm is not summed over dp (replicas hold
-equal gradients), so one more small all-reduce, a flag over the world, makes the verdict every rank's
-even where a replica went wrong on its own (a fault, a rank-local bug): every rank takes the same branch
-in the same step and no rank waits in a collective the others skipped. Only on a non-finite step does
+of the tp x pp group (NaN and inf survive every sum), and under ZeRO of the whole mesh (its norm sums
+over dp too). Without ZeRO the norm is not summed over dp (replicas hold equal gradients), so there one
+more small all-reduce, a flag over the dp group, makes the verdict every rank's even where a replica went
+wrong on its own (a fault, a rank-local bug): every rank takes the same branch in the same step and no
+rank waits in a collective the others skipped. Only on a non-finite step does
 one more collective run: every rank hands in where it saw non-finite numbers (its own micro-batches'
 losses before the dp average, its first gradient and weight by name, the optimizer group holding it), so
 the report names the first rank and parameter where it appeared.
@@ -90,7 +91,7 @@ class NonFiniteGuard:
         ``zero_grad`` on finite numbers, else the policy. ``step``: the step's number in messages (1-based)."""
         norm = compiled.clip_grad_norm_(clip if clip else math.inf)
         value, total = float(loss), float(norm)
-        if not _any_rank(not (math.isfinite(value) and math.isfinite(total)), compiled.device):
+        if not _any_replica(not (math.isfinite(value) and math.isfinite(total)), compiled):
             optimizer.step()
             optimizer.zero_grad()
             return StepOutcome(step, value, total, "stepped", spike=self.spikes.observe(step, value))
@@ -131,12 +132,14 @@ class NonFiniteGuard:
                            extra=loaded["extra"])
 
 
-def _any_rank(bad: bool, device) -> bool:
-    """Whether any rank of the world says ``bad`` (one all-reduce of a flag; no collective on one process)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+def _any_replica(bad: bool, compiled) -> bool:
+    """Whether any dp replica says ``bad``: one all-reduce of a flag over the dp group, where the norm's own
+    all-reduce did not span dp (dp > 1 without ZeRO); each replica's tp x pp ranks already agree."""
+    group = compiled.groups.group("dp")
+    if compiled.dp == 1 or compiled.zero is not None or group is None:
         return bad
-    flag = torch.tensor([1.0 if bad else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = torch.tensor([1.0 if bad else 0.0], device=compiled.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag.item() > 0
 
 
