@@ -122,7 +122,8 @@ def test_padded_vocabulary_trains_like_single_device():
 
 def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
     """50257 rows on tp = 8: 6283 per rank, the last holding 6276 real rows and 7 zero rows;
-    full_tensor (what full_state_dict calls per parameter) gives back exactly the 50257 rows."""
+    full_tensor (what full_state_dict calls per parameter) gives back exactly the 50257 rows (the
+    all-gather played in one process; the matrix tier runs it on 8 real ranks, below)."""
     tp, vocab, hidden = 8, 50257, 4
     full = torch.randn(vocab, hidden)
     model = torch.nn.Module()
@@ -139,6 +140,51 @@ def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
     gathered = shard_params.full_tensor(locals_[0], shard, tp_group=object())
     assert tuple(gathered.shape) == (vocab, hidden) and torch.equal(gathered, full)
     assert torch.equal(unshard(locals_, Shard(0), vocab), full)
+
+
+def _gpt2_vocabulary_rank(rank, world):
+    """One of 8 real ranks: its padded shard of a 50257-row table, the table gathered back by gloo's
+    all_gather, and the vocabulary-parallel embedding and cross-entropy on ids and targets in every
+    rank's slice, the last rank's 7 padding rows included."""
+    import torch.distributed as dist
+    from xirang.codegen.ops.vocab_parallel import (vocab_parallel_cross_entropy, vocab_parallel_embedding,
+                                                  vocab_shard_range)
+    vocab, hidden = 50257, 4
+    full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    shard = ParamShard("p_wte", "wte", ("wte",), "parameter", Shard(0), (vocab, hidden))
+    local = shard_of(full, shard.placement, rank, world)
+    group = dist.group.WORLD
+    gathered = shard_params.full_tensor(local, shard, tp_group=group)
+    start, rows = vocab_shard_range(vocab, group)
+    ids = torch.tensor([[0, 6282, 6283, 50256], [44000, 43980, 12345, 50250]])  # both ends of ranks 0, 1, 7
+    partial = vocab_parallel_embedding(ids, local, vocab_start=start, vocab_size=vocab, group=group)
+    dist.all_reduce(partial, group=group)  # the Partial(sum) the lowering completes with one all-reduce
+    logits = ids.flatten().float().unsqueeze(1) * 1e-5 * full.sum(1)  # [8, vocab], a different row per target
+    local_logits = logits.detach()[:, start:start + rows].clone().requires_grad_(True)
+    if local_logits.shape[1] < rows:  # the last rank's columns past the vocabulary: padding
+        pad = torch.zeros(logits.shape[0], rows - local_logits.shape[1])
+        local_logits = torch.cat([local_logits.detach(), pad], 1).requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local_logits, ids.flatten(), vocab_start=start, vocab_size=vocab,
+                                        group=group)
+    loss.backward()
+    return {"rows": tuple(local.shape), "gathered": torch.equal(gathered, full),
+            "embedding": (partial - full[ids]).abs().max().item(), "loss": loss.item(),
+            "grad": local_logits.grad[:, :max(0, min(rows, vocab - start))].clone(), "start": start}
+
+
+@pytest.mark.matrix  # 8 ranks for one table: the one-process stand-in above runs by default
+def test_gpt2_vocabulary_on_eight_real_ranks_gathers_looks_up_and_scores_as_one_device():
+    results = launch(_gpt2_vocabulary_rank, 8, (), timeout_s=300)
+    assert {r["rows"] for r in results} == {(6283, 4)} and all(r["gathered"] for r in results)
+    assert max(r["embedding"] for r in results) == 0.0  # one rank holds each row: the sum is that row
+    full = torch.randn(50257, 4, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 6282, 6283, 50256], [44000, 43980, 12345, 50250]]).flatten()
+    logits = (ids.float().unsqueeze(1) * 1e-5 * full.sum(1)).requires_grad_(True)
+    want = torch.nn.functional.cross_entropy(logits, ids)
+    want.backward()
+    assert all(abs(r["loss"] - want.item()) <= 1e-6 for r in results), ([r["loss"] for r in results], want.item())
+    grad = torch.cat([r["grad"] for r in results], 1)  # every rank's real columns, in rank order
+    assert grad.shape == logits.shape and (grad - logits.grad).abs().max().item() <= 1e-6
 
 
 @pytest.mark.parametrize("tp", (2, 4, 8))

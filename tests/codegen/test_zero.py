@@ -122,7 +122,7 @@ def check_zero(label: str, plan, results: list, want: dict) -> None:
                 assert len(planned) == len(ran) and all(row.ran for row in planned), (label, step, calls_table(rows))
 
 
-# --- default tier: (2, 1, 1) through xirang.compile --------------------------------------------------
+# --- matrix tier: (2, 1, 1) through xirang.compile -----------------------------------------------------
 
 def _two_ranks(rank, world, plan, folder):
     counter = CommCounter()
