@@ -1,7 +1,7 @@
 """The device mesh: global ranks as a grid of named axes, and the expert axes folded over it.
 
 Four axes size the ranks (``world = pp * dp * cp * tp``); listed outermost to innermost
-(``RANK_AXES``), the layout is row-major with tp innermost:
+(``RANK_AXES``, the default ``order``), the layout is row-major with tp innermost:
 
     rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
@@ -33,6 +33,11 @@ consecutive (dp, cp) places, as close as the dense layout allows, and an expert-
 divide ``dp * cp``. Experts keep tp as their tensor-parallel axis (Megatron-Core's separate expert
 tensor parallelism is not modelled).
 
+The order is a mesh's own (``Mesh.order``, written in plan JSON): pp outermost by default, or dp
+outermost (Megatron-Core's ``tp-cp-ep-pp-dp``), where a pipeline's stages are better kept on one node
+or a data-parallel replica is better kept on one kind of device. Either way tp is innermost and cp
+next to it; ep folds over dp x cp in (dp, cp) order in both.
+
 "axis" here always means a mesh axis; a tensor dimension is a "dim".
 """
 from __future__ import annotations
@@ -41,6 +46,8 @@ from dataclasses import dataclass, field
 from xirang.ir.errors import InvalidValue
 
 RANK_AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost: they size and number the ranks
+# the rank orders a mesh may take (``Mesh.order``): Megatron-Core's default, and its "tp-cp-ep-pp-dp"
+ORDERS = (RANK_AXES, ("dp", "pp", "cp", "tp"))
 FOLDED_AXES = ("edp", "ep")  # the dp x cp ranks of one (pp, tp) place, regrouped for the experts
 AXES = RANK_AXES + FOLDED_AXES  # every named axis, in the order process groups are created
 SIZE_AXES = ("pp", "dp", "cp", "tp", "ep")  # the sizes a mesh is given (edp follows), as JSON writes them
@@ -70,10 +77,18 @@ class Mesh:
     tp: int
     cp: int = field(default=1, kw_only=True)
     ep: int = field(default=1, kw_only=True)
+    order: tuple = field(default=RANK_AXES, kw_only=True)  # the rank axes, outermost first (ORDERS)
 
     def __post_init__(self):
         for axis in SIZE_AXES:
             _check_positive_int(axis, getattr(self, axis))
+        order = tuple(self.order) if isinstance(self.order, (tuple, list)) else self.order
+        if order not in ORDERS:
+            raise InvalidValue(f"Mesh order {self.order!r} is not a rank order Xirang lays out",
+                               where="Mesh(order=...)",
+                               hint=" or ".join(repr(o) for o in ORDERS) + " (outermost first: pp or dp outermost, "
+                                    "tp innermost, cp next to it)")
+        object.__setattr__(self, "order", order)
         if (self.dp * self.cp) % self.ep:
             raise InvalidValue(f"Mesh ep={self.ep} does not divide dp x cp = {self.dp} x {self.cp} = "
                                f"{self.dp * self.cp}: the expert axis is folded over the data- and "
@@ -85,12 +100,13 @@ class Mesh:
         """``dp=2 x pp=2 x tp=2``; cp and ep are shown where they are more than 1."""
         shown = ("dp", "pp") + (("cp",) if self.cp > 1 else ()) + ("tp",)
         text = " x ".join(f"{axis}={getattr(self, axis)}" for axis in shown)
-        return text + (f", ep={self.ep}" if self.ep > 1 else "")
+        return (text + (f", ep={self.ep}" if self.ep > 1 else "")
+                + (f" ({self.order[0]} outermost)" if self.order != RANK_AXES else ""))
 
     def describe(self) -> str:
         """Every named axis and the rank layout, for explain and inspect."""
-        order = " x ".join(f"{axis}={getattr(self, axis)}" for axis in RANK_AXES)
-        return (f"{order} (ranks laid out pp outermost, tp innermost); ep={self.ep} folded over "
+        order = " x ".join(f"{axis}={getattr(self, axis)}" for axis in self.order)
+        return (f"{order} (ranks laid out {self.order[0]} outermost, tp innermost); ep={self.ep} folded over "
                 f"dp x cp, edp={self.edp}")
 
     @property
@@ -104,8 +120,8 @@ class Mesh:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Sizes of the rank axes in ``RANK_AXES`` order (outermost first)."""
-        return tuple(getattr(self, axis) for axis in RANK_AXES)
+        """Sizes of the rank axes in the mesh's ``order`` (outermost first)."""
+        return tuple(getattr(self, axis) for axis in self.order)
 
     def axis_size(self, axis: str) -> int:
         if axis not in AXES:
@@ -121,7 +137,7 @@ class Mesh:
         """``{axis: index}`` of a global rank over the rank axes ``pp, dp, cp, tp`` (``index`` gives ep, edp)."""
         self._check_rank(rank)
         result = {}
-        for axis in reversed(RANK_AXES):  # innermost first: peel each index off the low end
+        for axis in reversed(self.order):  # innermost first: peel each index off the low end
             rank, result[axis] = divmod(rank, getattr(self, axis))
         return {axis: result[axis] for axis in RANK_AXES}
 
@@ -144,7 +160,7 @@ class Mesh:
                                + ("; ep and edp regroup those ranks: use group('ep', rank)"
                                   if set(unknown) & set(FOLDED_AXES) else ""))
         rank = 0
-        for axis in RANK_AXES:
+        for axis in self.order:
             index, size = coords.get(axis, 0), getattr(self, axis)
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
                 raise InvalidValue(f"{axis}={index!r} is out of range for mesh {self} "
@@ -165,15 +181,17 @@ class Mesh:
             stride = self._stride(axis)
             base = rank - coords[axis] * stride
             return tuple(base + i * stride for i in range(size))
-        # the (dp, cp) places f of one (pp, tp) place are tp apart: rank = (pp_index * dp * cp + f) * tp + tp_index
+        # the (dp, cp) place f of this (pp, tp) place, moved to along each axis's stride
         folded = coords["dp"] * self.cp + coords["cp"]
         ep_index, edp_index = folded % self.ep, folded // self.ep
         places = (range(edp_index * self.ep, (edp_index + 1) * self.ep) if axis == "ep"
                   else range(ep_index, self.dp * self.cp, self.ep))
-        return tuple(rank + (f - folded) * self.tp for f in places)
+        dp_stride, cp_stride = self._stride("dp"), self._stride("cp")
+        return tuple(rank + (f // self.cp - coords["dp"]) * dp_stride + (f % self.cp - coords["cp"]) * cp_stride
+                     for f in places)
 
     def _stride(self, axis: str) -> int:
-        inner = RANK_AXES[RANK_AXES.index(axis) + 1:]
+        inner = self.order[self.order.index(axis) + 1:]
         stride = 1
         for other in inner:
             stride *= getattr(self, other)
@@ -196,8 +214,8 @@ class Mesh:
         return tuple(result)
 
     def to_json(self) -> dict:
-        """Every named size, outermost rank axis first, ep last (edp follows from them)."""
-        return {axis: getattr(self, axis) for axis in SIZE_AXES}
+        """Every named size, outermost rank axis first, ep last (edp follows from them), and the order."""
+        return {**{axis: getattr(self, axis) for axis in SIZE_AXES}, "order": list(self.order)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Mesh":
@@ -205,7 +223,7 @@ class Mesh:
             raise InvalidValue(f"mesh {data!r} was written by an older Xirang (axes dp, pp, tp only, ranks laid "
                                f"out dp outermost); this one names {', '.join(SIZE_AXES)} and lays ranks out pp "
                                f"outermost", where="mesh", hint="re-plan with xirang.plan(...) and save the new plan")
-        if not isinstance(data, dict) or set(data) != set(SIZE_AXES):
+        if not isinstance(data, dict) or set(data) != {*SIZE_AXES, "order"}:
             raise InvalidValue(f"bad mesh {data!r}: expected an object with exactly the keys "
-                               f"{', '.join(SIZE_AXES)} (positive ints)")
-        return cls(**{axis: data[axis] for axis in SIZE_AXES})
+                               f"{', '.join(SIZE_AXES)} (positive ints) and order (the rank axes, outermost first)")
+        return cls(**{axis: data[axis] for axis in SIZE_AXES}, order=data["order"])

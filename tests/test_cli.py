@@ -69,7 +69,7 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
     assert "Plan for 1 node x 2 cpu" in result.stdout and "Why this plan" in result.stdout
     saved = json.loads(out.read_text())
     assert saved["schema_version"] == 2 and saved["global_batch"] == 8
-    assert set(saved["mesh"]) == {"pp", "dp", "cp", "tp", "ep"} and "Mesh axes: pp=" in result.stdout
+    assert set(saved["mesh"]) == {"pp", "dp", "cp", "tp", "ep", "order"} and "Mesh axes: pp=" in result.stdout
     explained = xirang("explain", str(out))
     assert explained.returncode == 0, explained.stderr
     chosen = [line for line in explained.stdout.splitlines() if line.startswith("* dp=")]

@@ -56,7 +56,7 @@ def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "edp": 0, "ep": 0} and info["code"] is None
-    assert info["axes"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "ep": 1}
+    assert info["axes"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "ep": 1, "order": ["pp", "dp", "cp", "tp"]}
     assert len(info["placements"]) == info["placements_total"] > 50
 
 

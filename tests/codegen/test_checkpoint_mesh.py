@@ -26,7 +26,7 @@ MESH = Mesh(dp=2, pp=2, tp=1)
 def test_the_record_names_every_axis_and_the_order():
     assert mesh_record(MESH) == {"axes": {"pp": 2, "dp": 2, "cp": 1, "tp": 1, "ep": 1},
                                  "order": ["pp", "dp", "cp", "tp"]}
-    assert saved_mesh(mesh_record(MESH)) == (MESH.to_json(), ("pp", "dp", "cp", "tp"))
+    assert saved_mesh(mesh_record(MESH)) == ({"pp": 2, "dp": 2, "cp": 1, "tp": 1, "ep": 1}, ("pp", "dp", "cp", "tp"))
     assert saved_mesh("dp=2 x pp=2 x tp=1") == ({"dp": 2, "pp": 2, "tp": 1, "cp": 1, "ep": 1}, ("dp", "pp", "tp"))
     assert saved_mesh("one device") is None and saved_mesh(None) is None
 
@@ -37,6 +37,9 @@ def test_a_rank_takes_the_state_saved_at_its_own_coordinates():
     assert [saving_rank(r, MESH, "dp=2 x pp=2 x tp=1") for r in range(4)] == [0, 2, 1, 3]
     big = Mesh(dp=2, pp=2, tp=2)
     assert [saving_rank(r, big, str(big)) for r in range(8)] == [0, 1, 4, 5, 2, 3, 6, 7]
+    dp_outer = Mesh(dp=2, pp=2, tp=1, order=("dp", "pp", "cp", "tp"))  # the same sizes in the other order
+    assert [saving_rank(r, MESH, mesh_record(dp_outer)) for r in range(4)] == [0, 2, 1, 3]
+    assert [saving_rank(r, dp_outer, "dp=2 x pp=2 x tp=1") for r in range(4)] == [0, 1, 2, 3]
     # another mesh, or a record this reader does not know: rank r takes rank r's, as before
     assert [saving_rank(r, MESH, "dp=4 x pp=1 x tp=1") for r in range(4)] == [0, 1, 2, 3]
     assert [saving_rank(r, MESH, "one device") for r in range(4)] == [0, 1, 2, 3]

@@ -100,8 +100,9 @@ def test_ep_is_folded_over_dp_and_cp_with_ep_innermost():
     assert folded.groups("ep") == ((0, 1, 2, 3), (4, 5, 6, 7)) and folded.groups("edp") == tuple((r,) for r in range(8))
 
 
-def test_groups_partition_ranks_on_every_axis():
-    mesh = Mesh(dp=2, pp=3, tp=2, cp=2, ep=2)
+@pytest.mark.parametrize("order", [("pp", "dp", "cp", "tp"), ("dp", "pp", "cp", "tp")])
+def test_groups_partition_ranks_on_every_axis(order):
+    mesh = Mesh(dp=2, pp=3, tp=2, cp=2, ep=2, order=order)
     for axis in AXES:
         groups = mesh.groups(axis)
         assert len(groups) == mesh.size // mesh.axis_size(axis)
@@ -116,6 +117,25 @@ def test_groups_partition_ranks_on_every_axis():
             other = "edp" if axis == "ep" else "ep" if axis == "edp" else None
             if other:  # and an expert group keeps the other expert axis's index
                 assert {mesh.index(other, member) for member in mesh.group(axis, rank)} == {mesh.index(other, rank)}
+
+
+def test_dp_outermost_order_numbers_ranks_dp_first():
+    # Megatron-Core's tp-cp-ep-pp-dp: rank = dp*4 + pp*2 + tp, the layout before the mesh was named
+    mesh = Mesh(dp=2, pp=2, tp=2, order=["dp", "pp", "cp", "tp"])
+    assert mesh.order == ("dp", "pp", "cp", "tp") and mesh.shape == (2, 2, 1, 2)
+    assert [mesh.rank_of(dp=d, pp=p, tp=t) for d in range(2) for p in range(2) for t in range(2)] == list(range(8))
+    assert mesh.groups("pp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert mesh.groups("dp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert str(mesh) == "dp=2 x pp=2 x tp=2 (dp outermost)" and mesh.describe().startswith("dp=2 x pp=2 x cp=1 x tp=2")
+    experts = Mesh(dp=2, pp=2, tp=1, cp=2, ep=2, order=("dp", "pp", "cp", "tp"))  # rank = dp*4 + pp*2 + cp
+    assert experts.group("ep", 0) == (0, 1) and experts.group("edp", 0) == (0, 4)  # f = dp*2 + cp, as pp-outermost
+
+
+def test_an_order_xirang_does_not_lay_out_is_refused_with_the_ones_it_does():
+    for bad in (("tp", "cp", "dp", "pp"), ("pp", "dp", "tp", "cp"), ("pp", "dp", "tp"), "pp-dp-cp-tp"):
+        with pytest.raises(XirangError, match="not a rank order") as error:
+            Mesh(dp=1, pp=1, tp=1, order=bad)
+        assert error.value.where == "Mesh(order=...)" and "('dp', 'pp', 'cp', 'tp')" in error.value.hint
 
 
 def test_tp_groups_are_contiguous():
@@ -145,10 +165,12 @@ def test_rank_errors_state_valid_range():
 
 def test_json_names_every_axis_and_round_trips():
     mesh = Mesh(dp=4, pp=2, tp=8)
-    assert mesh.to_json() == {"pp": 2, "dp": 4, "cp": 1, "tp": 8, "ep": 1}
+    assert mesh.to_json() == {"pp": 2, "dp": 4, "cp": 1, "tp": 8, "ep": 1, "order": ["pp", "dp", "cp", "tp"]}
     assert Mesh.from_json(json.loads(json.dumps(mesh.to_json()))) == mesh
     named = Mesh(dp=4, pp=1, tp=1, cp=2, ep=8)
     assert Mesh.from_json(named.to_json()) == named
+    dp_outer = Mesh(dp=2, pp=2, tp=2, order=("dp", "pp", "cp", "tp"))
+    assert Mesh.from_json(json.loads(json.dumps(dp_outer.to_json()))) == dp_outer != Mesh(2, 2, 2)
 
 
 def test_from_json_refuses_the_old_three_axis_mesh_saying_to_replan():
@@ -159,7 +181,7 @@ def test_from_json_refuses_the_old_three_axis_mesh_saying_to_replan():
 
 @pytest.mark.parametrize("bad", [{"dp": 1, "pp": 1}, {"dp": 1, "pp": 1, "tp": 1, "ep": 1}, [1, 1, 1]])
 def test_from_json_rejects_bad_keys(bad):
-    with pytest.raises(ValueError, match="exactly the keys pp, dp, cp, tp, ep"):
+    with pytest.raises(ValueError, match="exactly the keys pp, dp, cp, tp, ep .* and order"):
         Mesh.from_json(bad)
 
 

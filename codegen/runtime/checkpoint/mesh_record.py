@@ -23,7 +23,7 @@ _OLD_TEXT = re.compile(r"^dp=(\d+) x pp=(\d+) x tp=(\d+)$")
 
 def mesh_record(mesh: Mesh) -> dict:
     """What a checkpoint records of the mesh it was saved under."""
-    return {"axes": mesh.to_json(), "order": list(RANK_AXES)}
+    return {"axes": {axis: getattr(mesh, axis) for axis in SIZE_AXES}, "order": list(mesh.order)}
 
 
 def saved_mesh(record) -> Optional[tuple[dict, tuple]]:
