@@ -4,8 +4,12 @@ starts (the factories write a marker when called: it must stay absent). Input fi
 plans) that are missing, folders, binary, malformed or the wrong kind are refused with the file named."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -61,12 +65,43 @@ def test_existing_output_file_is_replaced(tmp_path, saved_plan):
     assert json.loads(out.read_text())["global_batch"] == 8
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
-def test_unwritable_output_folder_is_refused(tmp_path, marker):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
-    assert_clear_cli(cli("plan", MODEL, "--global-batch", "8", "--world", "1", "--json", locked / "p.json"),
-                     "--json", "permission")
+@contextlib.contextmanager
+def _without_root():
+    """Root writes anywhere, and CI runs as root: there the probe runs as nobody, keeping root as the saved
+    uid to come back to (a process may return to its saved uid; the real uid is what access(2) checks)."""
+    if os.getuid() != 0:
+        yield
+        return
+    os.setresgid(65534, 65534, 0)
+    os.setresuid(65534, 65534, 0)
+    try:
+        yield
+    finally:
+        os.setresuid(0, 0, 0)
+        os.setresgid(0, 0, 0)
+
+
+@pytest.fixture
+def open_folder():
+    """A folder every user can enter (pytest's tmp_path is its owner's alone, so nobody could not reach it)."""
+    folder = Path(tempfile.mkdtemp(prefix="xirang-permissions-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("mode", [0o555, 0o000], ids=["read-only-folder", "folder-it-cannot-enter"])
+def test_unwritable_output_folder_is_refused(open_folder, marker, mode):
+    locked = open_folder / "locked"
+    locked.mkdir()
+    locked.chmod(mode)
+    try:
+        with _without_root():
+            assert not os.access(locked, os.W_OK)  # the probe has a folder it cannot write to, as root too
+            result = cli("plan", MODEL, "--global-batch", "8", "--world", "1", "--json", locked / "p.json")
+    finally:
+        locked.chmod(0o755)
+    assert_clear_cli(result, "--json", "permission")
     assert not marker.exists()
 
 

@@ -54,6 +54,14 @@ def check_output_file(path, option: str) -> Path:
     if str(path) == "" or target.name in ("", ".", ".."):
         raise XirangError(f"{option} {str(path)!r} is not a file name", where=option,
                           hint=f"give a file path, e.g. {option} out/result.json")
+    try:
+        return _check_output_file(target, path, option)
+    except PermissionError:  # a folder on the way this user cannot enter: stat itself is refused
+        raise XirangError(f"{option} {path}: no permission to reach that folder", where=option,
+                          hint="give a path in a folder you can write, e.g. the current directory") from None
+
+
+def _check_output_file(target: Path, path, option: str) -> Path:
     if target.is_dir():
         raise XirangError(f"{option} {path}: that is a folder, not a file", where=option,
                           hint=f"give a file inside it, e.g. {option} {target / ('out' + _suffix(option))}")
