@@ -57,7 +57,7 @@ def batch(cfg: GPTConfig, step: int, device="cpu") -> dict:
 
 def make_plan(cfg: GPTConfig, recompute: str, offload: str):
     example = {name: torch.zeros(2, cfg.seq_len, dtype=torch.long, device="meta") for name in ("input_ids", "labels")}
-    return xirang.plan(build_gpt(cfg, device="meta"), world=WORLD, device="cpu", example_kwargs=example,
+    return xirang.plan(build_gpt(cfg, device="meta"), world=WORLD, hardware="cpu", example_kwargs=example,
                        global_batch=GLOBAL_BATCH, pp=PP, tp=1, micro_batch=MICRO_BATCH, schedule="1f1b",
                        recompute=recompute, offload=offload)
 

@@ -69,7 +69,8 @@ class Sleepy:
 
 def _rank_main(rank, world, plan, steps, every, stage_s, jitter):
     import xirang
-    compiled = xirang.compile(build(), world=world, example_kwargs=batch(0, 2), plan=plan, inject_every=every)
+    compiled = xirang.compile(build(), world=world, example_kwargs=batch(0, 2), plan=plan,
+                              runtime=xirang.RuntimeOptions(inject_every=every))
     for stage in compiled.executor.stages.values():
         stage.program = Sleepy(stage.program, stage_s[compiled.pp_rank], jitter, seed=compiled.pp_rank)
     optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
@@ -115,7 +116,7 @@ def main():
     import xirang
     from xirang.codegen.runtime.launch.launcher import launch
 
-    plan = xirang.plan(build(), world=PP, example_kwargs=batch(0, 2), global_batch=GLOBAL_BATCH, device="a100-80g",
+    plan = xirang.plan(build(), world=PP, example_kwargs=batch(0, 2), global_batch=GLOBAL_BATCH, hardware="a100-80g",
                        dp=1, tp=1, pp=PP, schedule="1f1b", micro_batch=1, precision="fp32")
     want = reference_losses(args.steps)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; load average "

@@ -44,7 +44,7 @@ def main() -> None:
         started = time.perf_counter()
         model, example = getattr(catalog, name)()
         report = xirang.analyze(model, example_kwargs=example)
-        plan = xirang.plan(model, world=world, device=device, example_kwargs=example, global_batch=global_batch,
+        plan = xirang.plan(model, world=world, hardware=device, example_kwargs=example, global_batch=global_batch,
                            analysed=report, **pins)
         planned = time.perf_counter() - started
         print(f"== {name}: {plan.mesh}, {plan.schedule}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, "

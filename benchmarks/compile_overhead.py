@@ -47,7 +47,7 @@ def single_rank(name: str) -> tuple[float, float]:
     def eager_step():
         eager.zero_grad(set_to_none=True)
         eager(**batch).backward()
-    compiled = xirang.compile(_model(name), world=1, example_kwargs=batch, global_batch=BATCH, device="cpu")
+    compiled = xirang.compile(_model(name), world=1, example_kwargs=batch, global_batch=BATCH, hardware="cpu")
     return _alternated(eager_step, lambda: _fresh_step(compiled, batch))
 
 
@@ -78,7 +78,7 @@ def _dp_rank(rank, world, name):
     torch.set_num_threads(1)
     batch = _batch(MODELS[name].vocab_size, BATCH * world)
     compiled = xirang.compile(_model(name), world=world, example_kwargs=batch, global_batch=BATCH * world,
-                              device="cpu", dp=world, tp=1, pp=1, micro_batch=BATCH)
+                              hardware="cpu", dp=world, tp=1, pp=1, micro_batch=BATCH)
     ddp = torch.nn.parallel.DistributedDataParallel(_model(name))
     share = {k: v.chunk(world)[rank] for k, v in batch.items()}
 

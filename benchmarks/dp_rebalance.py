@@ -56,8 +56,8 @@ class SlowForward:
 
 def _rank_main(rank, world, plan, global_batch, steps, every, delay_s, shares):
     import xirang
-    compiled = xirang.compile(build(), world=world, example_kwargs=batch(0, 2), plan=plan, dp_shares=shares,
-                              rebalance_every=every)
+    compiled = xirang.compile(build(), world=world, example_kwargs=batch(0, 2), plan=plan,
+                              runtime=xirang.RuntimeOptions(dp_shares=shares, rebalance_every=every))
     if compiled.dp_rank == 0:
         for stage in compiled.executor.stages.values():
             stage.program = SlowForward(stage.program, delay_s)
@@ -100,7 +100,7 @@ def main():
     from xirang.codegen.runtime.launch.launcher import launch
 
     plan = xirang.plan(build(), world=args.dp, example_kwargs=batch(0, 2), global_batch=args.global_batch,
-                       device="cpu", dp=args.dp, tp=1, pp=1, micro_batch=1)
+                       hardware="cpu", dp=args.dp, tp=1, pp=1, micro_batch=1)
     want = reference_losses(args.global_batch, args.steps)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; load average "
           f"{open('/proc/loadavg').read().split()[0]}; dp={args.dp} gloo ranks, global batch {args.global_batch} "

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/
 import xirang  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
-from xirang.ir.placement import Shard  # noqa: E402
+from xirang.ir.placement import PlanShard  # noqa: E402
 
 MODELS = {"gpt2-medium": GPTConfig(vocab_size=50257, seq_len=1024, hidden=1024, heads=16, layers=24),
           "gpt-small": GPTConfig(vocab_size=50257, seq_len=1024, hidden=768, heads=12, layers=12),
@@ -95,8 +95,8 @@ def _rank_main(rank, world, name, plan, from_meta):
     model = build_gpt(MODELS[name], device=device)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     found["built"] = _snapshot()
-    compiled = xirang.compile(model, world=world, example_kwargs=_batch(2, RUN_SEQ, device), plan=plan, seed=SEED,
-                              device="a100-80g")
+    compiled = xirang.compile(model, world=world, example_kwargs=_batch(2, RUN_SEQ, device), plan=plan,
+                              runtime=xirang.RuntimeOptions(seed=SEED), hardware="a100-80g")
     found["compiled"] = _snapshot()
     del model
     found["dropped"] = _snapshot()
@@ -111,10 +111,10 @@ def _rank_main(rank, world, name, plan, from_meta):
 def make_plan(name: str, world: int, dp: int, tp: int, pp: int):
     plan = xirang.plan(build_gpt(MODELS[name], device="meta"), world=world,
                        example_kwargs=_batch(2, RUN_SEQ, "meta"), global_batch=GLOBAL_BATCH, seq=PLAN_SEQ,
-                       device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, micro_batch=1)
+                       hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp), plan.mesh
     if tp > 1:
-        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items()), \
+        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items()), \
             "the plan shards no parameter"
     return plan
 

@@ -89,7 +89,7 @@ def main():
     global_batch = args.m * args.micro_batch
     graph = xirang.analyze(model, example_kwargs=example).graph_module
     configs, predicted = [], {}
-    world = dict(world=World.load(args.world_file)) if args.world_file else dict(world=args.p, device="cpu")
+    world = dict(world=World.load(args.world_file)) if args.world_file else dict(world=args.p, hardware="cpu")
     for name in args.schedules.split(","):
         plan = xirang.plan(model, example_kwargs=example, global_batch=global_batch, **world,
                            dp=1, pp=args.p, tp=1, schedule=name, micro_batch=args.micro_batch)

@@ -54,7 +54,7 @@ def plan_timed(name: str):
     start, cpu_start = time.perf_counter(), cpu_seconds()
     report = xirang.analyze(model, example_kwargs=example_kwargs)
     analysed = (time.perf_counter() - start, cpu_seconds() - cpu_start)
-    plan = xirang.plan(model, world=world, device=device, example_kwargs=example_kwargs, global_batch=global_batch,
+    plan = xirang.plan(model, world=world, hardware=device, example_kwargs=example_kwargs, global_batch=global_batch,
                        analysed=report, progress=lambda e: events.__setitem__(e.stage, e) if e.step_done else None)
     total = (time.perf_counter() - start, cpu_seconds() - cpu_start)
     trace = (next(t.seconds for t in report.timings if t.name == "trace_model"), report.trace["cpu_seconds"])

@@ -32,7 +32,7 @@ from benchmarks.native_3d import NativeRun  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from xirang.codegen.runtime.launch.launcher import launch  # noqa: E402
 from xirang.ir.errors import XirangError  # noqa: E402
-from xirang.ir.placement import Shard  # noqa: E402
+from xirang.ir.placement import PlanShard  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=4096, seq_len=128, hidden=256, heads=8, layers=8, tie_embeddings=False)
 WORLD, GLOBAL_BATCH, PP_MICRO_BATCHES, LR = 8, 16, 4, 1e-3
@@ -77,7 +77,7 @@ def make_plan(mesh):
     dp, tp, pp, schedule = mesh
     m = micro_batches(mesh)
     example = {k: v[:2] for k, v in batch(0).items()}
-    return xirang.plan(model(), world=WORLD, example_kwargs=example, global_batch=GLOBAL_BATCH, device="cpu",
+    return xirang.plan(model(), world=WORLD, example_kwargs=example, global_batch=GLOBAL_BATCH, hardware="cpu",
                        dp=dp, tp=tp, pp=pp, schedule=schedule if pp > 1 else None,
                        micro_batch=GLOBAL_BATCH // (dp * m))
 
@@ -99,7 +99,7 @@ class XirangRun:
     def __init__(self, plan, world):
         example = {k: v[:2] for k, v in batch(0).items()}
         self.compiled = xirang.compile(model(), world=world, plan=plan, example_kwargs=example,
-                                       runtime_device="cpu")
+                                       device="cpu")
         self.optimizer = _optimizer(self.compiled.parameters())
 
     def step(self, data):
@@ -156,7 +156,7 @@ def main(argv=None):
     plans = [make_plan(mesh) for mesh in meshes]
     for mesh, plan in zip(meshes, plans):
         sharded = sum(1 for name, s in plan.placements.items()
-                      if name.startswith("p_") and isinstance(s.outputs[0].tp, Shard))
+                      if name.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard))
         print(f"xirang plan {mesh}: units per stage {[len(s.units) for s in plan.stages]}, "
               f"{sharded} tp-sharded parameters")
     # 8 ranks on a few shared cores can go silent for seconds while another rank computes: a long

@@ -93,7 +93,7 @@ def main() -> None:
     model = build(args.seq, args.hidden)
     report = xirang.analyze(model, example_kwargs=batch(0, 2, args.seq))
     plan = xirang.plan(model, world=args.tp, example_kwargs=batch(0, 2, args.seq), global_batch=GLOBAL_BATCH,
-                       seq=4096, device="cpu", precision="fp32", dp=1, tp=args.tp, pp=1, micro_batch=1,
+                       seq=4096, hardware="cpu", precision="fp32", dp=1, tp=args.tp, pp=1, micro_batch=1,
                        sequence_parallel=True, analysed=report)
     pairs = fused_pairs(report.graph_module, plan, 4096)
     print(f"GPT {LAYERS} layers hidden {args.hidden}, (1, {args.tp}, 1) planned at seq 4096 on cpu, run at seq "

@@ -57,7 +57,7 @@ def plan_both(model, example_kwargs, report, world: str) -> dict:
     for key, pins in (("off", {"zero_stage": 0, "sequence_parallel": False}), ("on", {})):
         start = time.perf_counter()
         try:
-            found[key] = xirang.plan(model, world=world, device=DEVICE, example_kwargs=example_kwargs,
+            found[key] = xirang.plan(model, world=world, hardware=DEVICE, example_kwargs=example_kwargs,
                                      global_batch=GLOBAL_BATCH, seq=SEQ, analysed=report, **pins)
         except XirangError as error:  # e.g. nothing fits without the options
             found[key] = f"no plan: {error.what}"

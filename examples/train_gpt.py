@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     pins = {name: value for name, value in (("tp", options.tp), ("pp", options.pp)) if value}
     # plan at a long sequence so splitting pays off even for this small model; run at --seq
     compiled = xirang.compile(model, world=world, example_kwargs=batch(), global_batch=options.global_batch,
-                              device="a100-80g", seq=2048, precision="fp32", **pins)
+                              hardware="a100-80g", seq=2048, precision="fp32", **pins)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         print("\n".join(compiled.plan.explain().splitlines()[:8]), flush=True)

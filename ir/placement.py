@@ -17,7 +17,7 @@ PARTIAL_OPS = ("sum", "avg", "max", "min")
 
 
 @dataclass(frozen=True)
-class Shard:
+class PlanShard:
     """Each rank of the axis holds one contiguous slice of tensor dim ``dim``.
 
     ``dim`` is non-negative: rules normalise ``-1`` against the tensor's rank before building a
@@ -36,10 +36,10 @@ class Shard:
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
-            raise InvalidValue(f"Shard(dim={self.dim!r}): dim must be a non-negative int "
+            raise InvalidValue(f"PlanShard(dim={self.dim!r}): dim must be a non-negative int "
                              f"(normalise negative dims with dim % ndim first)")
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise InvalidValue(f"Shard(dim={self.dim}, chunks={self.chunks!r}): chunks must be a positive int "
+            raise InvalidValue(f"PlanShard(dim={self.dim}, chunks={self.chunks!r}): chunks must be a positive int "
                              f"(1 for one contiguous slice per rank, k for a fused projection of k pieces)")
 
     def __str__(self) -> str:
@@ -50,7 +50,7 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Replicate:
+class PlanReplicate:
     """Every rank of the axis holds the full tensor."""
 
     def __str__(self) -> str:
@@ -61,7 +61,7 @@ class Replicate:
 
 
 @dataclass(frozen=True)
-class Partial:
+class PlanPartial:
     """Every rank holds a full-shape tensor; the true value is the reduction ``op`` over the axis.
 
     This is what a row-parallel matmul produces before its all-reduce, and what gradients are on
@@ -72,7 +72,7 @@ class Partial:
 
     def __post_init__(self):
         if self.op not in PARTIAL_OPS:
-            raise InvalidValue(f"Partial(op={self.op!r}): op must be one of {', '.join(PARTIAL_OPS)}")
+            raise InvalidValue(f"PlanPartial(op={self.op!r}): op must be one of {', '.join(PARTIAL_OPS)}")
 
     def __str__(self) -> str:
         return f"P({self.op})"
@@ -81,19 +81,19 @@ class Partial:
         return {"partial": self.op}
 
 
-Placement = Union[Shard, Replicate, Partial]
+Placement = Union[PlanShard, PlanReplicate, PlanPartial]
 
 
 def placement_from_json(data: Any) -> Placement:
     """Inverse of ``placement.to_json()``; a malformed value raises ValueError naming it."""
     if data == "replicate":
-        return Replicate()
+        return PlanReplicate()
     if isinstance(data, dict) and set(data) in ({"shard"}, {"shard", "chunks"}):
-        return Shard(data["shard"], data.get("chunks", 1))
+        return PlanShard(data["shard"], data.get("chunks", 1))
     if isinstance(data, dict) and len(data) == 1:
         (kind, value), = data.items()
         if kind == "partial":
-            return Partial(value)
+            return PlanPartial(value)
     raise InvalidValue(f"bad placement {data!r}: expected {{\"shard\": <dim>}} (optionally with "
                      f"\"chunks\": <pieces>), \"replicate\" or {{\"partial\": <{'|'.join(PARTIAL_OPS)}>}}")
 
@@ -111,10 +111,10 @@ def local_shape(shape: tuple, placement: Placement, axis_size: int) -> tuple:
     if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
         raise InvalidValue(f"axis_size must be a positive int, got {axis_size!r}")
     shape = tuple(shape)
-    if isinstance(placement, (Replicate, Partial)):
+    if isinstance(placement, (PlanReplicate, PlanPartial)):
         return shape
-    if not isinstance(placement, Shard):
-        raise InvalidType(f"not a placement: {placement!r} (expected Shard, Replicate or Partial)")
+    if not isinstance(placement, PlanShard):
+        raise InvalidType(f"not a placement: {placement!r} (expected PlanShard, PlanReplicate or PlanPartial)")
     if placement.dim >= len(shape):
         raise InvalidValue(f"{placement} is out of range for a tensor of shape {shape} "
                          f"(valid dims 0..{len(shape) - 1})" if shape else

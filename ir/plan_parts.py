@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from xirang.ir.mesh import AXES, Mesh
-from xirang.ir.placement import Partial, Placement, Replicate, Shard, placement_from_json
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard, placement_from_json
 from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_float, check_int, check_keys, check_seq,
                                    check_str, check_type, check_unique, errors_at, parse_json_list)
 
@@ -40,21 +40,21 @@ LAYOUT_AXES = ("dp", "pp", "tp")
 class Layout:
     """How one tensor lies on the mesh: a placement per mesh axis (replicated unless said)."""
 
-    dp: Placement = Replicate()
-    pp: Placement = Replicate()
-    tp: Placement = Replicate()
+    dp: Placement = PlanReplicate()
+    pp: Placement = PlanReplicate()
+    tp: Placement = PlanReplicate()
 
     def __post_init__(self):
         for axis in LAYOUT_AXES:
-            check_type(getattr(self, axis), (Shard, Replicate, Partial), axis,
-                       "placement: Shard, Replicate or Partial")
+            check_type(getattr(self, axis), (PlanShard, PlanReplicate, PlanPartial), axis,
+                       "placement: PlanShard, PlanReplicate or PlanPartial")
 
     def __str__(self) -> str:
-        parts = [f"{axis}={getattr(self, axis)}" for axis in LAYOUT_AXES if getattr(self, axis) != Replicate()]
+        parts = [f"{axis}={getattr(self, axis)}" for axis in LAYOUT_AXES if getattr(self, axis) != PlanReplicate()]
         return " ".join(parts) or "R"
 
     def to_json(self) -> dict:
-        return {axis: getattr(self, axis).to_json() for axis in LAYOUT_AXES if getattr(self, axis) != Replicate()}
+        return {axis: getattr(self, axis).to_json() for axis in LAYOUT_AXES if getattr(self, axis) != PlanReplicate()}
 
     @classmethod
     def from_json(cls, data) -> "Layout":

@@ -18,6 +18,7 @@ from typing import Optional, Union
 from xirang.ir.calibration import Calibration
 from xirang.ir.device import DeviceSpec, device_spec
 from xirang.ir.errors import InvalidValue
+from xirang.ir.renamed import renamed_keywords
 
 DEFAULT_DEVICE = "a100-80g"
 DEVICES_PER_NODE = 8  # how an int device count is packed into nodes (see parse_world)
@@ -298,26 +299,27 @@ _GROUP_OF_NODES = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*:\s*([^\s+:]+)\s*$")  
 _COUNT = re.compile(r"^\s*(\d+)\s*$")
 
 
-def parse_world(spec: Union[int, str, World], device: Union[str, DeviceSpec, None] = None) -> World:
+@renamed_keywords(device="hardware=")
+def parse_world(spec: Union[int, str, World], hardware: Union[str, DeviceSpec, None] = None) -> World:
     """A World from a short user spelling (command line, ``xirang.compile(world=...)``).
 
     Accepted forms:
-      * a World, returned as is (``device`` must then be None);
+      * a World, returned as is (``hardware`` must then be None);
       * an int N, or the string "N": N devices, packed ``DEVICES_PER_NODE`` (8) per node when N > 8
         and divisible by 8, else one node of N (so 4 is one node of 4, 16 is 2 x 8, 12 is one
         node of 12; write "3x4" for anything else);
       * a string "NxM": N nodes of M devices each;
       * a mixed World: groups of nodes joined by "+", each "NxM:device" (a preset name), e.g.
         "2x8:a100-80g+2x8:h100-80g" (ranks 0-15 on the A100 nodes); a group without ":device" gets
-        ``device``.
-    ``device`` is a preset name or DeviceSpec for every node (default "a100-80g").
+        ``hardware``.
+    ``hardware`` is a device preset name or DeviceSpec for every node (default "a100-80g").
     """
     if isinstance(spec, World):
-        if device is not None:
-            raise InvalidValue("parse_world: device= applies only when building a world from a count "
+        if hardware is not None:
+            raise InvalidValue("parse_world: hardware= applies only when building a world from a count "
                              "or an 'NxM' string; this World already names its devices")
         return spec
-    device = device_spec(DEFAULT_DEVICE if device is None else device)
+    device = device_spec(DEFAULT_DEVICE if hardware is None else hardware)
     forms = ("accepted forms: an int N > 0, a string 'N' (N devices), "
              "a string 'NxM' (N nodes of M devices, both > 0), node groups 'NxM:device+NxM:device' "
              "(device a preset name), or a World")

@@ -65,5 +65,5 @@ def saved_plan(tmp_path_factory) -> str:
     from tests.bad_input.models import mlp
     model, inputs = mlp()
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    xirang.plan(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8).save(path)
+    xirang.plan(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8).save(path)
     return str(path)

@@ -63,8 +63,8 @@ def test_unknown_factory_lists_the_functions():
 
 def test_plan_saves_json_that_explain_reads(tmp_path):
     out = tmp_path / "plan.json"
-    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "1x2", "--device", "cpu",
-                    "--global-batch", "8", "--json", str(out))
+    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "1x2", "--hardware", "cpu",
+                    "--global-batch", "8", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "Plan for 1 node x 2 cpu" in result.stdout and "Why this plan" in result.stdout
     saved = json.loads(out.read_text())
@@ -91,7 +91,7 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
 
 def test_plan_pins_are_honoured():
     # in this process: what is checked is how the options become pins, not an interpreter's start
-    code, out, err = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu",
+    code, out, err = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--hardware", "cpu",
                          "--global-batch", "8", "--pp", "2", "--micro-batch", "2", "--schedule", "gpipe",
                          "--recompute", "full")
     assert code == 0, err
@@ -108,8 +108,8 @@ def test_bad_world_string_says_the_accepted_forms():
 @pytest.mark.matrix  # 13 s of subprocesses: bad plan files are probed in-process by tests/bad_input
 def test_stale_or_hand_broken_plan_json_is_refused_naming_the_field(tmp_path):
     out = tmp_path / "plan.json"
-    assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "4",
-                  "--json", str(out)).returncode == 0
+    assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--hardware", "cpu", "--global-batch", "4",
+                  "--out", str(out)).returncode == 0
     data = json.loads(out.read_text())
     data["schema_version"] = 0
     out.write_text(json.dumps(data))

@@ -25,7 +25,7 @@ def gpt_plans():
     events = []
     free = xirang.plan(build_gpt("tiny"), world="1x4", example_kwargs=token_batch(batch=2, seq=32, device="cpu"),
                        global_batch=16, progress=events.append)
-    pinned = xirang.plan(hf_llama(layers=2), world=2, device="cpu", example_kwargs=token_batch(), global_batch=4,
+    pinned = xirang.plan(hf_llama(layers=2), world=2, hardware="cpu", example_kwargs=token_batch(), global_batch=4,
                          **PINNED)
     return free, pinned, events
 
@@ -95,7 +95,7 @@ def test_llama2_70b_on_two_16gib_devices_says_how_much_memory_would_fit():
     model, batch = llama2_70b(batch=1, seq=4096)
     small = DeviceSpec("gpu-16g", {"bf16": 100e12, "fp32": 20e12}, 16 * GiB, 1e12)
     with pytest.raises(XirangError) as error:
-        xirang.plan(model, world=2, device=small, example_kwargs=batch, global_batch=8)
+        xirang.plan(model, world=2, hardware=small, example_kwargs=batch, global_batch=8)
     what = error.value.what
     assert "no plan fits device memory" in what and "a gpu-16g has 16.0 GiB" in what
     # half the model states of 68.98 B parameters at 16 B each is 514 GiB, plus a little activation
@@ -111,9 +111,9 @@ def test_llama2_70b_on_two_16gib_devices_says_how_much_memory_would_fit():
 
 def test_unknown_device_lists_the_presets():
     with pytest.raises(XirangError) as error:
-        xirang.plan(build_gpt("tiny"), world=2, device="tpu-v9", example_kwargs=token_batch(), global_batch=4)
+        xirang.plan(build_gpt("tiny"), world=2, hardware="tpu-v9", example_kwargs=token_batch(), global_batch=4)
     assert "unknown device 'tpu-v9'" in error.value.what
-    assert error.value.where == "device='tpu-v9'"
+    assert error.value.where == "hardware='tpu-v9'"
     assert "a100-80g, h100-80g, h200, cpu" in error.value.hint
 
 

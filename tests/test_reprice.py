@@ -15,7 +15,7 @@ from examples.gpt import build_gpt
 from xirang.codegen.runtime.calibration.step_costs import MeasuredCosts, combine, rank_summary
 from xirang.codegen.runtime.executor.pipeline_executor import StepRecord
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.ir.schedules import Backward, Forward
 from xirang.passes.planning.cost_collectives import collective_cost
 from xirang.passes.planning.plan_splits import SplitPricer
@@ -34,7 +34,7 @@ def planned():
     plan = xirang.plan(model, world=world, example_kwargs=batch, global_batch=1, seq=SEQ, precision="fp32",
                        analysed=analysed)
     assert plan.mesh.tp == 4  # the premise: tp wins here
-    assert any(isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items() if n.startswith("p_"))
+    assert any(isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items() if n.startswith("p_"))
     split = SplitPricer(analysed.graph_module, world, precision="fp32").price(4, (0, 1, 2, 3), plan.micro_batch, SEQ)
     _, forward, backward, tp = stage_predictions(plan, split)
     return plan, analysed, forward, backward, tp

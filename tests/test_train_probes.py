@@ -353,15 +353,3 @@ def test_sigterm_names_the_rank_and_step_and_the_handler_is_restored():
     assert "rank 3 was stopped by its launcher (SIGTERM) in step 7" in caught.value.what
     assert "fix what that rank's error says" in caught.value.hint and "not a wrong input" in caught.value.hint
     assert signal.getsignal(signal.SIGTERM) == before
-
-
-def test_a_loss_spike_is_written_into_the_metrics_line(tmp_path):
-    from xirang.cli.train_metrics import MetricsWriter, RunFacts, read_metrics
-    facts = RunFacts(model_flops=1.0, peak_flops_per_s=1.0, peak="cpu", predicted_step_s=0.1, predicted_by="preset",
-                     tokens_per_step=8)
-    writer = MetricsWriter(tmp_path / "m.jsonl", facts, device=torch.device("cpu"))
-    writer.record(step=1, loss=2.0, lr=1e-3, step_s=0.1, grad_norm=1.0, stepped=True, memory=[0])
-    writer.record(step=2, loss=9.0, lr=1e-3, step_s=0.1, grad_norm=1.0, stepped=True, memory=[0],
-                  note="loss spike at step 2: 9")
-    writer.close()
-    assert [line["note"] for line in read_metrics(tmp_path / "m.jsonl")] == [None, "loss spike at step 2: 9"]

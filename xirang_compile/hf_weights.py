@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from xirang.codegen.runtime.state.weight_init import parameters_on_meta
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -92,7 +92,7 @@ def local_piece(handle, name: str, shard, tp_rank: int, tp: int, dtype) -> torch
     view = handle.get_slice(name)
     shape = tuple(view.get_shape())
     placement = getattr(shard, "placement", None)
-    if not isinstance(placement, Shard) or tp == 1:
+    if not isinstance(placement, PlanShard) or tp == 1:
         return view[tuple(slice(None) for _ in shape)].to(dtype)
     dim = placement.dim
     piece = shape[dim] // placement.chunks

@@ -6,7 +6,8 @@ and return the Plan with what the cost model predicts for it.
     plan.save("plan.json")
 
 Any choice can be pinned, e.g. to price a published configuration:
-``xirang.plan(..., tp=8, pp=2, micro_batch=4, schedule="interleaved", recompute="full")``.
+``xirang.plan(..., tp=8, pp=2, micro_batch=4, schedule="interleaved", recompute="full")``
+(or ``choices=xirang.PlanChoices(tp=8, ...)``, xirang_compile/options.py).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from xirang.passes.planning.tp_overlap_cost import choose_tp_overlap
 from xirang.analyze import analyze, gc_paused
 from xirang.model_checks import batch_statistics_nodes, check_plan_batch_split, check_trainable
 from xirang.ir.errors import XirangError
+from xirang.ir.renamed import renamed_keywords
+from xirang.options import PlanChoices, merged_choices
 from xirang.plan_assemble import assemble_plan
 
 MEMORY_FRACTION = 0.9  # of each device's memory the plan may use; see search_plan
@@ -50,38 +53,37 @@ class PlanProgress(NamedTuple):
 
 
 @gc_paused()
-def plan(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None, global_batch: int,
-         seq: Optional[int] = None, device: Union[str, DeviceSpec, None] = None, precision: Optional[str] = None,
-         tp: Optional[int] = None, pp: Optional[int] = None, dp: Optional[int] = None,
-         micro_batch: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
-         recompute: Optional[str] = None, offload: Optional[str] = None, efficiency: Optional[Efficiency] = None,
-         progress: Optional[Callable[[PlanProgress], None]] = None, analysed=None,
-         sequence_parallel: Optional[bool] = None, zero_stage: Optional[int] = None,
-         tp_overlap: Optional[int] = None) -> Plan:
+@renamed_keywords(device="hardware=")
+def plan(model, *, world: Union[int, str, World], global_batch: int, example_inputs=(), example_kwargs=None,
+         seq: Optional[int] = None, hardware: Union[str, DeviceSpec, None] = None,
+         choices: Optional[PlanChoices] = None, progress: Optional[Callable[[PlanProgress], None]] = None,
+         efficiency: Optional[Efficiency] = None, analysed=None, **pins) -> Plan:
     """The fastest predicted 3D-parallel plan for ``model`` on ``world`` that fits device memory.
 
-    ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``device`` names the preset
-    (default "a100-80g") or gives a DeviceSpec when ``world`` is not a World. ``global_batch``:
-    samples per optimizer step. ``seq``: sequence length to plan for (default: the example inputs').
-    ``precision``: "bf16" on GPUs, "fp32" on "cpu" unless given. ``tp``, ``pp``, ``dp``,
-    ``micro_batch``, ``schedule`` ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2"), ``virtual_stages``,
-    ``recompute`` ("none", "selective", "full") and ``offload`` ("none", "blocks": each block's
-    activations to host memory, prefetched back for its backward) pin a choice. ``progress`` receives a
-    ``PlanProgress`` after each step. ``analysed``: the model's ``AnalysisReport`` when the caller
-    has it already (``xirang.compile`` traces once for planning and lowering). ``sequence_parallel``:
-    True offers the split the residual stream sharded along the sequence on tp (Korthikanti et al.
-    2022), which the split ILP takes op by op where it costs less than the all-reduce layout; False
-    never; unpinned, the search prices both layouts for its best few tp > 1 configurations and keeps
-    the faster (plan_search, step 4). ``zero_stage`` (0, 1 or 3) pins the ZeRO stage; unpinned, the
-    search prices all three wherever dp > 1. ``tp_overlap`` (0 off, or chunks) pins the overlap of the
-    sequence-parallel tp collectives with their linears; unset, it is taken where it hides time
+    ``world``: a device count, "NxM" (N nodes of M devices) or a World; ``hardware`` names the device
+    preset the planner prices (a key of ``xirang.DEVICE_PRESETS``, default "a100-80g") or gives a
+    DeviceSpec, when ``world`` is not a World. ``global_batch``: samples per optimizer step. ``seq``:
+    sequence length to plan for (default: the example inputs'). ``choices`` (a ``PlanChoices``) pins
+    what the search would choose; each choice may also be given directly (``tp=2``, ``schedule="1f1b"``,
+    ``precision="fp32"``; see ``PlanChoices``). Unpinned, ``sequence_parallel`` is priced both ways for
+    the search's best few tp > 1 configurations and the faster kept (plan_search, step 4), ``zero_stage``
+    is priced at 0, 1 and 3 wherever dp > 1, and ``tp_overlap`` is taken where it hides time
     (passes/planning/tp_overlap_cost.py; never where the World's calibration says comm slows compute).
+    ``progress`` receives a ``PlanProgress`` after each step. ``efficiency`` overrides each device's
+    kernel efficiencies (DeviceSpec.efficiency). ``analysed``: the model's ``AnalysisReport`` when the
+    caller has it already (``xirang.compile`` traces once for planning and lowering).
     """
+    choices = merged_choices(choices, pins, "xirang.plan")
+    tp, pp, dp, micro_batch = choices.tp, choices.pp, choices.dp, choices.micro_batch
+    schedule, virtual_stages, recompute, offload = (choices.schedule, choices.virtual_stages, choices.recompute,
+                                                    choices.offload)
+    precision, sequence_parallel = choices.precision, choices.sequence_parallel
+    zero_stage, tp_overlap = choices.zero_stage, choices.tp_overlap
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True, False or None",
                           where="xirang.plan(sequence_parallel=...)",
                           hint="pass True or False, or leave it unset to let the planner choose")
-    world = as_world(world, device)
+    world = as_world(world, hardware)
     precision = _precision(precision, world)
     check_global_batch(global_batch)  # before the trace, which is the slow part
     report_progress = progress or (lambda event: None)
@@ -154,18 +156,18 @@ def _batch_statistics_pins(gm, global_batch: int, dp, micro_batch) -> tuple:
     return 1, global_batch, True
 
 
-def as_world(world, device=None) -> World:
-    """The World ``world`` names (a device count, "NxM" or a World, ``device`` the preset of a count),
+def as_world(world, hardware=None) -> World:
+    """The World ``world`` names (a device count, "NxM" or a World, ``hardware`` the preset of a count),
     as ``parse_world``, but a bad argument raises a XirangError naming it and what would be valid."""
     try:
-        return parse_world(world, device)
+        return parse_world(world, hardware)
     except ValueError as error:
         if "unknown device" in str(error):
-            raise XirangError(str(error), where=f"device={device!r}",
+            raise XirangError(str(error), where=f"hardware={hardware!r}",
                               hint=f"use one of {', '.join(DEVICE_PRESETS)}, or pass a DeviceSpec") from None
         raise XirangError(str(error), where=f"world={world!r}",
                           hint="pass world=N devices, 'NxM' (N nodes of M devices) or a World; give "
-                               "device= only with N or 'NxM'") from None
+                               "hardware= only with N or 'NxM'") from None
 
 
 def _precision(precision, world: World) -> str:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from xirang.ir.meta_keys import (MODULE_PATH, MODULE_TYPE, PARAM_COUNT, PARAM_NAME, REQUIRES_GRAD, ROLE, SOURCE, TENSOR,
                                  TRACE_INFO, UNIT)
-from xirang.ir.placement import Shard, local_shape
+from xirang.ir.placement import PlanShard, local_shape
 from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, StagePlan
 from xirang.ir.plan_explain import why_lost
 from xirang.ir.world import World
@@ -224,7 +224,7 @@ def local_elements(node, placements, tp: int) -> int:
     uneven dim at the end (``local_shape``: 1001 rows on 4 ranks are 251 each, padding included)."""
     count = PARAM_COUNT.get(node)
     strategy = placements.get(node.name)
-    if strategy is not None and strategy.outputs and isinstance(strategy.outputs[0].tp, Shard):
+    if strategy is not None and strategy.outputs and isinstance(strategy.outputs[0].tp, PlanShard):
         shape = TENSOR.get(node).shape
         return math.prod(int(size) for size in local_shape(shape, strategy.outputs[0].tp, tp))
     return count

@@ -9,7 +9,7 @@ ceil(n / k) per rank, zero-padded at its end, so every rank has the same shape (
 collectives and send/recv). The vocabulary is the usual case: GPT-2's 50257 rows on 8 ranks are
 6283 per rank, the last rank holding 6276 real rows and 7 padding rows.
 
-``Shard(dim, chunks)`` with chunks > 1 is Megatron's fused ``[q | k | v]`` layout (Shoeybi et al.
+``PlanShard(dim, chunks)`` with chunks > 1 is Megatron's fused ``[q | k | v]`` layout (Shoeybi et al.
 2019, sec. 3): the dim is ``chunks`` equal pieces, each split across the ranks, and a rank holds
 its slice of every piece, concatenated. Padding applies per piece, so an uneven piece keeps its
 padding next to its own rows instead of pushing the next piece's rows onto the wrong rank.
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Partial, Placement, Replicate, Shard
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
 
 
 def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -48,9 +48,9 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
     holds ``full``.
     """
     _check_rank(rank, size, "shard_of")
-    if isinstance(placement, Replicate):
+    if isinstance(placement, PlanReplicate):
         return full
-    if isinstance(placement, Partial):
+    if isinstance(placement, PlanPartial):
         if placement.op == "sum" and rank != 0:
             return torch.zeros_like(full)
         return full
@@ -84,9 +84,9 @@ def unshard(locals_: Sequence[torch.Tensor], placement: Placement,
         raise XirangError(f"unshard: the locals have different shapes {sorted(shapes)}",
                           where=where, hint="every rank of a mesh axis holds the same local "
                                             "shape (uneven dims are padded); pass them unchanged")
-    if isinstance(placement, Replicate):
+    if isinstance(placement, PlanReplicate):
         return locals_[0]
-    if isinstance(placement, Partial):
+    if isinstance(placement, PlanPartial):
         return _reduce(list(locals_), placement.op)
     size, first = len(locals_), locals_[0]
     dim = _shard_dim(first, placement, "unshard")
@@ -130,9 +130,9 @@ def _norm_dim(t: torch.Tensor, dim: int, name: str) -> int:
 
 
 def _shard_dim(t: torch.Tensor, placement: Placement, name: str) -> int:
-    if not isinstance(placement, Shard):
+    if not isinstance(placement, PlanShard):
         raise XirangError(f"{name}: not a placement: {placement!r}", where=name,
-                          hint="pass Shard(dim[, chunks]), Replicate() or Partial(op)")
+                          hint="pass PlanShard(dim[, chunks]), PlanReplicate() or PlanPartial(op)")
     if placement.dim >= t.dim():
         raise XirangError(f"{name}: {placement} is out of range for a tensor of shape "
                           f"{tuple(t.shape)}", where=name,
@@ -140,7 +140,7 @@ def _shard_dim(t: torch.Tensor, placement: Placement, name: str) -> int:
     return placement.dim
 
 
-def _check_pieces(n: int, placement: Shard, where: str) -> None:
+def _check_pieces(n: int, placement: PlanShard, where: str) -> None:
     if n % placement.chunks:
         raise XirangError(f"a dim of {n} elements cannot be cut into {placement.chunks} equal "
                           f"pieces for {placement}", where=where,

@@ -101,7 +101,7 @@ def _check_embedding_args(ids, local_weight, vocab_start, vocab_size, padding_id
     if local_weight.dim() != 2:
         raise XirangError(f"local_weight must be a 2-d table [rows, hidden], got shape "
                           f"{tuple(local_weight.shape)}", where=where,
-                          hint="pass this rank's Shard(0) slice of the embedding weight")
+                          hint="pass this rank's PlanShard(0) slice of the embedding weight")
     if ids.dtype not in (torch.int32, torch.int64):
         raise XirangError(f"ids must be int32 or int64, got {ids.dtype}", where=where,
                           hint="pass token ids, not one-hot or float tensors")

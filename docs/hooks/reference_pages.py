@@ -42,8 +42,8 @@ def _cell(text: str) -> str:
 def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
     rows = []
     for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
-            continue
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
+            continue  # hidden as in --help: a renamed flag kept only to refuse it (xirang_compile/cli/args.py)
         if action.option_strings:
             value = "" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}"
             names = ", ".join(f"`{o}{value}`" for o in action.option_strings)

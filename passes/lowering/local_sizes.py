@@ -14,7 +14,7 @@ import torch
 from torch.fx import Node
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 from xirang.codegen.ops.local_ops import local_size
 
@@ -43,19 +43,19 @@ def localise_sizes(node: Node, args: tuple, output: object, first_input: object,
     if tp == 1:
         return args
     packet = _packet(node)
-    if packet in SIZE_LIST_ARG and isinstance(output, Shard):
+    if packet in SIZE_LIST_ARG and isinstance(output, PlanShard):
         position = SIZE_LIST_ARG[packet]
         sizes = list(args[position])
         sizes[output.dim] = _local(sizes[output.dim], tp, sym_local, node)
         return args[:position] + (sizes,) + args[position + 1:]
-    if packet in SPLIT_OPS and isinstance(first_input, Shard):
+    if packet in SPLIT_OPS and isinstance(first_input, PlanShard):
         dim = args[2] if len(args) > 2 else 0
         if dim % len(_full_shape(node.args[0])) == first_input.dim:
             sizes = args[1]
             local = ([_local(s, tp, sym_local, node) for s in sizes] if isinstance(sizes, (list, tuple))
                      else _local(sizes, tp, sym_local, node))
             return args[:1] + (local,) + args[2:]
-    if packet is aten.slice and isinstance(first_input, Shard):
+    if packet is aten.slice and isinstance(first_input, PlanShard):
         dim = args[1] if len(args) > 1 else 0
         if dim % len(_full_shape(node.args[0])) == first_input.dim:
             return _local_full_slice(node, args, tp)

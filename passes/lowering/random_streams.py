@@ -39,7 +39,7 @@ from xirang.ir.errors import PlanError
 from xirang.ir.facts import RandomSite, TensorInfo, evaluate
 from xirang.ir.meta_keys import LAYOUT, RANDOM, RANDOM_SITES, SYMBOLS, TENSOR, TORCH_SYMBOLS, symbol
 from xirang.ir.pass_spec import compiler_pass
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 from xirang.passes.analysis.tensors import SizeConverter
 
 from xirang.codegen.ops import random_ops
@@ -131,7 +131,7 @@ class _Sites:
         shape = self._full_shape(node, kind)
         batch_dim, rows, why = self._batch(shape)
         shard = ()
-        if isinstance(placement, Shard) and self.tp > 1:
+        if isinstance(placement, PlanShard) and self.tp > 1:
             shard = (placement.dim, placement.chunks, self.tp_rank, self.tp)
         if not why and kind == "valued" and (batch_dim >= 0 or shard):
             why = ("its draws depend on its input values, which this rank holds only a piece of "
@@ -143,15 +143,15 @@ class _Sites:
 
     def _placement(self, node: Node, kind: str):
         strategy = LAYOUT.get(node, None)
-        placement = strategy.outputs[0].tp if strategy is not None and strategy.outputs else Replicate()
-        if not isinstance(placement, (Shard, Replicate)):
+        placement = strategy.outputs[0].tp if strategy is not None and strategy.outputs else PlanReplicate()
+        if not isinstance(placement, (PlanShard, PlanReplicate)):
             raise PlanError(f"{node.name} ({node.target}) draws random numbers into a {placement} value: each tp "
                             f"rank would hold a part of a value whose random draw must be one",
                             where=f"plan.placements[{node.name!r}]",
                             hint="re-plan, or edit the plan to keep this op replicated or sharded")
-        if kind == "attention" and isinstance(placement, Shard) and placement.dim >= len(_tensor_of(
+        if kind == "attention" and isinstance(placement, PlanShard) and placement.dim >= len(_tensor_of(
                 node.meta["val"]).shape) - 1:
-            return Replicate()  # split by value columns: every rank draws the whole scores
+            return PlanReplicate()  # split by value columns: every rank draws the whole scores
         return placement
 
     def _full_shape(self, node: Node, kind: str) -> tuple:

@@ -36,7 +36,7 @@ from xirang.ir.errors import XirangError
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import INSERTED, LAYOUT, REQUIRES_GRAD, ROLE, RUN_DTYPE, SYMBOLS, TENSOR, UNIT
 from xirang.ir.pass_spec import compiler_pass
-from xirang.ir.placement import Partial, Replicate, Shard, local_shape
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard, local_shape
 from xirang.passes.lowering.inserted import place_inserted
 from xirang.passes.planning.sharding_rules import Strategy, gradient_placements
 
@@ -45,7 +45,7 @@ from xirang.passes.lowering.local_sizes import localise_sizes, output_placement
 from xirang.passes.lowering.trace_device import on_device
 from xirang.passes.lowering.vocab_calls import VOCAB_PARALLEL_OPS, vocab_parallel_call
 
-R = Replicate()
+R = PlanReplicate()
 SKIPPED_OPS = (torch.ops.aten._assert_tensor_metadata.default,)  # trace-time checks of fake tensors
 
 
@@ -158,7 +158,7 @@ class TpRewriter:
             if not _is_tensor(value):
                 reads[value] = self.env[value]
                 continue
-            via_f = (layout.tp == R and isinstance(grad, Partial) and REQUIRES_GRAD.get(value, False)
+            via_f = (layout.tp == R and isinstance(grad, PlanPartial) and REQUIRES_GRAD.get(value, False)
                      and self.tp_size > 1)
             reads[value] = self.reshard(value, layout.tp, via_f=via_f)
         return reads
@@ -182,7 +182,7 @@ class TpRewriter:
         if key in self.resharded:
             return self.resharded[key]
         have = self.produced(value)
-        if via_f and wanted == R and isinstance(have, Shard) and have.chunks == 1 and \
+        if via_f and wanted == R and isinstance(have, PlanShard) and have.chunks == 1 and \
                 LAYOUT.get(value).strategy.startswith("seq "):
             # a sequence shard read whole by an op whose input gradient is partial: all-gather forward,
             # reduce-scatter backward (what the split prices), not all-reduce then slice
@@ -208,29 +208,29 @@ class TpRewriter:
             return x
         group = self.attr("tp_group")
         full = _full_shape(value)
-        if isinstance(have, Partial) and have.op != "sum" or isinstance(wanted, Partial) and wanted.op != "sum":
+        if isinstance(have, PlanPartial) and have.op != "sum" or isinstance(wanted, PlanPartial) and wanted.op != "sum":
             raise XirangError(f"no conversion from {have} to {wanted} for {value.name}",
                               where=f"node {value.name}", hint="re-plan: only Partial(sum) is supported")
-        if isinstance(have, Partial) and wanted == R:
+        if isinstance(have, PlanPartial) and wanted == R:
             return self.call(collectives.reduce_from_group, (x, group), self.comm())
-        if isinstance(have, Shard) and wanted == R:
+        if isinstance(have, PlanShard) and wanted == R:
             if have.chunks > 1:
                 return self.call(local_ops.gather_chunks, (x, group, have.dim, have.chunks), self.comm())
             size = full[have.dim] if have.dim < len(full) and isinstance(full[have.dim], int) else None
             return self.call(collectives.gather_from_group, (x, group, have.dim),
                              {"full_size": size, **self.comm()})
-        if have == R and isinstance(wanted, Shard):
+        if have == R and isinstance(wanted, PlanShard):
             if wanted.chunks > 1:
                 return self.call(local_ops.scatter_chunks, (x, group, wanted.dim, wanted.chunks), self.comm())
             return self.call(collectives.scatter_to_group, (x, group, wanted.dim), self.comm())
-        if isinstance(have, Partial) and isinstance(wanted, Shard) and wanted.chunks == 1:
+        if isinstance(have, PlanPartial) and isinstance(wanted, PlanShard) and wanted.chunks == 1:
             return self.call(collectives.reduce_scatter_to_group, (x, group, wanted.dim), self.comm())
-        if isinstance(have, Shard) and isinstance(wanted, Shard) and have.chunks == wanted.chunks == 1:
+        if isinstance(have, PlanShard) and isinstance(wanted, PlanShard) and have.chunks == wanted.chunks == 1:
             size = full[have.dim] if isinstance(full[have.dim], int) else None
             return self.call(collectives.all_to_all, (x, group),
                              {"scatter_dim": wanted.dim, "gather_dim": have.dim, "gather_size": size,
                               **self.comm()})
-        if have == R and isinstance(wanted, Partial):
+        if have == R and isinstance(wanted, PlanPartial):
             return self.call(local_ops.partial_from_replicate, (x, self.tp_rank == 0), {})
         # anything else goes through R: S -> Partial, chunked S -> another S, ...
         return self._convert(value, self.reshard(value, R), R, wanted)

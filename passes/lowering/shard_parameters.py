@@ -10,7 +10,7 @@ from __future__ import annotations
 from xirang.ir.facts import ParamShard
 from xirang.ir.meta_keys import LAYOUT, PARAM_ALIASES, PARAM_NAME, PARAM_SHARD, ROLE
 from xirang.ir.pass_spec import compiler_pass
-from xirang.ir.placement import Replicate
+from xirang.ir.placement import PlanReplicate
 
 BOUND_ROLES = ("parameter", "buffer", "constant")
 
@@ -22,7 +22,7 @@ def shard_parameters(gm, ctx):
         if node.op != "placeholder" or ROLE.get(node, None) not in BOUND_ROLES:
             continue
         strategy = LAYOUT.get(node, None)
-        placement = strategy.outputs[0].tp if strategy is not None and strategy.outputs else Replicate()
+        placement = strategy.outputs[0].tp if strategy is not None and strategy.outputs else PlanReplicate()
         name = PARAM_NAME.get(node, node.name)
         PARAM_SHARD.set(node, ParamShard(node.name, name, tuple(PARAM_ALIASES.get(node, (name,))), ROLE.get(node),
                                          placement, tuple(int(s) for s in node.meta["val"].shape)))

@@ -33,7 +33,7 @@ import threading
 
 from xirang.ir.device import canonical_dtype, device_spec
 from xirang.ir.meta_keys import PARAM_COUNT, ROLE
-from xirang.ir.placement import Replicate
+from xirang.ir.placement import PlanReplicate
 from xirang.ir.world import World
 from xirang.passes.planning.unit_costs import TensorSplit
 
@@ -185,7 +185,7 @@ class SplitPricer:
         if not problem.sequence_parallel:
             return self.crossing, self.entering
         def whole(node, flag: bool) -> bool:
-            return flag and problem.boundary(node) == Replicate()
+            return flag and problem.boundary(node) == PlanReplicate()
         crossing = [(node, count, size, whole(node, flag), first, last)
                     for node, count, size, flag, first, last in self.crossing]
         entering = {unit: [(node, count, size, whole(node, flag)) for node, count, size, flag in tensors]

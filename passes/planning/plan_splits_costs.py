@@ -48,7 +48,7 @@ import torch
 from torch.fx import Node
 
 from xirang.ir.meta_keys import BYTES, FLOPS, PARAM_COUNT, REQUIRES_GRAD, ROLE
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 from xirang.passes.planning.cost_collectives import CollectiveCost, collective_cost
 from xirang.passes.planning.cost_model import Efficiency, compute_time
@@ -163,7 +163,7 @@ def _weight_output(node: Node, table) -> int | None:
 
 def local_fraction(placement, tp: int) -> float:
     """Share of a tensor one rank holds: 1/tp of a shard, all of a replicated or partial tensor."""
-    return 1.0 / tp if isinstance(placement, Shard) else 1.0
+    return 1.0 / tp if isinstance(placement, PlanShard) else 1.0
 
 
 class Pricing:

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from torch.fx import Node
 
 from xirang.ir.meta_keys import REQUIRES_GRAD, TENSOR
-from xirang.ir.placement import Partial, Placement, Replicate, Shard
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
 from xirang.passes.planning.sharding_rules import Strategy, gradient_placements, strategies_for
 from xirang.passes.planning.sharding_rules_sequence import stream_dim
 
 from xirang.passes.planning.plan_splits_graph import ExprTable, Group, SplitGraph, produces_tensor, tensor_info
 
-R = Replicate()
+R = PlanReplicate()
 
 
 def external(placement: Placement) -> Strategy:
@@ -52,20 +52,20 @@ def transition(src: Placement, dst: Placement | None) -> tuple[str, ...] | None:
     offered (see the module docstring); ``dst`` None asks nothing."""
     if dst is None or src is None or src == dst:  # src None: no gradient comes back that way
         return ()
-    if isinstance(dst, Replicate):
-        return ("all_gather",) if isinstance(src, Shard) else ("all_reduce",)
-    if isinstance(dst, Shard):
-        if isinstance(src, Replicate):
+    if isinstance(dst, PlanReplicate):
+        return ("all_gather",) if isinstance(src, PlanShard) else ("all_reduce",)
+    if isinstance(dst, PlanShard):
+        if isinstance(src, PlanReplicate):
             return ()
-        return ("all_to_all",) if isinstance(src, Shard) else ("reduce_scatter",)
-    if dst.op == "sum" and not isinstance(src, Partial):
-        return () if isinstance(src, Replicate) else ("all_gather",)
+        return ("all_to_all",) if isinstance(src, PlanShard) else ("reduce_scatter",)
+    if dst.op == "sum" and not isinstance(src, PlanPartial):
+        return () if isinstance(src, PlanReplicate) else ("all_gather",)
     return None
 
 
 def dual(placement: Placement) -> Placement:
     """The layout of the gradient a producer's backward needs, given its output's layout."""
-    return R if isinstance(placement, Partial) else placement
+    return R if isinstance(placement, PlanPartial) else placement
 
 
 def element(placement, index: int | None):
@@ -147,7 +147,7 @@ class TpProblem:
         here = self.graph.place(node)
         readers = {self.graph.place(u) for u in node.users if u.op == "call_function" and produces_tensor(u)}
         dim = stream_dim(node)
-        return Shard(dim) if dim is not None and len(readers - {here}) == 1 else R
+        return PlanShard(dim) if dim is not None and len(readers - {here}) == 1 else R
 
     # --- building ------------------------------------------------------------------------------
 
@@ -248,9 +248,9 @@ class TpProblem:
             self._terms(self._link(source, consumer), lambda i, j: (grads[0][j], outs[i]), "backward",
                         tensor, unit, label)
             return
-        shards = {p for p in [g for row in grads for g in row] + outs if isinstance(p, Shard)}
+        shards = {p for p in [g for row in grads for g in row] + outs if isinstance(p, PlanShard)}
         # Partial first: on a tie, sum the gradients as they come and convert the sum once
-        layouts = [Partial("sum"), R] + sorted(shards, key=lambda p: (p.dim, p.chunks))
+        layouts = [PlanPartial("sum"), R] + sorted(shards, key=lambda p: (p.dim, p.chunks))
         total = self._add(Decision(f"sum:{group.name}:{label}", group,
                                    tuple(Strategy(str(p), (), p, 1.0) for p in layouts), None, unit))
         for (consumer, _), row in zip(consumers, grads):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from torch.fx import Node
 
 from xirang.ir.meta_keys import PARAM_COUNT, ROLE, TENSOR
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.ir.plan_parts import CollectiveChoice, Layout, NodeStrategy
 from xirang.passes.planning.unit_costs import UnitCost
 
@@ -141,7 +141,7 @@ class Assembly:
                     if producers.get(kept.producer) not in core:
                         _keep(unit.selective, kept.storage, self.kept_bytes(decision.node, kept, strategy))
             if facts.params:
-                unit.params += facts.params // tp if isinstance(strategy.output, Shard) else facts.params
+                unit.params += facts.params // tp if isinstance(strategy.output, PlanShard) else facts.params
                 if facts.needs_grad:  # a trainable one: its AccumulateGrad node, every micro-batch
                     unit.backward += pricing.backward_op_s
         for (rows, cols), link in self.problem.links.items():

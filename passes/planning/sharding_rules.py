@@ -26,7 +26,7 @@ Choices, so a reader can argue with them:
   vocabulary-parallel cross-entropy take an end-padded shard (``padded``), whose padding they never
   read as data (see sharding_rules_fused). Its compute fraction is ceil(n/tp)/n.
 - A column-parallel output that is later split into k equal pieces (a fused [q | k | v]) is also
-  offered as ``Shard(last, chunks=k)``, which the split turns into a per-head shard of each piece;
+  offered as ``PlanShard(last, chunks=k)``, which the split turns into a per-head shard of each piece;
   parameters read that way are offered the chunked shard too (see sharding_rules_fused).
 - Ops that draw random numbers (dropout, attention dropout) are correct in distribution only: a
   replicated dropout needs the same mask on every tp rank, a sharded one distinct streams. The
@@ -47,7 +47,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from xirang.ir.placement import Partial, Placement, Replicate, Shard
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
 
 from xirang.passes.analysis.saved_storages import STAT_BYTES, arg
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
@@ -139,13 +139,13 @@ def _linear(node, tp):
         return [(x, px), (w, pw)] + ([(bias, pb)] if bias is not None else [])
     rows = []
     if divides(tp, out_features) or _padded_logits(node, last, out_features, tp):
-        rows.append(make(node, "column", pairs(R, Shard(0), Shard(0)), Shard(last),
+        rows.append(make(node, "column", pairs(R, PlanShard(0), PlanShard(0)), PlanShard(last),
                          shard_fraction(tp, out_features)))
-    rows += [make(node, f"column ({k} chunks)", pairs(R, Shard(0, k), Shard(0, k)), Shard(last, k), 1 / tp)
+    rows += [make(node, f"column ({k} chunks)", pairs(R, PlanShard(0, k), PlanShard(0, k)), PlanShard(last, k), 1 / tp)
              for k in fused_chunks(node, last, tp) if divides(tp * k, out_features)]  # fused [q | k | v]
     if divides(tp, in_features):
-        rows.append(make(node, "row", pairs(Shard(last), Shard(1), SUM), SUM, 1 / tp))
-    rows += [make(node, f"rows S({d})", pairs(Shard(d), R, R), Shard(d), 1 / tp)
+        rows.append(make(node, "row", pairs(PlanShard(last), PlanShard(1), SUM), SUM, 1 / tp))
+    rows += [make(node, f"rows S({d})", pairs(PlanShard(d), R, R), PlanShard(d), 1 / tp)
              for d in shardable(shape(x)[:-1], tp)]
     return rows
 
@@ -169,14 +169,15 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
             return make(node, name, pairs, po, fraction)
         rows = []
         if divides(tp, sb[-1]) or _padded_logits(node, len(out) - 1, sb[-1], tp):
-            rows.append(strategy("column", R, Shard(len(sb) - 1), Shard(len(out) - 1), shard_fraction(tp, sb[-1])))
-        rows += [strategy(f"column ({k} chunks)", R, Shard(len(sb) - 1, k), Shard(len(out) - 1, k))
+            rows.append(strategy("column", R, PlanShard(len(sb) - 1), PlanShard(len(out) - 1),
+                                 shard_fraction(tp, sb[-1])))
+        rows += [strategy(f"column ({k} chunks)", R, PlanShard(len(sb) - 1, k), PlanShard(len(out) - 1, k))
                  for k in fused_chunks(node, len(out) - 1, tp) if divides(tp * k, sb[-1])]
         if divides(tp, sa[-1]):
-            rows.append(strategy("row", Shard(len(sa) - 1), Shard(len(sb) - 2), SUM))
+            rows.append(strategy("row", PlanShard(len(sa) - 1), PlanShard(len(sb) - 2), SUM))
         for d in shardable(sa[:-1], tp):
             shared = batched and d < len(sa) - 2  # a batch dim both operands have
-            rows.append(strategy(f"rows S({d})", Shard(d), Shard(d) if shared else R, Shard(d)))
+            rows.append(strategy(f"rows S({d})", PlanShard(d), PlanShard(d) if shared else R, PlanShard(d)))
         return rows
     return rule
 
@@ -198,10 +199,10 @@ def _embedding(node, tp):
     vocab, hidden = shape(w)
     rows = []
     if divides(tp, vocab) or padded(tp, vocab):  # padded rows: no id looks them up
-        rows.append(make(node, "vocab_parallel", [(w, Shard(0)), (ids, R)], SUM, 1.0))
+        rows.append(make(node, "vocab_parallel", [(w, PlanShard(0)), (ids, R)], SUM, 1.0))
     if divides(tp, hidden):
-        rows.append(make(node, "hidden", [(w, Shard(1)), (ids, R)], Shard(len(shape(node)) - 1), 1 / tp))
-    rows += [make(node, f"ids S({d})", [(w, R), (ids, Shard(d))], Shard(d), 1 / tp)
+        rows.append(make(node, "hidden", [(w, PlanShard(1)), (ids, R)], PlanShard(len(shape(node)) - 1), 1 / tp))
+    rows += [make(node, f"ids S({d})", [(w, R), (ids, PlanShard(d))], PlanShard(d), 1 / tp)
              for d in shardable(shape(ids), tp)]
     return rows
 
@@ -217,11 +218,11 @@ def _attention(node, tp):
     rows = []
     for d in range(len(shape(q)) - 2):
         if all(divides(tp, shape(t)[d]) and shape(t)[d] != 1 for t in (q, k, v)):
-            pairs = [(q, Shard(d)), (k, Shard(d)), (v, Shard(d))]
+            pairs = [(q, PlanShard(d)), (k, PlanShard(d)), (v, PlanShard(d))]
             if mask is not None:
-                pairs.append((mask, broadcast_input(mask, scores, Shard(d))))
+                pairs.append((mask, broadcast_input(mask, scores, PlanShard(d))))
             name = "heads" if d == len(shape(q)) - 3 else f"batch S({d})"
-            rows.append(make(node, name, pairs, Shard(d), 1 / tp))
+            rows.append(make(node, name, pairs, PlanShard(d), 1 / tp))
     return rows
 
 
@@ -242,11 +243,11 @@ def _cross_entropy(node, tp):
         row_bytes = info(logits).numel / classes * STAT_BYTES
         reduces = (Collective("all_reduce", row_bytes, "max", "row max of the logits"),
                    Collective("all_reduce", 2 * row_bytes, "sum", "target logit and sum of exp(logit - max)"))
-        rows.append(make(node, "vocab_parallel", [(logits, Shard(class_dim)), (target, R)], R,
+        rows.append(make(node, "vocab_parallel", [(logits, PlanShard(class_dim)), (target, R)], R,
                          shard_fraction(tp, classes), reduces))
     if class_dim == 1 and reduction in (0, 2) and divides(tp, shape(logits)[0]):
-        rows.append(make(node, "rows S(0)", [(logits, Shard(0)), (target, Shard(0))],
-                         Shard(0) if reduction == 0 else SUM, 1 / tp))
+        rows.append(make(node, "rows S(0)", [(logits, PlanShard(0)), (target, PlanShard(0))],
+                         PlanShard(0) if reduction == 0 else SUM, 1 / tp))
     return rows
 
 
@@ -271,11 +272,11 @@ def _from_follow(rule: Callable[[Node, int], list[Follow]]):
         extra = chunked_follows(node, tp, rows) + split_follows(node, tp) + padded_follows(node, tp)
         for follow in rows + extra:
             placements = [p for _, p in follow.inputs] + list(_outputs(follow.output))
-            split = any(isinstance(p, Shard) for p in placements)
+            split = any(isinstance(p, PlanShard) for p in placements)
             name = ", ".join(str(p) for _, p in follow.inputs) + " -> " + str(_outputs(follow.output)[0])
             out = follow.output
             fraction = 1 / tp if split else 1.0
-            if isinstance(out, Shard):  # ceil(n/tp)/n on a padded dim, 1/tp on an even one
+            if isinstance(out, PlanShard):  # ceil(n/tp)/n on a padded dim, 1/tp on an even one
                 fraction = shard_fraction(tp, shape(node)[out.dim])
             found.append(make(node, name, follow.inputs, follow.output, fraction))
         return found
@@ -305,7 +306,7 @@ def _strategies(node: Node, tp: int, sequence_parallel: bool) -> list[Strategy]:
             return [Strategy("replicate", (), R, 1.0)]
         return [Strategy("replicate", (), R, 1.0)] + \
             [Strategy(str(p), (), p, shard_fraction(tp, shape(node)[p.dim]))
-             for p in [Shard(d) for d in shardable(shape(node), tp)] + _asked_reads(node, tp)]
+             for p in [PlanShard(d) for d in shardable(shape(node), tp)] + _asked_reads(node, tp)]
     found = [replicated(node)]
     if tp == 1:  # one rank: every placement is the whole tensor
         return found
@@ -320,12 +321,12 @@ def _strategies(node: Node, tp: int, sequence_parallel: bool) -> list[Strategy]:
     return found
 
 
-def _asked_reads(node: Node, tp: int) -> list[Shard]:
+def _asked_reads(node: Node, tp: int) -> list[PlanShard]:
     """Chunked shards (a fused [q | k | v] weight and bias) and padded ones (a vocabulary tp does not
     divide) that readers of a parameter ask of it, so it can be held that way rather than replicated
     and sliced. Padded shards are offered only when asked: only vocabulary-chain rules ask them."""
     def asked(p):
-        return isinstance(p, Shard) and (p.chunks > 1 or padded(tp, shape(node)[p.dim]))
+        return isinstance(p, PlanShard) and (p.chunks > 1 or padded(tp, shape(node)[p.dim]))
     wanted = {p for user in node.users if user.op == "call_function" and is_tensor(user)
               for s in strategies_for(user, tp) for value, p in zip(user.all_input_nodes, s.inputs)
               if value is node and asked(p)}
@@ -342,12 +343,12 @@ def gradient_placements(strategy: Strategy) -> tuple[Placement | None, ...]:
     dual of the output (S as S, R as R, Partial as R): a split input gets a split gradient, a Partial
     input an R one, and an R input a Partial(sum) one when the output is split or Partial, since each
     rank then holds one part of it (Megatron's f: identity forward, all-reduce backward)."""
-    split = any(not isinstance(p, Replicate) for p in _outputs(strategy.output))
+    split = any(not isinstance(p, PlanReplicate) for p in _outputs(strategy.output))
 
     def dual(p):
-        if p is None or isinstance(p, Shard):
+        if p is None or isinstance(p, PlanShard):
             return p
-        if isinstance(p, Partial):
+        if isinstance(p, PlanPartial):
             return R
-        return Partial("sum") if split else R
+        return PlanPartial("sum") if split else R
     return tuple(dual(p) for p in strategy.inputs)

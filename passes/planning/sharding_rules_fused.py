@@ -1,4 +1,4 @@
-"""Fused projections: the chunked shard ``Shard(dim, chunks=k)`` where a column-parallel output is later
+"""Fused projections: the chunked shard ``PlanShard(dim, chunks=k)`` where a column-parallel output is later
 split into k equal pieces (GPT-2's ``c_attn`` and the in-repo GPT's ``qkv``: one matmul makes
 ``[q | k | v]``, then ``split`` along the last dim).
 
@@ -14,7 +14,7 @@ it leads somewhere:
   way offer their plain shard rows again with ``chunks=k`` (``chunked_follows``): for these ops a
   chunked shard maps exactly as a plain one does once tp·k divides each sharded dim (a rank's slice
   of piece c is then a contiguous run inside piece c on both sides of a reshape).
-- The split itself turns ``Shard(dim, chunks=k)`` into ``Shard(dim)`` on each of its k pieces
+- The split itself turns ``PlanShard(dim, chunks=k)`` into ``PlanShard(dim)`` on each of its k pieces
   (``split_follows``). It is not offered when the split reads a placeholder: a parameter or input
   is only ever offered plain shards, so the row could never be chosen.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 from xirang.passes.analysis.op_tables import op_packet
 from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, PERMUTE_OPS, POINTWISE_OPS,
@@ -115,11 +115,11 @@ def _reached_splits(node: Node, dim: int) -> tuple[tuple[int, object], ...]:
 
 
 def _plain_shard(placement) -> bool:
-    return isinstance(placement, Shard) and placement.chunks == 1
+    return isinstance(placement, PlanShard) and placement.chunks == 1
 
 
 def chunked_follows(node: Node, tp: int, rows: list[Follow]) -> list[Follow]:
-    """For a carrying op: each plain row whose output is ``Shard(d)`` again with ``chunks=k``, for the
+    """For a carrying op: each plain row whose output is ``PlanShard(d)`` again with ``chunks=k``, for the
     k that ``fused_chunks(node, d, tp)`` reaches, where tp·k divides every sharded dim."""
     if op_packet(node) not in _CARRIERS or isinstance(info(node), tuple):
         return []
@@ -129,21 +129,21 @@ def chunked_follows(node: Node, tp: int, rows: list[Follow]) -> list[Follow]:
         if not _plain_shard(out) or not all(p == R or _plain_shard(p) for _, p in row.inputs):
             continue  # Partial rows, and rows already chunked
         for k in fused_chunks(node, out.dim, tp):
-            sizes = [shape(v)[p.dim] for v, p in row.inputs if isinstance(p, Shard)] + [shape(node)[out.dim]]
+            sizes = [shape(v)[p.dim] for v, p in row.inputs if isinstance(p, PlanShard)] + [shape(node)[out.dim]]
             if all(divides(tp * k, n) for n in sizes):
-                inputs = tuple((v, Shard(p.dim, k) if isinstance(p, Shard) else p) for v, p in row.inputs)
-                extra.append(Follow(inputs, Shard(out.dim, k)))
+                inputs = tuple((v, PlanShard(p.dim, k) if isinstance(p, PlanShard) else p) for v, p in row.inputs)
+                extra.append(Follow(inputs, PlanShard(out.dim, k)))
     return extra
 
 
 def split_follows(node: Node, tp: int) -> list[Follow]:
-    """A split of a dim held as ``Shard(dim, chunks=k)`` into its k equal pieces: each piece ``Shard(dim)``."""
+    """A split of a dim held as ``PlanShard(dim, chunks=k)`` into its k equal pieces: each piece ``PlanShard(dim)``."""
     pieces = equal_pieces(node, tp)
     x = first_tensor(node)
     if pieces is None or not isinstance(x, Node) or x.op in ("placeholder", "get_attr"):
         return []
     dim = _split_dim(node)
-    return [Follow(((x, Shard(dim, pieces)),), (Shard(dim),) * pieces)]
+    return [Follow(((x, PlanShard(dim, pieces)),), (PlanShard(dim),) * pieces)]
 
 
 # --- the vocabulary chain: end-padded shards ---------------------------------------------------------
@@ -214,5 +214,5 @@ def padded_follows(node: Node, tp: int) -> list[Follow]:
             continue
         kept = vocab_carried_dim(node, x, d)
         if kept is not None and reaches_vocab_loss(node, kept, tp):
-            rows.append(Follow(((x, Shard(d)),), Shard(kept)))
+            rows.append(Follow(((x, PlanShard(d)),), PlanShard(kept)))
     return rows

@@ -3,7 +3,7 @@
 Between the tensor-parallel regions of a transformer (after a row-parallel projection, before the
 next column-parallel one) the adds, norms and dropouts run on whole activations on every tp rank.
 These rows let each rank run them on its 1/tp of the tokens instead: an op whose output has one
-sequence dim may take ``Shard(seq dim)``, its operands the matching shard (R where broadcast), a
+sequence dim may take ``PlanShard(seq dim)``, its operands the matching shard (R where broadcast), a
 norm's weight and bias R. The split then prices the transitions the layout needs like any other:
 Partial(sum) -> S(seq) is a reduce-scatter, S(seq) -> R an all-gather (their backward the dual), so
 "all-reduce" and "reduce-scatter + all-gather" are two solutions of the same ILP, priced against
@@ -25,7 +25,7 @@ from torch.fx import Node
 from xirang.passes.analysis.saved_storages import arg
 from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, POINTWISE_OPS, R, Follow,
                                                          broadcast_input, first_tensor, norm_dim, shape, tensor_args)
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 aten = torch.ops.aten
 SEQ = "seq"
@@ -55,7 +55,7 @@ def _pointwise(node: Node, tp: int) -> list[Follow]:
         return []
     out = shape(node)
     operands = tensor_args(node) if node.target.overloadpacket not in COPY_OPS else [first_tensor(node)]
-    return [Follow(tuple((x, broadcast_input(x, out, Shard(d))) for x in operands), Shard(d))]
+    return [Follow(tuple((x, broadcast_input(x, out, PlanShard(d))) for x in operands), PlanShard(d))]
 
 
 def _norm(node: Node, tp: int) -> list[Follow]:
@@ -63,7 +63,7 @@ def _norm(node: Node, tp: int) -> list[Follow]:
     d = _one_sequence_dim(node)
     if d is None or d >= len(shape(x)) - len(node.args[1]):
         return []
-    return [Follow(((x, Shard(d)),) + tuple((p, R) for p in tensor_args(node) if p is not x), Shard(d))]
+    return [Follow(((x, PlanShard(d)),) + tuple((p, R) for p in tensor_args(node) if p is not x), PlanShard(d))]
 
 
 def _reduction(node: Node, tp: int) -> list[Follow]:
@@ -78,7 +78,7 @@ def _reduction(node: Node, tp: int) -> list[Follow]:
         return []
     keepdim = bool(arg(node, 2, "keepdim", False))
     kept = seq[0] if keepdim else seq[0] - sum(1 for r in reduced if r < seq[0])
-    return [Follow(((x, Shard(seq[0])),), Shard(kept))]
+    return [Follow(((x, PlanShard(seq[0])),), PlanShard(kept))]
 
 
 SEQUENCE_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {

@@ -6,7 +6,7 @@ argument must have and the placement of the output. ``sharding_rules`` turns the
 (a rank that reads or writes a shard does 1/tp of the work).
 
 Conventions shared with ``sharding_rules``:
-- A ``Shard(dim)`` is offered only on a dim whose size ``tp`` provably divides: an int, or a sympy
+- A ``PlanShard(dim)`` is offered only on a dim whose size ``tp`` provably divides: an int, or a sympy
   size such as ``4*batch`` whose quotient is an integer for every batch. A bare ``batch`` or ``seq``
   is not shardable here (no padding: uneven shards would break reshapes and reductions). The one
   exception is the vocabulary chain, where end-padding is provably harmless: see ``padded`` and
@@ -20,7 +20,7 @@ Conventions shared with ``sharding_rules``:
   tensor or a scalar, division of a Partial, neg, sum and mean. Never through gelu, pow, dropout, an
   integer cast, or an add of a scalar (which the sum would count tp times).
 - A split along a sharded dim is not followed: a contiguous shard of a fused ``[q | k | v]``
-  projection does not hold a shard of each chunk. The chunked layout ``Shard(dim, chunks=k)`` does
+  projection does not hold a shard of each chunk. The chunked layout ``PlanShard(dim, chunks=k)`` does
   (Megatron's layout of the fused weight); ``sharding_rules_fused`` offers it where it leads to such
   a split, from the op groups named below.
 
@@ -42,12 +42,12 @@ from torch.fx import Node
 
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import TENSOR
-from xirang.ir.placement import Partial, Placement, Replicate, Shard
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
 
 from xirang.passes.analysis.saved_storages import arg
 
 aten = torch.ops.aten
-R, SUM = Replicate(), Partial("sum")
+R, SUM = PlanReplicate(), PlanPartial("sum")
 
 
 class Follow(NamedTuple):
@@ -141,13 +141,13 @@ def norm_dim(dim: int, ndim: int) -> int:
 def broadcast_input(value, out_shape: tuple, out_placement: Placement) -> Placement:
     """Placement an operand broadcast to ``out_shape`` needs for the output to be ``out_placement``:
     the matching dim (aligned from the right) keeps the shard, a broadcast size-1 or missing dim is R."""
-    if not isinstance(out_placement, Shard):
+    if not isinstance(out_placement, PlanShard):
         return out_placement
     mine = shape(value)
     d = out_placement.dim - (len(out_shape) - len(mine))
     if d < 0 or (mine[d] == 1 and out_shape[out_placement.dim] != 1):
         return R
-    return Shard(d, out_placement.chunks)
+    return PlanShard(d, out_placement.chunks)
 
 
 def floating(value) -> bool:
@@ -169,7 +169,7 @@ def _identity(partial_ok: bool) -> Callable[[Node, int], list[Follow]]:
     """Same placement in and out: copies, casts, dropout (the mask is drawn per local element)."""
     def rule(node, tp):
         x = first_tensor(node)
-        rows = [Follow(((x, Shard(d)),), Shard(d)) for d in shardable(shape(x), tp)]
+        rows = [Follow(((x, PlanShard(d)),), PlanShard(d)) for d in shardable(shape(x), tp)]
         if partial_ok and floating(x) and floating(node):  # x -> x is linear; float -> int is not
             rows.append(Follow(((x, SUM),), SUM))
         return rows
@@ -204,7 +204,7 @@ def _reshape(node, tp):
     a group's outermost dim is a shard of the other side's outermost dim (see module docstring)."""
     x = first_tensor(node)
     groups = reshape_groups(shape(x), shape(node)) or []
-    rows = [Follow(((x, Shard(i)),), Shard(o)) for i, o in groups
+    rows = [Follow(((x, PlanShard(i)),), PlanShard(o)) for i, o in groups
             if divides(tp, shape(x)[i]) and divides(tp, shape(node)[o])]
     return rows + [Follow(((x, SUM),), SUM)] if floating(x) else rows
 
@@ -228,7 +228,7 @@ def _permute(node, tp):
     """transpose / t / permute: a shard moves with its dim (transpose(1, 2) maps S(2) to S(1))."""
     x = first_tensor(node)
     perm = permutation_of(node)
-    rows = [Follow(((x, Shard(perm[k])),), Shard(k)) for k in range(len(perm))
+    rows = [Follow(((x, PlanShard(perm[k])),), PlanShard(k)) for k in range(len(perm))
             if perm[k] in shardable(shape(x), tp)]
     return rows + [Follow(((x, SUM),), SUM)] if floating(x) else rows
 
@@ -236,7 +236,7 @@ def _permute(node, tp):
 def _expand(node, tp):
     """expand: a shard of a kept dim stays; a broadcast dim can be produced sharded from R."""
     x, out = first_tensor(node), shape(node)
-    rows = [Follow(((x, broadcast_input(x, out, Shard(d))),), Shard(d)) for d in shardable(out, tp)]
+    rows = [Follow(((x, broadcast_input(x, out, PlanShard(d))),), PlanShard(d)) for d in shardable(out, tp)]
     return rows + [Follow(((x, SUM),), SUM)] if floating(x) else rows
 
 
@@ -245,7 +245,7 @@ def _slice(node, tp):
     x = first_tensor(node)
     dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape(x)))
     full = same(shape(x)[dim], shape(node)[dim])
-    rows = [Follow(((x, Shard(d)),), Shard(d)) for d in shardable(shape(node), tp) if full or d != dim]
+    rows = [Follow(((x, PlanShard(d)),), PlanShard(d)) for d in shardable(shape(node), tp) if full or d != dim]
     return rows + [Follow(((x, SUM),), SUM)] if floating(x) else rows
 
 
@@ -254,7 +254,7 @@ def _split(node, tp):
     x = first_tensor(node)
     dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(shape(x)))
     count = len(info(node)) if isinstance(info(node), tuple) else 1
-    rows = [Follow(((x, Shard(d)),), (Shard(d),) * count) for d in shardable(shape(x), tp) if d != dim]
+    rows = [Follow(((x, PlanShard(d)),), (PlanShard(d),) * count) for d in shardable(shape(x), tp) if d != dim]
     return rows + [Follow(((x, SUM),), (SUM,) * count)] if floating(x) else rows
 
 
@@ -264,7 +264,7 @@ def _getitem(node, tp):
     if not isinstance(info(source), tuple):
         return []
     element = info(source)[node.args[1]]
-    rows = [Follow(((source, Shard(d)),), Shard(d)) for d in shardable(element.shape, tp)]
+    rows = [Follow(((source, PlanShard(d)),), PlanShard(d)) for d in shardable(element.shape, tp)]
     return rows + [Follow(((source, SUM),), SUM)] if element.is_floating else rows
 
 
@@ -274,7 +274,7 @@ def _cat(node, tp):
     dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape(node)))
     if len(parts) != len([t for t in node.args[0] if is_tensor(t)]):
         return []  # legacy empty 1-D inputs: keep it replicated
-    rows = [Follow(tuple((t, Shard(d)) for t in parts), Shard(d))
+    rows = [Follow(tuple((t, PlanShard(d)) for t in parts), PlanShard(d))
             for d in shardable(shape(node), tp) if d != dim]
     return rows + [Follow(tuple((t, SUM) for t in parts), SUM)] if floating(node) else rows
 
@@ -288,7 +288,7 @@ def _elementwise(linear: str | None = None) -> Callable[[Node, int], list[Follow
     'negation'; None for nonlinear ops, which it never passes."""
     def rule(node, tp):
         out, operands = shape(node), tensor_args(node)
-        rows = [Follow(tuple((x, broadcast_input(x, out, Shard(d))) for x in operands), Shard(d))
+        rows = [Follow(tuple((x, broadcast_input(x, out, PlanShard(d))) for x in operands), PlanShard(d))
                 for d in shardable(out, tp)]
         if linear is None or not floating(node):
             return rows
@@ -310,14 +310,14 @@ def _norm(node, tp):
     """layer_norm / rms_norm: split only dims before the normalised ones; weight and bias R."""
     x, kept = node.args[0], len(shape(node.args[0])) - len(node.args[1])
     params = tuple((p, R) for p in tensor_args(node) if p is not x)
-    return [Follow(((x, Shard(d)),) + params, Shard(d)) for d in shardable(shape(x), tp) if d < kept]
+    return [Follow(((x, PlanShard(d)),) + params, PlanShard(d)) for d in shardable(shape(x), tp) if d < kept]
 
 
 def _softmax(node, tp):
     """softmax / log_softmax: any dim but the one normalised over."""
     x = node.args[0]
     dim = norm_dim(arg(node, 1, "dim"), len(shape(x)))
-    return [Follow(((x, Shard(d)),), Shard(d)) for d in shardable(shape(x), tp) if d != dim]
+    return [Follow(((x, PlanShard(d)),), PlanShard(d)) for d in shardable(shape(x), tp) if d != dim]
 
 
 def _reduction(partial_when_reduced: bool) -> Callable[[Node, int], list[Follow]]:
@@ -334,9 +334,9 @@ def _reduction(partial_when_reduced: bool) -> Callable[[Node, int], list[Follow]
         for d in shardable(shape(x), tp):
             if d not in reduced:
                 kept = d if keepdim else d - sum(1 for r in reduced if r < d)
-                rows.append(Follow(((x, Shard(d)),), Shard(kept)))
+                rows.append(Follow(((x, PlanShard(d)),), PlanShard(kept)))
             elif partial_when_reduced:
-                rows.append(Follow(((x, Shard(d)),), SUM))
+                rows.append(Follow(((x, PlanShard(d)),), SUM))
         if floating(x) and floating(node):
             rows.append(Follow(((x, SUM),), SUM))
         return rows

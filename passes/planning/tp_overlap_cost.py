@@ -32,7 +32,7 @@ import torch
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import evaluate
 from xirang.ir.meta_keys import FLOPS, TENSOR
-from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard
 from xirang.passes.planning.cost_collectives import collective_cost
 from xirang.passes.planning.cost_model import compute_time, exposed_prefetched_gathers
 from xirang.passes.planning.plan_splits_costs import FLOAT_BYTES
@@ -54,7 +54,7 @@ class FusedPair:
 
 def _is_seq_shard(strategy) -> bool:
     return strategy is not None and strategy.strategy.startswith("seq ") and bool(strategy.outputs) \
-        and isinstance(strategy.outputs[0].tp, Shard)
+        and isinstance(strategy.outputs[0].tp, PlanShard)
 
 
 def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
@@ -73,7 +73,7 @@ def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
     def column_parallel(node) -> bool:
         strategy = plan.placements.get(node.name)
         return node.target is LINEAR and strategy is not None and bool(strategy.inputs) \
-            and strategy.inputs[0].tp == Replicate()
+            and strategy.inputs[0].tp == PlanReplicate()
     pairs = []
     for node in gm.graph.nodes:
         readers = list(node.users)
@@ -83,10 +83,10 @@ def fused_pairs(gm, plan, seq: int) -> list[FusedPair]:
                                    math.fsum(matmul(user) for user in readers)))
         strategy = plan.placements.get(node.name)
         if node.target is LINEAR and strategy is not None and strategy.outputs \
-                and isinstance(strategy.outputs[0].tp, Partial) and len(readers) == 1:
+                and isinstance(strategy.outputs[0].tp, PlanPartial) and len(readers) == 1:
             reads = plan.placements.get(readers[0].name)
             position = readers[0].all_input_nodes.index(node)
-            if reads is not None and position < len(reads.inputs) and isinstance(reads.inputs[position].tp, Shard) \
+            if reads is not None and position < len(reads.inputs) and isinstance(reads.inputs[position].tp, PlanShard) \
                     and reads.strategy.startswith("seq "):
                 pairs.append(FusedPair(node.name, "reduce_scatter", _nbytes(node, sizes, plan), matmul(node)))
     return pairs

@@ -38,7 +38,7 @@ def _targets(tmp_path):
 
 
 FILE_OPTIONS = [  # (argv before the target, option)
-    (["plan", MODEL, "--global-batch", "8", "--world", "2", "--device", "cpu"], "--json"),
+    (["plan", MODEL, "--global-batch", "8", "--world", "2", "--hardware", "cpu"], "--out"),
     (["explain", "PLAN"], "--picture"),
     (["run", MODEL, "--world", "1"], "--trace"),
     (["run", MODEL, "--world", "1", "--memory"], "--memory-picture"),
@@ -60,7 +60,7 @@ def test_existing_output_file_is_replaced(tmp_path, saved_plan):
     """Policy: an existing file target is overwritten, as torch.save and -o options do."""
     out = tmp_path / "plan.json"
     out.write_text("old")
-    code, _, err = cli("plan", MODEL, "--global-batch", "8", "--world", "1", "--device", "cpu", "--json", out)
+    code, _, err = cli("plan", MODEL, "--global-batch", "8", "--world", "1", "--hardware", "cpu", "--out", out)
     assert code == 0, err
     assert json.loads(out.read_text())["global_batch"] == 8
 
@@ -98,10 +98,10 @@ def test_unwritable_output_folder_is_refused(open_folder, marker, mode):
     try:
         with _without_root():
             assert not os.access(locked, os.W_OK)  # the probe has a folder it cannot write to, as root too
-            result = cli("plan", MODEL, "--global-batch", "8", "--world", "1", "--json", locked / "p.json")
+            result = cli("plan", MODEL, "--global-batch", "8", "--world", "1", "--out", locked / "p.json")
     finally:
         locked.chmod(0o755)
-    assert_clear_cli(result, "--json", "permission")
+    assert_clear_cli(result, "--out", "permission")
     assert not marker.exists()
 
 

@@ -24,7 +24,7 @@ BAD = [  # (factory, words of the refusal)
 @pytest.mark.parametrize("factory,needle", BAD, ids=[b[0] for b in BAD])
 @pytest.mark.parametrize("command", ["analyze", "plan", "verify"])
 def test_bad_factory_is_refused_with_what_it_must_return(factory, needle, command):
-    argv = {"analyze": ["analyze"], "plan": ["plan", "--global-batch", "8", "--world", "1", "--device", "cpu"],
+    argv = {"analyze": ["analyze"], "plan": ["plan", "--global-batch", "8", "--world", "1", "--hardware", "cpu"],
             "verify": ["verify", "--world", "1"]}[command]
     assert_clear_cli(cli(argv[0], f"{MODELS}:{factory}", *argv[1:]), needle)
 

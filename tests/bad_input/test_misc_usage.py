@@ -17,7 +17,7 @@ MODEL = f"{MODELS}:mlp"
 
 def _refused(needle, where="", hint="", **kwargs):
     model, inputs = models.mlp()
-    call = {"world": 1, "device": "cpu", "example_kwargs": inputs, "global_batch": 8, **kwargs}
+    call = {"world": 1, "hardware": "cpu", "example_kwargs": inputs, "global_batch": 8, **kwargs}
     with pytest.raises(XirangError) as info:
         xirang.compile(model, **call)
     return assert_clear_error(info.value, needle, where=where, hint=hint)
@@ -28,7 +28,7 @@ def test_compile_without_global_batch_or_plan():
 
 
 def test_compile_with_an_unknown_rng_mode():
-    _refused("unknown rng mode 'exactly'", where="rng=", rng="exactly")
+    _refused("unknown rng mode 'exactly'", where="rng=", runtime=xirang.RuntimeOptions(rng="exactly"))
 
 
 def test_compile_for_two_ranks_in_one_process_says_how_to_launch():
@@ -38,7 +38,7 @@ def test_compile_for_two_ranks_in_one_process_says_how_to_launch():
 def test_compile_with_inputs_the_forward_does_not_take():
     model, inputs = models.mlp()
     with pytest.raises(XirangError) as info:
-        xirang.compile(model, world=1, device="cpu", example_kwargs={**inputs, "z": torch.ones(8)}, global_batch=8)
+        xirang.compile(model, world=1, hardware="cpu", example_kwargs={**inputs, "z": torch.ones(8)}, global_batch=8)
     assert "z" in str(info.value) and info.value.hint
 
 

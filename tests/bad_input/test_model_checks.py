@@ -12,7 +12,7 @@ import xirang
 from tests.bad_input import models
 from tests.bad_input.probe import MODELS, assert_clear_cli, assert_clear_error, cli
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.ir.plan import Plan
 from xirang.ir.plan_parts import Layout
 
@@ -29,7 +29,7 @@ NO_LOSS = [  # (factory, words of the refusal, words of what to do)
 def test_compile_refuses_a_model_without_a_scalar_loss(factory, needle, hint):
     model, inputs = getattr(models, factory)()
     with pytest.raises(XirangError) as info:
-        xirang.compile(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8)
+        xirang.compile(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8)
     assert_clear_error(info.value, needle, hint=hint)
 
 
@@ -37,13 +37,13 @@ def test_compile_refuses_a_model_without_a_scalar_loss(factory, needle, hint):
 def test_plan_refuses_it_too(factory, needle, hint):
     model, inputs = getattr(models, factory)()
     with pytest.raises(XirangError) as info:
-        xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8)
+        xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8)
     assert_clear_error(info.value, needle, where="node")
 
 
 @pytest.mark.parametrize("command", ["plan", "verify"])
 def test_cli_refuses_logits_before_launching(command):
-    argv = ["--global-batch", "8", "--world", "2", "--device", "cpu"] if command == "plan" else ["--world", "2"]
+    argv = ["--global-batch", "8", "--world", "2", "--hardware", "cpu"] if command == "plan" else ["--world", "2"]
     assert_clear_cli(cli(command, f"{MODELS}:logits", *argv), "not a scalar loss", "reduction")
 
 
@@ -61,14 +61,14 @@ def test_seq_at_the_position_table_size_is_accepted():
 def test_compile_refuses_positions_past_the_table():
     model, inputs = models.positions(seq=12)
     with pytest.raises(XirangError) as info:
-        xirang.compile(model, world=1, device="cpu", example_kwargs=inputs, global_batch=4)
+        xirang.compile(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=4)
     assert_clear_error(info.value, "12 positions", "8 rows", where="module pos")
 
 
 def test_plan_refuses_positions_past_the_table():
     model, inputs = models.positions(seq=10)
     with pytest.raises(XirangError) as info:
-        xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=4)
+        xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=4)
     assert_clear_error(info.value, "10 positions")
 
 
@@ -79,14 +79,14 @@ def test_plan_refuses_positions_past_the_table():
 def test_batchnorm_plan_that_splits_the_batch_is_refused_with_the_reason(pins):
     model, inputs = models.batchnorm()
     with pytest.raises(XirangError) as info:
-        xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, **pins)
+        xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8, **pins)
     assert_clear_error(info.value, "batch statistics", "module bn", "differ from one device",
                        hint="dp=1 and micro_batch=global_batch")
 
 
 def test_batchnorm_unpinned_plan_keeps_the_whole_batch_on_one_rank():
     model, inputs = models.batchnorm()
-    plan = xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8)
+    plan = xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8)
     assert plan.mesh.dp == 1 and plan.num_micro_batches == 1, plan.mesh
 
 
@@ -99,7 +99,7 @@ def batchnorm_dp2_plan(monkeypatch_module=None):
     original = plan_api.batch_statistics_nodes
     plan_api.batch_statistics_nodes = lambda gm: []
     try:
-        return xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, dp=2)
+        return xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8, dp=2)
     finally:
         plan_api.batch_statistics_nodes = original
 
@@ -116,14 +116,14 @@ def test_batchnorm_at_dp2_is_refused_by_compile_before_any_rank_starts(batchnorm
 def test_batchnorm_in_eval_mode_may_split_the_batch():
     model, inputs = models.batchnorm()
     model.eval()  # running statistics: per-sample, so dp gives one device's result
-    plan = xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, dp=2)
+    plan = xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8, dp=2)
     assert plan.mesh.dp == 2
 
 
 def test_batchnorm_at_one_device_equals_eager():
     model, inputs = models.batchnorm()
     reference, _ = models.batchnorm()
-    compiled = xirang.compile(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8)
+    compiled = xirang.compile(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8)
     loss = compiled.train_step(**inputs)
     expected = reference(**inputs)
     expected.backward()
@@ -137,7 +137,7 @@ def test_batchnorm_at_one_device_equals_eager():
 @pytest.fixture(scope="module")
 def mlp_plan():
     model, inputs = models.mlp()
-    return xirang.plan(model, world=2, device="cpu", example_kwargs=inputs, global_batch=8, tp=2)
+    return xirang.plan(model, world=2, hardware="cpu", example_kwargs=inputs, global_batch=8, tp=2)
 
 
 def _with_placement(plan, name, **changes):
@@ -153,7 +153,7 @@ def _linear(plan):
 @pytest.mark.parametrize("dim", [2, 5], ids=["dim2-of-2d", "dim5"])
 def test_output_sharded_on_a_dim_the_tensor_lacks_is_refused(mlp_plan, dim):
     name = _linear(mlp_plan)
-    plan = _with_placement(mlp_plan, name, outputs=(Layout(tp=Shard(dim)),))
+    plan = _with_placement(mlp_plan, name, outputs=(Layout(tp=PlanShard(dim)),))
     model, inputs = models.mlp()
     with pytest.raises(XirangError) as info:
         xirang.compile(model, world=2, example_kwargs=inputs, plan=plan)
@@ -164,7 +164,7 @@ def test_output_sharded_on_a_dim_the_tensor_lacks_is_refused(mlp_plan, dim):
 def test_input_sharded_on_a_dim_the_tensor_lacks_is_refused(mlp_plan):
     name = _linear(mlp_plan)
     strategy = mlp_plan.placements[name]
-    inputs_ = (Layout(tp=Shard(3)),) + tuple(strategy.inputs[1:])
+    inputs_ = (Layout(tp=PlanShard(3)),) + tuple(strategy.inputs[1:])
     plan = _with_placement(mlp_plan, name, inputs=inputs_)
     model, inputs = models.mlp()
     with pytest.raises(XirangError) as info:
@@ -185,7 +185,7 @@ def test_placement_of_a_node_the_graph_lacks_is_refused(mlp_plan):
 def test_inspect_with_the_model_refuses_the_bad_placement(mlp_plan, tmp_path):
     name = _linear(mlp_plan)
     path = tmp_path / "edited.json"
-    _with_placement(mlp_plan, name, outputs=(Layout(tp=Shard(4)),)).save(path)
+    _with_placement(mlp_plan, name, outputs=(Layout(tp=PlanShard(4)),)).save(path)
     assert_clear_cli(cli("inspect", path, "--rank", "0", "--model", f"{MODELS}:mlp"), "sharded on dim 4",
                      f"plan.placements['{name}']")
 
@@ -193,7 +193,7 @@ def test_inspect_with_the_model_refuses_the_bad_placement(mlp_plan, tmp_path):
 def test_run_with_the_bad_placement_is_refused_before_launching(mlp_plan, tmp_path):
     name = _linear(mlp_plan)
     path = tmp_path / "edited.json"
-    _with_placement(mlp_plan, name, outputs=(Layout(tp=Shard(4)),)).save(path)
+    _with_placement(mlp_plan, name, outputs=(Layout(tp=PlanShard(4)),)).save(path)
     assert_clear_cli(cli("run", f"{MODELS}:mlp", "--world", "2", "--plan", path, "--timeout", "20"),
                      "sharded on dim 4")
 

@@ -63,9 +63,9 @@ def _shell(*argv, timeout=120):
 
 
 def test_subprocess_bad_input_is_one_paragraph_and_no_traceback(tmp_path):
-    result = _shell("plan", f"{MODELS}:three_tuple", "--global-batch", "8", "--json", tmp_path / "no" / "p.json")
+    result = _shell("plan", f"{MODELS}:three_tuple", "--global-batch", "8", "--out", tmp_path / "no" / "p.json")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("xirang: error: --json") and "what to do:" in result.stderr
+    assert result.stderr.startswith("xirang: error: --out") and "what to do:" in result.stderr
     assert result.stdout == ""
 
 

@@ -19,7 +19,7 @@ from xirang.ir.errors import XirangError
 @pytest.fixture(scope="module")
 def compiled():
     model, inputs = models.mlp()
-    return xirang.compile(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8)
+    return xirang.compile(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8)
 
 
 @pytest.fixture
@@ -186,7 +186,8 @@ def test_compile_dump_dir_writes_the_graph_after_every_analysis_and_lowering_pas
     # docs/architecture.md: xirang.compile(..., dump_dir=DIR) writes what `xirang inspect --dump DIR` writes
     from xirang.pipeline import ANALYSIS_PASSES, LOWERING_PASSES
     model, inputs = models.mlp()
-    xirang.compile(model, world=1, device="cpu", example_kwargs=inputs, global_batch=8, dump_dir=tmp_path)
+    xirang.compile(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8,
+                   debug=xirang.DebugHooks(dump_dir=tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["analysis", "rank0"]
     for folder, passes in (("analysis", ANALYSIS_PASSES), ("rank0", LOWERING_PASSES)):
         dumps = sorted(p.name for p in (tmp_path / folder).iterdir())

@@ -10,7 +10,7 @@ from torch import nn
 
 import xirang
 from xirang.ir.errors import TraceError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 HIDDEN, WIDE = 2048, 8192
 
@@ -57,13 +57,13 @@ def plan_of(middle: nn.Module):
     with torch.device("meta"):
         model = Sandwich(middle)
     return xirang.plan(model, world=2, example_kwargs={"x": torch.zeros(8, 4096, HIDDEN, device="meta")},
-                       global_batch=8, device="a100-80g", precision="fp32", dp=1, tp=2, pp=1)
+                       global_batch=8, hardware="a100-80g", precision="fp32", dp=1, tp=2, pp=1)
 
 
 def split_linears(plan) -> list:
     """The linears the plan splits over tp (by weight or by rows); the rest of the model planned."""
     return [n for n in ("linear", "linear_1") if plan.placements[n].strategy != "replicate"
-            and any(isinstance(layout.tp, Shard) for layout in plan.placements[n].inputs)]
+            and any(isinstance(layout.tp, PlanShard) for layout in plan.placements[n].inputs)]
 
 
 def test_a_custom_autograd_function_is_named_with_its_module_and_line_and_the_rest_plans():

@@ -15,7 +15,7 @@ def test_a_hierarchical_dp_all_reduce_is_proven_on_every_rank():
     model = build_gpt("tiny", device="meta")
     ids = torch.zeros(64, 64, dtype=torch.long, device="meta")
     example = {"input_ids": ids, "labels": ids.clone()}
-    plan = xirang.plan(model, world="2x4", device="cpu", example_kwargs=example, global_batch=64, dp=8, tp=1, pp=1)
+    plan = xirang.plan(model, world="2x4", hardware="cpu", example_kwargs=example, global_batch=64, dp=8, tp=1, pp=1)
     assert any(c.algorithm == "hierarchical" for c in plan.collectives)
     classes = rank_classes(plan)
     assert sorted(classes.values()) == [(0, 4), (1, 5), (2, 6), (3, 7)]  # one per place on a node of 4

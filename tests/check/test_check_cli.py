@@ -18,12 +18,12 @@ def xirang(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_check_then_check_a_saved_plan(tmp_path):
     plan = tmp_path / "plan.json"
-    planned = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "4", "--device", "cpu", "--global-batch",
-                     "8", "--pp", "2", "--dp", "2", "--json", str(plan), "--check")
+    planned = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "4", "--hardware", "cpu", "--global-batch",
+                     "8", "--pp", "2", "--dp", "2", "--out", str(plan), "--check")
     assert planned.returncode == 0, planned.stderr
     assert "xirang check: dp=2 x pp=2 x tp=1" in planned.stdout and "proven on all 4 ranks" in planned.stdout
     out = tmp_path / "check.json"
-    checked = xirang("check", str(plan), "--model", "examples/catalog.py:gpt_tiny", "--json", str(out))
+    checked = xirang("check", str(plan), "--model", "examples/catalog.py:gpt_tiny", "--out", str(out))
     assert checked.returncode == 0, checked.stderr
     data = json.loads(out.read_text())
     assert data["ok"] and data["mesh"] == "dp=2 x pp=2 x tp=1" and len(data["classes"]) == 2
@@ -33,8 +33,8 @@ def test_plan_check_then_check_a_saved_plan(tmp_path):
 @pytest.mark.matrix  # two more interpreters: the refusal is check_plan_matches' (tests/passes/test_fingerprint.py)
 def test_check_of_a_plan_for_another_model_is_refused_naming_it(tmp_path):
     plan = tmp_path / "plan.json"
-    assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--device", "cpu", "--global-batch", "8",
-                  "--json", str(plan)).returncode == 0
+    assert xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--hardware", "cpu", "--global-batch", "8",
+                  "--out", str(plan)).returncode == 0
     checked = xirang("check", str(plan), "--model", "examples/catalog.py:gpt_tiny_dropout")
     assert checked.returncode != 0
     assert "fingerprint" in checked.stderr or "different model" in checked.stderr, checked.stderr

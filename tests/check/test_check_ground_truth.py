@@ -38,14 +38,15 @@ def batch_of(device="cpu"):
 
 def plan_for(pins):
     model = build_gpt("tiny", device="meta")
-    return xirang.plan(model, world=8, device="cpu", example_kwargs=batch_of("meta"), global_batch=GLOBAL, seq=4096,
+    return xirang.plan(model, world=8, hardware="cpu", example_kwargs=batch_of("meta"), global_batch=GLOBAL, seq=4096,
                        micro_batch=1, **pins)
 
 
 def _real_rank(rank, world, plan):
     torch.manual_seed(0)
     counter = CommCounter()
-    compiled = xirang.compile(build_gpt("tiny"), world=8, example_kwargs=batch_of(), plan=plan, counter=counter)
+    compiled = xirang.compile(build_gpt("tiny"), world=8, example_kwargs=batch_of(), plan=plan,
+                              debug=xirang.DebugHooks(counter=counter))
     optimizer = torch.optim.AdamW(compiled.parameters())
     start = sum(compiled.dp_shares[:compiled.dp_rank])
     share = {name: value[start:start + compiled.dp_shares[compiled.dp_rank]] for name, value in batch_of().items()}

@@ -17,7 +17,7 @@ def test_a_bf16_llama_under_sequence_parallelism_sends_what_its_receiver_expects
     ids = torch.zeros(GLOBAL, SEQ, dtype=torch.long, device="meta")
     example = {"input_ids": ids, "labels": ids.clone()}
     report = xirang.analyze(model, example_kwargs=example)
-    plan = xirang.plan(model, world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
+    plan = xirang.plan(model, world=8, hardware="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
                        pp=2, micro_batch=1, seq=4096, precision="bf16", sequence_parallel=True, analysed=report)
     assert plan.sequence_parallel and plan.precision == "bf16"
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (2, 2, 2)
@@ -40,7 +40,7 @@ def test_attention_with_dropout_runs_the_fused_kernel_on_gpu_semantics():
     for p in (0.0, 0.1):
         model = hf_gpt2(attn_pdrop=p, resid_pdrop=0.0, embd_pdrop=0.0)
         report = xirang.analyze(model, example_kwargs=example)
-        plan = xirang.plan(model, world=1, device="a100-80g", example_kwargs=example, global_batch=1,
+        plan = xirang.plan(model, world=1, hardware="a100-80g", example_kwargs=example, global_batch=1,
                            analysed=report)
         proven = xirang.check(plan, model, example_kwargs=example, analysed=report)
         assert proven.ok, proven.explain()

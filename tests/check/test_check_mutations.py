@@ -8,7 +8,7 @@ import torch
 
 import xirang
 from examples.gpt import build_gpt
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 GLOBAL, SEQ = 8, 16
 
@@ -23,11 +23,11 @@ def setup():
     model = build_gpt("tiny", device="meta")
     example = _example()
     report = xirang.analyze(model, example_kwargs=example)
-    plan = xirang.plan(model, world=8, device="cpu", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2, pp=2,
+    plan = xirang.plan(model, world=8, hardware="cpu", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2, pp=2,
                        schedule="1f1b", micro_batch=1, seq=4096, analysed=report)  # at seq 4096 tp shards weights
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (2, 2, 2)
     assert any(c.node.startswith("bucket:") for c in plan.collectives)  # dp really reduces
-    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
     assert sharded, "the plan shards no parameter, so tp would be vacuous"
     return model, example, report, plan
 
@@ -116,7 +116,7 @@ def test_gpu_pipeline_sends_each_direction_on_its_own_channel(setup):
     call runs; a stage posts the next activation's receive before its gradient send. On one channel the two
     pipeline ranks would wait on each other; the runtime sends each direction on a group of its own."""
     model, example, report, _ = setup
-    plan = xirang.plan(model, world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
+    plan = xirang.plan(model, world=8, hardware="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
                        pp=2, schedule="1f1b", micro_batch=1, seq=4096, analysed=report)
     proven = xirang.check(plan, model, example_kwargs=example, analysed=report)
     assert proven.ok, proven.explain()
@@ -133,7 +133,7 @@ def test_gpu_pipeline_sends_each_direction_on_its_own_channel(setup):
 def test_offloaded_activations_leave_the_gpu_for_host_memory(setup):
     """A GPU copies an offloaded block's saved tensors to host memory; the dry run does the same on fakes."""
     model, example, report, _ = setup
-    common = dict(world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2, pp=2,
+    common = dict(world=8, hardware="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2, pp=2,
                   schedule="1f1b", micro_batch=1, seq=4096, recompute="none", analysed=report)
     kept = xirang.check(xirang.plan(model, offload="none", **common), model, example_kwargs=example, analysed=report)
     moved = xirang.check(xirang.plan(model, offload="blocks", **common), model, example_kwargs=example,
@@ -152,7 +152,7 @@ def test_a_cpu_tensor_handed_to_nccl_on_a_gpu_rank_is_named(setup):
     call; the dry run of a GPU plan names it (here: one rank's receive buffers made on the CPU)."""
     from xirang.codegen.runtime.executor.p2p import ReceiveBuffers
     model, example, report, _ = setup
-    plan = xirang.plan(model, world=8, device="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
+    plan = xirang.plan(model, world=8, hardware="a100-80g", example_kwargs=example, global_batch=GLOBAL, dp=2, tp=2,
                        pp=2, schedule="1f1b", micro_batch=1, seq=4096, analysed=report)
 
     def cpu_buffers(compiled):

@@ -40,7 +40,7 @@ from xirang.codegen.runtime.launch.launcher import launch
 from xirang.lower import lower
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 WORLD, GLOBAL_BATCH, SEQ, VOCAB_USED, STEPS, TOLERANCE = 8, 8, 16, 500, 3, 1e-5
 HALF_LOSS, HALF_COSINE = 0.02, 0.99  # bf16 against fp32: relative loss, gradient direction
@@ -66,10 +66,10 @@ def make_plan(name: str, dp: int, tp: int, pp: int, schedule: str, *, v: int = 1
     # weight; at 16384 it shards the qkv projections too
     seq = 4096 if precision == "fp32" else 16384
     plan = xirang.plan(build(name), world=WORLD, example_kwargs=batch(0, 2), global_batch=GLOBAL_BATCH, seq=seq,
-                       device="a100-80g", precision=precision, dp=dp, tp=tp, pp=pp, schedule=schedule,
+                       hardware="a100-80g", precision=precision, dp=dp, tp=tp, pp=pp, schedule=schedule,
                        virtual_stages=v, micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp) and len(plan.stages) == pp * v
-    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
     assert sharded, f"{name}: the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -127,7 +127,7 @@ def _rank_main(rank, world, jobs):
     for label, name, plan, how, api_checks in jobs:
         if how == "compile":  # the public API: trace, emit, split, run
             compiled = xirang.compile(build(name), world=world, example_kwargs=batch(0, 2), plan=plan,
-                                      device="a100-80g")
+                                      hardware="a100-80g")
         else:
             # The pieces under it, on a graph traced once per model (a split tp program cannot be sent
             # from the parent: unpickling a GraphModule re-traces its code, and the collectives branch
@@ -261,7 +261,7 @@ def test_rank_program_splits_at_local_shapes_deterministically():
         for stage in first.stages[1:]:
             assert any(c.shape == (1, SEQ, 64) and c.requires_grad for c in stage.crossing_in), stage.crossing_in
         # the sharded parameters are bound as shards: the plan's placements travel with the program
-        assert any(isinstance(shard.placement, Shard) for shard in first.shards.values())
+        assert any(isinstance(shard.placement, PlanShard) for shard in first.shards.values())
         assert "tp_group" in first.stages[1].module.code  # the block's collectives are in its stage
 
 

@@ -27,12 +27,12 @@ from xirang.codegen.ops.padding import shard_of
 from xirang.codegen.runtime.checkpoint.layout import PiecesLoadPlanner, PiecesSavePlanner, pieces_of
 from xirang.codegen.runtime.checkpoint.store import MARKER
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 
 
-@pytest.mark.parametrize("shape,placement,tp", [((15, 4), Shard(0, chunks=3), 2),  # fused, 5 rows a piece: padded
-                                                ((4, 10), Shard(1), 4),  # uneven: the last rank holds 1 of 3
-                                                ((5, 2), Shard(0), 8)])  # ranks 5..7 hold only padding
+@pytest.mark.parametrize("shape,placement,tp", [((15, 4), PlanShard(0, chunks=3), 2),  # fused, 5 rows a piece: padded
+                                                ((4, 10), PlanShard(1), 4),  # uneven: the last rank holds 1 of 3
+                                                ((5, 2), PlanShard(0), 8)])  # ranks 5..7 hold only padding
 def test_pieces_cover_the_global_tensor_once(shape, placement, tp):
     full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
     covered = torch.zeros(shape)
@@ -49,9 +49,10 @@ def test_pieces_cover_the_global_tensor_once(shape, placement, tp):
 def test_dcp_reshards_a_full_tensor_into_each_tp_shard(tmp_path):
     full = torch.randn(15, 6)
     with pytest.warns(UserWarning, match="single process"):
-        dcp.save({"w": pieces_of(full, Replicate(), (15, 6), 0, 1, "w")}, storage_writer=dcp.FileSystemWriter(tmp_path),
+        dcp.save({"w": pieces_of(full, PlanReplicate(), (15, 6), 0, 1, "w")},
+                 storage_writer=dcp.FileSystemWriter(tmp_path),
                  planner=PiecesSavePlanner(), no_dist=True)
-    for placement, tp in ((Shard(0, chunks=3), 2), (Shard(1), 4), (Shard(0), 4)):
+    for placement, tp in ((PlanShard(0, chunks=3), 2), (PlanShard(1), 4), (PlanShard(0), 4)):
         for rank in range(tp):
             local = torch.full_like(shard_of(full, placement, rank, tp), float("nan"))
             local.zero_()  # load_checkpoint zeroes first: padding is in no piece

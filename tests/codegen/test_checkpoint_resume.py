@@ -36,7 +36,7 @@ from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.lower import lower
 
 WORLD, GLOBAL_BATCH, SEQ, VOCAB_USED, TOLERANCE = 8, 8, 16, 500, 1e-6
@@ -64,11 +64,12 @@ def batch(step: int, size: int = GLOBAL_BATCH) -> dict:
 def make_plan(name: str, dp: int, tp: int, pp: int):
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2).items()}
     plan = xirang.plan(build(name, "meta"), world=dp * tp * pp, example_kwargs=meta_batch, global_batch=GLOBAL_BATCH,
-                       seq=4096, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule="1f1b",
+                       seq=4096, hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule="1f1b",
                        micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp)
     if tp > 1:
-        sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+        sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp,
+                                                                                              PlanShard)]
         assert sharded, f"{name}: the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -214,7 +215,7 @@ def test_resume_and_reshard(tmp_path, caplog):
 def test_padded_shards_are_saved_without_padding_and_reshard(tmp_path):
     plan = make_plan(PADDED, 1, 4, 1)
     head = plan.placements["p_lm_head_weight"].outputs[0].tp
-    assert head == Shard(0), head  # 1001 rows on 4 ranks: 251 each, the last 3 padding
+    assert head == PlanShard(0), head  # 1001 rows on 4 ranks: 251 each, the last 3 padding
     first = launch(_first_run, 4, ({PADDED: plan}, str(tmp_path)), timeout_s=900, heartbeat_s=120)
     want = first[0][PADDED]
     saved = FileSystemReader(tmp_path / PADDED / "step-00000003").read_metadata().state_dict_metadata

@@ -21,7 +21,7 @@ from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
-from xirang.ir.placement import Shard, local_shape
+from xirang.ir.placement import PlanShard, local_shape
 
 WORLD = 4
 
@@ -56,7 +56,7 @@ def _uneven_checks(group, k, r, n):
     """gather / scatter / reduce-scatter / all-to-all on a dim of n rows (uneven when k ∤ n)."""
     g = torch.Generator().manual_seed(2 + n)
     T = torch.randn(n, 7, generator=g)
-    C = [torch.randn(local_shape((n, 7), Shard(0), k), generator=g) for _ in range(k)]
+    C = [torch.randn(local_shape((n, 7), PlanShard(0), k), generator=g) for _ in range(k)]
     Cfull = torch.randn(n, 7, generator=g)
     P = [torch.randn(n, 7, generator=g) for _ in range(k)]
     out = {}
@@ -66,7 +66,7 @@ def _uneven_checks(group, k, r, n):
     full = gather_from_group(x, group, 0, full_size=n)
     (full * Cfull).sum().backward()
     out["gather"] = max(_err(full, T), _err(x.grad, _slice(Cfull, 0, k, r)))
-    out["local_shape"] = tuple(x.shape) == local_shape((n, 7), Shard(0), k)
+    out["local_shape"] = tuple(x.shape) == local_shape((n, 7), PlanShard(0), k)
 
     # scatter_to_group: every rank's loss uses its own slice; the reference sums them
     ref = T.clone().requires_grad_()
@@ -87,7 +87,7 @@ def _uneven_checks(group, k, r, n):
                                 _err(p.grad, refs[r].grad))
 
     # all_to_all: Shard(0) (n rows, uneven) -> Shard(1) (7 columns, uneven for k = 2 and 4)
-    Ca = [torch.randn(local_shape((n, 7), Shard(1), k), generator=g) for _ in range(k)]
+    Ca = [torch.randn(local_shape((n, 7), PlanShard(1), k), generator=g) for _ in range(k)]
     ref = T.clone().requires_grad_()
     sum((_slice(ref, 1, k, i) * Ca[i]).sum() for i in range(k)).backward()
     x = _slice(T, 0, k, r).clone().requires_grad_()

@@ -48,7 +48,8 @@ def _plan():
 
 def _rank(rank, world, plan):
     counter = CommCounter()
-    compiled = xirang.compile(_model(), world=TWO_NODES, example_kwargs=_batch(0), plan=plan, counter=counter)
+    compiled = xirang.compile(_model(), world=TWO_NODES, example_kwargs=_batch(0), plan=plan,
+                              debug=xirang.DebugHooks(counter=counter))
     steps = []
 
     def batch(step):  # called before each train_step: what the counter holds is the previous step's

@@ -26,7 +26,7 @@ from tests.conftest import hf_llama
 from xirang.codegen.runtime.data_parallel.dp_balance import balanced_shares
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import PlanError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 SEQ, VOCAB_USED, STEPS, TOLERANCE = 16, 500, 3, 1e-5
 SLOW_FORWARD_S = 0.05  # the delay that makes dp rank 0 slow in the rebalancing run
@@ -57,7 +57,7 @@ def test_interleaved_shares_move_by_pp_micro_batches():
 def _tiny_plan(**pins):
     model, inputs = build_gpt("tiny"), {"input_ids": torch.zeros(12, SEQ, dtype=torch.long),
                                        "labels": torch.zeros(12, SEQ, dtype=torch.long)}
-    return xirang.plan(model, world=3, example_kwargs=inputs, global_batch=12, device="cpu", dp=3, micro_batch=2,
+    return xirang.plan(model, world=3, example_kwargs=inputs, global_batch=12, hardware="cpu", dp=3, micro_batch=2,
                        **pins)
 
 
@@ -88,10 +88,10 @@ def batch(step: int, size: int = 12) -> dict:
 
 def make_plan(name: str, dp: int, tp: int, pp: int, global_batch: int, micro_batch: int):
     plan = xirang.plan(build(name), world=dp * tp * pp, example_kwargs=batch(0, 2), global_batch=global_batch,
-                       seq=4096, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule="1f1b",
+                       seq=4096, hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule="1f1b",
                        micro_batch=micro_batch)
     if tp > 1:
-        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items())
+        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items())
     return plan
 
 
@@ -113,8 +113,10 @@ def _rank_main(rank, world, jobs):
     found = {}
     for label, name, plan, shares, rebalance in jobs:
         size = plan.global_batch
-        compiled = xirang.compile(build(name), world=world, example_kwargs=batch(0, 2), plan=plan, dp_shares=shares,
-                                  rebalance_every=1 if rebalance else None, device="a100-80g")
+        compiled = xirang.compile(build(name), world=world, example_kwargs=batch(0, 2), plan=plan,
+                                  runtime=xirang.RuntimeOptions(dp_shares=shares,
+                                                                rebalance_every=1 if rebalance else None),
+                                  hardware="a100-80g")
         if rebalance and compiled.dp_rank == 0:
             for stage in compiled.executor.stages.values():
                 stage.program = _SlowForward(stage.program)

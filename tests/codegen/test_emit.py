@@ -41,7 +41,7 @@ def tiny_gpt():
 def tiny_plan(world: int, tp: int, precision="fp32", pp=1):
     # seq 4096 on A100s: the planner picks the Megatron layout even for hidden 64 (see test_equivalence)
     return xirang.plan(tiny_gpt(), world=world, example_kwargs=tiny_batch(), global_batch=4, seq=4096,
-                       device="a100-80g", precision=precision, tp=tp, pp=pp, dp=world // tp // pp)
+                       hardware="a100-80g", precision=precision, tp=tp, pp=pp, dp=world // tp // pp)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_emission_is_deterministic_across_processes(traced, plan_tp2, tmp_path):
 
 def test_world1_compiled_step_equals_the_model():
     model, reference = tiny_gpt(), tiny_gpt()
-    compiled = xirang.compile(model, world=1, example_kwargs=tiny_batch(), global_batch=4, device="a100-80g",
+    compiled = xirang.compile(model, world=1, example_kwargs=tiny_batch(), global_batch=4, hardware="a100-80g",
                               precision="fp32")
     loss = compiled.train_step(**tiny_batch())
     expected = reference(**tiny_batch())
@@ -113,7 +113,7 @@ def test_world1_compiled_step_equals_the_model():
 
 def test_full_state_dict_round_trips():
     compiled = xirang.compile(tiny_gpt(), world=1, example_kwargs=tiny_batch(), global_batch=4,
-                              device="a100-80g", precision="fp32")
+                              hardware="a100-80g", precision="fp32")
     state = compiled.full_state_dict()
     assert state["lm_head.weight"] is state["tok_emb.weight"]  # tied: one tensor, both names
     changed = {name: value + 1 for name, value in state.items()}

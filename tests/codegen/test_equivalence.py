@@ -28,7 +28,7 @@ from xirang.codegen.ops.comm_counter import CommCounter
 from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.meta_keys import BLOCK, BLOCK_KINDS
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.plan_assemble import local_elements  # the plan's own per-parameter count
 
 MODELS = ("gpt", "gpt2", "llama")
@@ -59,7 +59,7 @@ def make_plan(name: str, dp: int, tp: int, *, global_batch=BATCH, micro_batch=No
     # the plan must name the same nodes in both traces (passes/analysis/trace_normalize.py).
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2, SEQ).items()}
     return xirang.plan(build(name, "meta"), world=dp * tp, example_kwargs=meta_batch, global_batch=global_batch,
-                       seq=COMM_SEQ, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1,
+                       seq=COMM_SEQ, hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1,
                        micro_batch=micro_batch or global_batch // dp)
 
 
@@ -67,7 +67,7 @@ def make_plan(name: str, dp: int, tp: int, *, global_batch=BATCH, micro_batch=No
 
 def _train(rank, world, name, plan):
     model = build(name)
-    compiled = xirang.compile(model, world=world, example_kwargs=batch(0), plan=plan, device="a100-80g")
+    compiled = xirang.compile(model, world=world, example_kwargs=batch(0), plan=plan, hardware="a100-80g")
     return {**compiled_run(compiled, batch, STEPS), "local_bytes": compiled.local_param_bytes()}
 
 
@@ -75,7 +75,8 @@ def _communication(rank, world, plan):
     counter, events = CommCounter(), []
     # compiled at the sequence it runs: a program's stages have static shapes (sizes folded at one micro-batch)
     compiled = xirang.compile(build("gpt_long"), world=world, example_kwargs=batch(0, 2, COMM_SEQ), plan=plan,
-                              device="a100-80g", counter=counter, event_log=events, bucket_bytes=16 * 2**10)
+                              hardware="a100-80g", debug=xirang.DebugHooks(counter=counter, event_log=events),
+                              runtime=xirang.RuntimeOptions(bucket_bytes=16 * 2**10))
     compiled.train_step(**batch(0, plan.global_batch, COMM_SEQ))
     buckets = sum(len(b.buckets) for b in compiled.grad_buckets.values())
     return {"records": list(counter.records), "events": events, "buckets": buckets}
@@ -104,7 +105,7 @@ def _check_sharded(plan, name):
     strategies = {s.strategy for s in plan.placements.values()}
     assert any(s.startswith("column") for s in strategies), (name, sorted(strategies))
     assert "row" in strategies and "heads" in strategies, (name, sorted(strategies))
-    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
     assert sharded, f"{name}: no parameter is sharded"
 
 

@@ -20,7 +20,7 @@ from xirang.codegen.runtime.data_parallel.grad_norm import clip_grad_norm, real_
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import ParamShard
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 
 VOCAB, BATCH, SEQ, STEPS, MAX_NORM = 1001, 8, 16, 3, 0.5
 NORM_TOLERANCE, TOLERANCE = 1e-6, 1e-5
@@ -80,22 +80,22 @@ def worst(got: dict, want: dict) -> dict:
 
 def test_real_elements_drop_the_padding_of_each_piece():
     # 5 rows in 1 piece on 2 ranks: 3 per rank, rank 1 holds rows 3, 4 and one padding row
-    shard = ParamShard("p_w", "w", ("w",), "parameter", Shard(0), (5, 2))
+    shard = ParamShard("p_w", "w", ("w",), "parameter", PlanShard(0), (5, 2))
     local = torch.arange(6.0).reshape(3, 2)
     assert torch.equal(real_elements(local, shard, 0, 2), local)
     assert torch.equal(real_elements(local, shard, 1, 2), local[:2])
     # fused [q | k] of 3 rows each on 2 ranks: 2 per piece per rank, rank 1 pads each piece by one
-    fused = ParamShard("p_qk", "qk", ("qk",), "parameter", Shard(0, chunks=2), (6, 1))
+    fused = ParamShard("p_qk", "qk", ("qk",), "parameter", PlanShard(0, chunks=2), (6, 1))
     local = torch.tensor([[1.0], [0.0], [2.0], [0.0]])
     assert torch.equal(real_elements(local, fused, 1, 2), torch.tensor([[1.0], [2.0]]))
-    replicated = ParamShard("p_b", "b", ("b",), "parameter", Replicate(), (4,))
+    replicated = ParamShard("p_b", "b", ("b",), "parameter", PlanReplicate(), (4,))
     assert real_elements(torch.ones(4), replicated, 1, 2).numel() == 4
 
 
 def test_world_one_equals_torch_and_a_nonfinite_norm_skips_the_step():
     want = reference("gpt")
     assert all(norm > MAX_NORM for norm in want["norms"]), want["norms"]  # clipping is active
-    compiled = xirang.compile(build("gpt"), world=1, example_kwargs=batch(0), global_batch=BATCH, device="cpu")
+    compiled = xirang.compile(build("gpt"), world=1, example_kwargs=batch(0), global_batch=BATCH, hardware="cpu")
     found = worst(clipped_run(compiled), want)
     assert found["norm"] <= NORM_TOLERANCE and found["grad"] <= TOLERANCE and found["param"] <= TOLERANCE, found
     # the inf-norm, on the trained parameters: one more step's gradients against torch's
@@ -136,10 +136,10 @@ def make_plan(name: str):
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2).items()}
     with torch.device("meta"):
         model = build(name)
-    plan = xirang.plan(model, world=8, example_kwargs=meta_batch, global_batch=BATCH, seq=4096, device="a100-80g",
+    plan = xirang.plan(model, world=8, example_kwargs=meta_batch, global_batch=BATCH, seq=4096, hardware="a100-80g",
                        precision="fp32", dp=2, tp=2, pp=2, micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (2, 2, 2)
-    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
     assert sharded, f"{name}: the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -147,7 +147,7 @@ def make_plan(name: str):
 def _rank_main(rank, world, jobs):
     found = []
     for name, plan in jobs:
-        compiled = xirang.compile(build(name), world=world, example_kwargs=batch(0, 2), plan=plan, device="a100-80g")
+        compiled = xirang.compile(build(name), world=world, example_kwargs=batch(0, 2), plan=plan, hardware="a100-80g")
         found.append(clipped_run(compiled))
     return found
 

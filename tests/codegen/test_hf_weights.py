@@ -18,7 +18,7 @@ from xirang.codegen.ops.padding import shard_of
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.hf_weights import local_piece, empty_pretrained, load_pretrained, save_pretrained
 from xirang.ir.facts import ParamShard
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 
 SEQ, BATCH, VOCAB_USED, STEPS, TOLERANCE = 16, 8, 500, 3, 1e-5
 
@@ -41,7 +41,8 @@ def testlocal_pieces_are_the_shards(tmp_path):
     from safetensors.torch import save_file
     full = {"w": torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3), "qkv": torch.randn(4, 9)}
     save_file(full, tmp_path / "t.safetensors")
-    cases = [("w", Shard(0)), ("w", Shard(1)), ("w", Replicate()), ("qkv", Shard(1, chunks=3)), ("qkv", Shard(0))]
+    cases = [("w", PlanShard(0)), ("w", PlanShard(1)), ("w", PlanReplicate()), ("qkv", PlanShard(1, chunks=3)),
+             ("qkv", PlanShard(0))]
     with safe_open(tmp_path / "t.safetensors", framework="pt") as handle:
         for name, placement in cases:
             shard = ParamShard("p", name, (name,), "parameter", placement, tuple(full[name].shape))
@@ -66,9 +67,9 @@ def test_empty_pretrained_holds_no_weights(tmp_path):
 def make_plan(tied: bool):
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2).items()}
     plan = xirang.plan(hf_llama(device="meta", tie_word_embeddings=tied), world=8, example_kwargs=meta_batch,
-                       global_batch=BATCH, seq=4096, device="a100-80g", precision="fp32", dp=2, tp=2, pp=2,
+                       global_batch=BATCH, seq=4096, hardware="a100-80g", precision="fp32", dp=2, tp=2, pp=2,
                        micro_batch=1)
-    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
     assert sharded, "the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -77,7 +78,7 @@ def _rank_main(rank, world, jobs):
     found = []
     for source, out, plan in jobs:
         compiled = xirang.compile(empty_pretrained(source), world=world, example_kwargs=batch(0, 2), plan=plan,
-                                  device="a100-80g")
+                                  hardware="a100-80g")
         read = load_pretrained(compiled, source)
         optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-3, eps=1e-3)
         losses = []

@@ -70,7 +70,7 @@ def test_a_slow_stage_is_fed_faster_with_deeper_warmups_and_equal_stages_are_lef
 def test_bounds_are_the_extra_micro_batches_whose_activations_fit_beside_the_predicted_peak():
     model = build_gpt("tiny")
     inputs = {"input_ids": torch.zeros(8, SEQ, dtype=torch.long), "labels": torch.zeros(8, SEQ, dtype=torch.long)}
-    plan = xirang.plan(model, world=2, example_kwargs=inputs, global_batch=8, device="a100-80g", pp=2,
+    plan = xirang.plan(model, world=2, example_kwargs=inputs, global_batch=8, hardware="a100-80g", pp=2,
                        schedule="1f1b", micro_batch=1)
     memory = plan.world.device_of(0).memory_bytes
     parts = [dict(part) for part in plan.predicted.memory_parts]
@@ -116,7 +116,7 @@ def _rank_main(rank, world, plan):
     for label, every in (("plain", None), ("adaptive", 1)):
         torch.manual_seed(0)
         compiled = xirang.compile(build_gpt("tiny"), world=world, example_kwargs=batch(0, 2), plan=plan,
-                                  inject_every=every, device="a100-80g")
+                                  runtime=xirang.RuntimeOptions(inject_every=every), hardware="a100-80g")
         for stage in compiled.executor.stages.values():
             forward_s = STAGE_FORWARD_S[compiled.pp_rank]
             stage.program = _Sleepy(stage.program, forward_s, 2 * forward_s)
@@ -133,7 +133,7 @@ def _rank_main(rank, world, plan):
 def test_a_slowed_first_stage_gets_a_deeper_warmup_and_trains_exactly_as_plain_1f1b():
     torch.manual_seed(0)
     plan = xirang.plan(build_gpt("tiny"), world=4, example_kwargs=batch(0, 2), global_batch=8, seq=4096,
-                       device="a100-80g", precision="fp32", pp=4, schedule="1f1b", micro_batch=1)
+                       hardware="a100-80g", precision="fp32", pp=4, schedule="1f1b", micro_batch=1)
     results = launch(_rank_main, 4, args=(plan,), timeout_s=600, heartbeat_s=60)
     torch.manual_seed(0)
     want = single_device_run(build_gpt("tiny"), batch, STEPS, keep_duplicates=True)

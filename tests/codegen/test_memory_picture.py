@@ -24,7 +24,7 @@ WHITE = (255, 255, 255)
 def plan_pp4():
     torch.manual_seed(0)
     ids = torch.zeros(8, 32, dtype=torch.long)
-    plan = xirang.plan(build_gpt("tiny"), world=4, device="cpu", example_kwargs={"input_ids": ids, "labels": ids},
+    plan = xirang.plan(build_gpt("tiny"), world=4, hardware="cpu", example_kwargs={"input_ids": ids, "labels": ids},
                        global_batch=8, pp=2, dp=2)
     # memory figures chosen so the bars differ clearly and one crosses the limit
     memory = (30 * GiB, 60 * GiB)

@@ -34,7 +34,7 @@ def test_probe_counts_a_storage_once_and_releases_it_with_the_graph():
 @pytest.fixture(scope="module")
 def gpt_plan():
     tokens = {name: torch.zeros(4, 64, dtype=torch.long, device="meta") for name in ("input_ids", "labels")}
-    return xirang.plan(build_gpt(GPT, device="meta"), world=1, device="cpu", example_kwargs=tokens, global_batch=4,
+    return xirang.plan(build_gpt(GPT, device="meta"), world=1, hardware="cpu", example_kwargs=tokens, global_batch=4,
                        micro_batch=2, recompute="none")
 
 

@@ -34,7 +34,7 @@ from xirang.codegen.runtime.state.pipeline_state import bind_state
 from xirang.codegen.runtime.state.weight_init import TensorInit, stream_seed
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import ParamShard
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 SEED, WORLD, GLOBAL_BATCH, SEQ, VOCAB_USED, STEPS, TOLERANCE = 1234, 8, 8, 16, 500, 3, 1e-5
 
@@ -91,8 +91,9 @@ class Sharded(nn.Module):
         self.down = nn.Linear(13, 8)
 
 
-SHARDS = {"emb.weight": Shard(0), "qkv.weight": Shard(0, 3), "qkv.bias": Shard(0, 3), "up.weight": Shard(0),
-          "up.bias": Shard(0), "down.weight": Shard(1)}
+SHARDS = {"emb.weight": PlanShard(0), "qkv.weight": PlanShard(0, 3), "qkv.bias": PlanShard(0, 3),
+          "up.weight": PlanShard(0),
+          "up.bias": PlanShard(0), "down.weight": PlanShard(1)}
 
 
 def test_each_shard_is_the_slice_of_the_one_device_init():
@@ -147,7 +148,7 @@ def test_compiled_model_keeps_no_reference_to_the_model():
         alive = weakref.ref(model)
         example = {k: v.to(device) for k, v in inputs.items()}
         compiled = xirang.compile(model, world=1, example_kwargs=example, global_batch=2, precision="fp32",
-                                  seed=SEED)
+                                  runtime=xirang.RuntimeOptions(seed=SEED))
         del model
         gc.collect()
         assert alive() is None, f"{device}: something keeps the model"
@@ -160,10 +161,10 @@ def test_compiled_model_keeps_no_reference_to_the_model():
 
 def make_plan():
     plan = xirang.plan(build_gpt("tiny", "meta"), world=WORLD, example_kwargs=batch(0, 2, "meta"),
-                       global_batch=GLOBAL_BATCH, seq=4096, device="a100-80g", precision="fp32", dp=2, tp=2, pp=2,
+                       global_batch=GLOBAL_BATCH, seq=4096, hardware="a100-80g", precision="fp32", dp=2, tp=2, pp=2,
                        schedule="1f1b", micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (2, 2, 2) and len(plan.stages) == 2
-    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
     assert sharded, "the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -171,8 +172,8 @@ def make_plan():
 def _rank_main(rank, world, plan):
     with torch.device("meta"):
         model = build_gpt("tiny")
-    compiled = xirang.compile(model, world=world, example_kwargs=batch(0, 2, "meta"), plan=plan, seed=SEED,
-                              device="a100-80g")
+    compiled = xirang.compile(model, world=world, example_kwargs=batch(0, 2, "meta"), plan=plan,
+                              runtime=xirang.RuntimeOptions(seed=SEED), hardware="a100-80g")
     del model
     local = {fqn: tuple(t.shape) for fqn, t in compiled.named_parameters()}
     return {"run": compiled_run(compiled, batch, STEPS), "local": local}

@@ -17,7 +17,7 @@ import xirang
 from examples.gpt import build_gpt
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from xirang.codegen.runtime.launch.launcher import launch
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 SEQ, VOCAB_USED, STEPS, TOLERANCE, GLOBAL_BATCH = 16, 500, 3, 1e-5, 8
 WORLD = "1x4:a100-80g+1x4:h100-80g"
@@ -58,7 +58,7 @@ def _rank_main(rank, world, plan):
 @pytest.mark.matrix
 def test_a_mixed_world_plan_equals_one_device_with_its_own_shares():
     plan = mixed_plan()
-    assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items())
+    assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items())
     results = launch(_rank_main, 8, args=(plan,), timeout_s=900, heartbeat_s=60)
     want = single_device_run(build(), batch, STEPS, keep_duplicates=True)
     worst = worst_differences("mixed", results, want)

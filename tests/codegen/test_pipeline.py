@@ -65,7 +65,7 @@ def analysed(name: str):
 @lru_cache(maxsize=None)
 def make_plan(name: str, *, dp: int, pp: int, schedule: str, global_batch: int, v: int = 1):
     return xirang.plan(build(name), world=dp * pp, example_kwargs=batch(0, 2), global_batch=global_batch,
-                       device="cpu", dp=dp, pp=pp, tp=1, schedule=schedule, virtual_stages=v, micro_batch=1)
+                       hardware="cpu", dp=dp, pp=pp, tp=1, schedule=schedule, virtual_stages=v, micro_batch=1)
 
 
 def stages_at(gm, plan, symbols: dict):

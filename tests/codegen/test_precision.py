@@ -31,7 +31,7 @@ def batch() -> dict:
 def step(name: str, precision: str):
     torch.manual_seed(0)
     model = BUILDERS[name]()
-    plan = xirang.plan(model, world=1, example_kwargs=batch(), global_batch=4, device="a100-80g", precision=precision)
+    plan = xirang.plan(model, world=1, example_kwargs=batch(), global_batch=4, hardware="a100-80g", precision=precision)
     compiled = xirang.compile(model, world=1, example_kwargs=batch(), plan=plan)
     loss = compiled.train_step(**batch())
     return compiled, loss, compiled.full_gradients()

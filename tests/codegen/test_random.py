@@ -42,7 +42,7 @@ from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 from xirang.lower import lower
 
 SEED, USER_SEED = 2024, 1234
@@ -107,11 +107,12 @@ def batches(name: str):
 def make_plan(name: str, dp: int, tp: int, pp: int, *, micro_batch: int = 1, schedule: str = "1f1b", **pins):
     meta_batch = {k: v.to("meta") for k, v in batch(0, 2, name=name).items()}
     plan = xirang.plan(build(name, "meta"), world=dp * tp * pp, example_kwargs=meta_batch, global_batch=BATCH,
-                       seq=PLAN_SEQ, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp,
+                       seq=PLAN_SEQ, hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp,
                        micro_batch=micro_batch, schedule=schedule, **pins)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp)
     if tp > 1:
-        sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+        sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp,
+                                                                                              PlanShard)]
         assert sharded, f"{name}: the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -124,7 +125,7 @@ def rank_of(plan, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
 
 def _replicated(compiled) -> dict:
     return {fqn: p.detach().clone() for fqn, p in compiled.named_parameters()
-            if isinstance(compiled.program.shards[fqn].placement, Replicate)}
+            if isinstance(compiled.program.shards[fqn].placement, PlanReplicate)}
 
 
 def _streams_job(compiled, name: str) -> dict:
@@ -136,7 +137,7 @@ def _streams_job(compiled, name: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     return {"losses": losses, "replicated": _replicated(compiled), "seed": compiled.rng_state()["seed"],
-            "sharded": sorted(f for f, s in compiled.program.shards.items() if isinstance(s.placement, Shard))}
+            "sharded": sorted(f for f, s in compiled.program.shards.items() if isinstance(s.placement, PlanShard))}
 
 
 def _rank_main(rank, world, jobs):
@@ -149,7 +150,7 @@ def _rank_main(rank, world, jobs):
         seed = SEED if mode == "exact" else None  # streams: rank 0's torch.initial_seed(), given to all
         if how == "compile":
             compiled = xirang.compile(model, world=world, example_kwargs=batch(0, 2, name=name), plan=plan,
-                                      device="a100-80g", seed=seed, rng=mode)
+                                      hardware="a100-80g", runtime=xirang.RuntimeOptions(seed=seed, rng=mode))
         else:
             program = lower(traced[name], plan, rank=rank).program
             compiled = CompiledModel(model, plan, program, groups=build_mesh_groups(plan.mesh), seed=seed, rng=mode)
@@ -218,7 +219,7 @@ def test_world_2_streams_keep_tp_replicas_equal_and_a_rule_less_random_op_runs_r
     noisy = jobs[1][2]
     rand_like = [n for n in noisy.fallbacks if n.startswith("rand_like")]
     assert rand_like, f"rand_like is not among the plan's fallbacks {noisy.fallbacks}"
-    assert any(isinstance(noisy.placements[n].outputs[0].tp, Shard) for n in ("linear", "gelu")), \
+    assert any(isinstance(noisy.placements[n].outputs[0].tp, PlanShard) for n in ("linear", "gelu")), \
         "the noisy model's first layer is not sharded: the rule-less op would not meet a sharded tensor"
     results = _launch_and_check(jobs, 2, timeout_s=600)
     (site,) = [s for s in results[1]["noisy (1,2,1) streams"]["sites"] if s.node in rand_like]
@@ -327,8 +328,8 @@ def test_attention_dropout_of_gpt2_draws_per_tp_rank_and_the_rest_shared():
 def _world_1(name: str, *, rng: str = "streams", **pins):
     plan = xirang.plan(build(name), world=1, example_kwargs=batch(0, 2, name=name), global_batch=BATCH,
                        precision="fp32", micro_batch=2, **pins)
-    return xirang.compile(build(name), world=1, example_kwargs=batch(0, 2, name=name), plan=plan, seed=SEED,
-                          rng=rng)
+    return xirang.compile(build(name), world=1, example_kwargs=batch(0, 2, name=name), plan=plan,
+                          runtime=xirang.RuntimeOptions(seed=SEED, rng=rng))
 
 
 @pytest.mark.matrix  # slower end-to-end run: the -m matrix tier
@@ -364,10 +365,9 @@ def test_exact_mode_refuses_a_draw_it_cannot_cut_and_names_it():
 
 
 def test_verify_passes_on_a_model_with_dropout():
-    """``xirang verify`` compiles in exact mode and draws the reference under ExactReference (run in this
-    process, which starts the ranks as the command does: what is checked is verify, not an interpreter)."""
-    from tests.bad_input.probe import cli
-    code, out, err = cli("verify", "examples/catalog.py:gpt_tiny_dropout", "--world", "2", "--tp", "2")
-    assert code == 0, out + err[-3000:]
-    assert "random ops: 7 drawn as one device draws them" in out, out
-    assert "verify: PASS" in out
+    """``xirang verify`` compiles in exact mode and draws the reference under ExactReference."""
+    from tests.test_cli import xirang as cli
+    result = cli("verify", "examples/catalog.py:gpt_tiny_dropout", "--world", "2", "--tp", "2")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "random ops: 7 drawn as one device draws them" in result.stdout, result.stdout
+    assert "verify: PASS" in result.stdout

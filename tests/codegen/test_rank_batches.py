@@ -117,7 +117,7 @@ def _rank_main(rank, world, plan, path, steps):
     losses = {}
     for pre_sharded in (True, False):
         example = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, SEQ, dtype=torch.long)}
-        compiled = xirang.compile(build(), world=world, example_kwargs=example, plan=plan, device="cpu")
+        compiled = xirang.compile(build(), world=world, example_kwargs=example, plan=plan, hardware="cpu")
         optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
         batches = RankBatches(TokenFile(path), global_batch=GLOBAL_BATCH, seq=SEQ, dp=compiled.dp,
                               dp_rank=compiled.dp_rank, shift_labels=True)
@@ -136,7 +136,7 @@ def test_shares_train_as_the_global_batch(tmp_path):
     path = tmp_path / "tokens.npy"
     numpy.save(path, numpy.random.default_rng(0).integers(0, VOCAB, 4000).astype(numpy.int32))
     example = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, SEQ, dtype=torch.long)}
-    plan = xirang.plan(build(), world=4, example_kwargs=example, global_batch=GLOBAL_BATCH, device="cpu",
+    plan = xirang.plan(build(), world=4, example_kwargs=example, global_batch=GLOBAL_BATCH, hardware="cpu",
                        dp=2, tp=1, pp=2, micro_batch=1)
     results = launch(_rank_main, 4, (plan, str(path), 3), timeout_s=600, heartbeat_s=60)
     for rank, result in enumerate(results):

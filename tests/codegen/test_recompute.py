@@ -66,7 +66,7 @@ def traced(name: str):
 
 @functools.lru_cache(maxsize=None)
 def base_plan(name: str, precision: str = "fp32", tp: int = 1):
-    return xirang.plan(build(name), world=tp, example_kwargs=batch(), global_batch=4, seq=4096, device="a100-80g",
+    return xirang.plan(build(name), world=tp, example_kwargs=batch(), global_batch=4, seq=4096, hardware="a100-80g",
                        precision=precision, micro_batch=2, tp=tp, pp=1, dp=1)
 
 
@@ -77,7 +77,7 @@ def plan_for(name: str, recompute: str, offload: str, precision: str = "fp32", t
 @functools.lru_cache(maxsize=None)
 def two_stages(name: str):
     """The stages of a pp = 2 plan, for one rank running both (interleaved with p = 1, v = 2)."""
-    return xirang.plan(build(name), world=2, example_kwargs=batch(), global_batch=4, seq=4096, device="a100-80g",
+    return xirang.plan(build(name), world=2, example_kwargs=batch(), global_batch=4, seq=4096, hardware="a100-80g",
                        precision="fp32", micro_batch=2, tp=1, pp=2, dp=1, schedule="1f1b").stages
 
 

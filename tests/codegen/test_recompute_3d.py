@@ -59,7 +59,7 @@ def job(name: str, mesh: tuple, schedule: str, mode: str) -> tuple:
     recompute, offload = MODES[mode]
     v = 2 if schedule == "interleaved" else 1
     plan = xirang.plan(build(name, layers), world=dp * tp * pp, example_kwargs=batch(0, 2),
-                       global_batch=GLOBAL_BATCH, seq=4096, device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp,
+                       global_batch=GLOBAL_BATCH, seq=4096, hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp,
                        schedule=schedule, virtual_stages=v, micro_batch=1, recompute=recompute, offload=offload)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, len(plan.stages)) == (dp, tp, pp, pp * v)
     assert (plan.recompute, plan.offload) == (recompute, offload)

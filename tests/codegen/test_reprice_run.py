@@ -49,7 +49,7 @@ def _rank(rank, world, plan):
 
 
 def test_repriced_step_of_the_running_plan_is_within_tolerance_of_the_measured_step():
-    plan = xirang.plan(_model(), world=4, device="cpu", example_kwargs=_batch(0), global_batch=GLOBAL_BATCH,
+    plan = xirang.plan(_model(), world=4, hardware="cpu", example_kwargs=_batch(0), global_batch=GLOBAL_BATCH,
                        precision="fp32", dp=2, tp=2, pp=1, micro_batch=2)
     assert plan.predicted.breakdown["tp_comm"] > 0 and plan.predicted.breakdown["dp_exposed"] > 0
     per_rank = launch(_rank, 4, (plan,), timeout_s=900, heartbeat_s=120)  # 4 ranks on 2 shared cores

@@ -83,7 +83,7 @@ def test_a_cuda_device_without_cuda_is_refused_naming_both():
 def test_nccl_without_local_rank_is_refused_not_guessed():
     error = _refusal("nccl", {"RANK": "5"}, 8)
     assert "LOCAL_RANK is not set" in error.what and "'nccl'" in error.what
-    assert "torchrun" in error.hint and "runtime_device='cuda:N'" in error.hint
+    assert "torchrun" in error.hint and "device='cuda:N'" in error.hint
     assert "LOCAL_RANK='x'" in str(_refusal("nccl", {"LOCAL_RANK": "x"}, 8))
     assert "LOCAL_RANK='-1'" in str(_refusal("nccl", {"LOCAL_RANK": "-1"}, 8))
 
@@ -92,13 +92,13 @@ def test_local_rank_past_the_visible_gpus_is_refused():
     # Slurm's --gpus-per-task: each process sees only its GPU, as cuda:0
     error = _refusal("nccl", {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"}, 1)
     assert "LOCAL_RANK=3" in error.what and "CUDA_VISIBLE_DEVICES=3" in error.what
-    assert "runtime_device='cuda:0'" in error.hint
+    assert "device='cuda:0'" in error.hint
     assert "torch.cuda is unavailable" in str(_refusal("nccl", {"LOCAL_RANK": "0"}, 0))
 
 
 def test_other_backends_need_an_explicit_device():
     error = _refusal("mpi", {"LOCAL_RANK": "0"}, 0)
-    assert "'mpi'" in error.what and "runtime_device=" in error.hint
+    assert "'mpi'" in error.what and "device=" in error.hint
 
 
 def test_a_bad_device_is_refused():
@@ -127,7 +127,7 @@ def one_process(monkeypatch):
 
 
 def test_compile_at_world_one_runs_on_the_cpu_by_default(one_process):
-    compiled = xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
+    compiled = xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
                               micro_batch=BATCH)
     assert compiled.device == torch.device("cpu")
     assert {p.device for p in compiled.parameters()} == {torch.device("cpu")}
@@ -156,7 +156,7 @@ def test_compile_passes_cuda_local_rank_under_nccl(one_process):
     one_process.setattr(devices, "visible_cuda_devices", lambda: 8)
     handed = _stop_at_build(one_process)
     with pytest.raises(_Built):
-        xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
+        xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
                        micro_batch=BATCH)
     assert handed == [torch.device("cuda:3")]
 
@@ -166,8 +166,8 @@ def test_compile_passes_an_explicit_device(one_process):
     one_process.setattr(devices, "visible_cuda_devices", lambda: 2)
     handed = _stop_at_build(one_process)
     with pytest.raises(_Built):
-        xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
-                       micro_batch=BATCH, runtime_device="cuda:1")
+        xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
+                       micro_batch=BATCH, device="cuda:1")
     assert handed == [torch.device("cuda:1")]
 
 
@@ -181,16 +181,16 @@ def test_compile_refuses_nccl_with_a_cpu_device_before_planning(one_process):
 
     one_process.setattr(compile_api, "make_plan", plan)
     with pytest.raises(XirangError, match="'cpu' under backend 'nccl'") as caught:
-        xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
-                       runtime_device="cpu")
-    assert caught.value.where == "xirang.compile(runtime_device=...)"
+        xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
+                       device="cpu")
+    assert caught.value.where == "xirang.compile(device=...)"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
 def test_compile_refuses_cuda_on_a_machine_without_it(one_process):
     with pytest.raises(XirangError, match="torch.cuda is unavailable"):
-        xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
-                       runtime_device="cuda")
+        xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
+                       device="cuda")
 
 
 # --- the program itself names only the rank's device ------------------------------------------------------
@@ -204,7 +204,7 @@ def test_a_cpu_traced_program_lowered_for_a_gpu_rank_names_only_that_gpu():
     gm = xirang.analyze(model, example_kwargs=_batch()).graph_module
     for tp in (1, 2):
         plan = xirang.plan(model, world=tp, example_kwargs=_batch(), global_batch=BATCH, seq=4096,
-                           device="a100-80g", precision="fp32", tp=tp)
+                           hardware="a100-80g", precision="fp32", tp=tp)
         for rank in range(tp):
             source = rank_source(gm, plan, rank, "cuda:3")
             named = [line.strip() for line in source.splitlines() if "device(" in line]

@@ -25,7 +25,7 @@ from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.plan_parts import Layout, NodeStrategy
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.lower import lower
 from xirang.passes.planning.plan_splits import SplitPricer
 from xirang.passes.planning.sharding_rules import strategies_for
@@ -38,9 +38,9 @@ def sequence_plan(name: str, dp: int, tp: int, pp: int, schedule: str, v: int = 
     model = build(name)
     report = xirang.analyze(model, example_kwargs=batch(0, 2))
     plan = xirang.plan(model, world=dp * tp * pp, example_kwargs=batch(0, 2), global_batch=GLOBAL_BATCH, seq=seq,
-                       device=device, precision="fp32", dp=dp, tp=tp, pp=pp, schedule=schedule,
+                       hardware=device, precision="fp32", dp=dp, tp=tp, pp=pp, schedule=schedule,
                        virtual_stages=v, micro_batch=1, sequence_parallel=True, analysed=report)
-    assert plan.sequence_parallel and any(isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items()
+    assert plan.sequence_parallel and any(isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items()
                                           if n.startswith("p_") and s.outputs), f"{name}: tp shards nothing"
     placements = dict(plan.placements)
     for node in report.graph_module.graph.nodes if force else ():

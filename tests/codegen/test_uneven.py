@@ -26,7 +26,7 @@ from tests.codegen.single_device import compiled_run, single_device_run
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.ops.padding import shard_of, unshard
 from xirang.ir.facts import ParamShard
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 VOCAB, BATCH, SEQ, STEPS, TOLERANCE = 1001, 8, 16, 3, 1e-5
 PLAN_SEQ = 4096
@@ -54,12 +54,12 @@ def batch(step: int, size=BATCH, seq=SEQ) -> dict:
 
 def make_plan(name: str, dp: int, tp: int):
     return xirang.plan(build(name), world=dp * tp, example_kwargs=batch(0, 2), global_batch=BATCH, seq=PLAN_SEQ,
-                       device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1, micro_batch=BATCH // dp)
+                       hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=1, micro_batch=BATCH // dp)
 
 
 def _train(name, plan):
     compiled = xirang.compile(build(name), world=plan.mesh.dp * plan.mesh.tp, example_kwargs=batch(0),
-                              plan=plan, device="a100-80g")
+                              plan=plan, hardware="a100-80g")
     local = {n: tuple(p.shape) for n, p in compiled.named_parameters()}
     return {**compiled_run(compiled, batch, STEPS), "local": local}
 
@@ -78,11 +78,11 @@ def _check_vocab_sharded(plan, name):
     strategies = {n: s.strategy for n, s in plan.placements.items()}
     assert "vocab_parallel" in strategies.values(), (name, sorted(set(strategies.values())))
     padded = [n for n, s in plan.placements.items() if s.strategy == "column"
-              and any(isinstance(o.tp, Shard) and o.tp.dim == 2 for o in s.outputs)
+              and any(isinstance(o.tp, PlanShard) and o.tp.dim == 2 for o in s.outputs)
               and VOCAB % plan.mesh.tp]
     assert padded, f"{name}: the LM head is not column-parallel on the padded vocabulary"
     if name == "gpt_untied":  # held padded: shard_params pads it, full_state_dict strips it
-        assert plan.placements["p_lm_head_weight"].outputs[0].tp == Shard(0)
+        assert plan.placements["p_lm_head_weight"].outputs[0].tp == PlanShard(0)
 
 
 def _compare(name, dp, tp, results, reference):
@@ -128,7 +128,7 @@ def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
     full = torch.randn(vocab, hidden)
     model = torch.nn.Module()
     model.wte = torch.nn.Parameter(full.clone())
-    shard = ParamShard("p_wte", "wte", ("wte",), "parameter", Shard(0), (vocab, hidden))
+    shard = ParamShard("p_wte", "wte", ("wte",), "parameter", PlanShard(0), (vocab, hidden))
     locals_ = [shard_of(model.wte.detach(), shard.placement, r, tp) for r in range(tp)]
     assert {tuple(t.shape) for t in locals_} == {(6283, hidden)}
     assert torch.equal(locals_[-1][6276:], torch.zeros(7, hidden))
@@ -139,7 +139,7 @@ def test_gpt2_vocabulary_on_eight_ranks_pads_the_last(monkeypatch):
                         lambda parts, local, group=None: [p.copy_(t) for p, t in zip(parts, locals_)])
     gathered = shard_params.full_tensor(locals_[0], shard, tp_group=object())
     assert tuple(gathered.shape) == (vocab, hidden) and torch.equal(gathered, full)
-    assert torch.equal(unshard(locals_, Shard(0), vocab), full)
+    assert torch.equal(unshard(locals_, PlanShard(0), vocab), full)
 
 
 def _gpt2_vocabulary_rank(rank, world):
@@ -151,7 +151,7 @@ def _gpt2_vocabulary_rank(rank, world):
                                                   vocab_shard_range)
     vocab, hidden = 50257, 4
     full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
-    shard = ParamShard("p_wte", "wte", ("wte",), "parameter", Shard(0), (vocab, hidden))
+    shard = ParamShard("p_wte", "wte", ("wte",), "parameter", PlanShard(0), (vocab, hidden))
     local = shard_of(full, shard.placement, rank, world)
     group = dist.group.WORLD
     gathered = shard_params.full_tensor(local, shard, tp_group=group)
@@ -205,5 +205,5 @@ def test_planned_parameter_memory_counts_the_padding():
     plan = make_plan("gpt_untied", 1, 4)
     gm = xirang.analyze(build("gpt_untied"), example_kwargs=batch(0)).graph_module
     head = next(n for n in gm.graph.nodes if PARAM_NAME.get(n, None) == "lm_head.weight")
-    assert plan.placements[head.name].outputs[0].tp == Shard(0)
+    assert plan.placements[head.name].outputs[0].tp == PlanShard(0)
     assert local_elements(head, plan.placements, 4) == 251 * 64 == 16064

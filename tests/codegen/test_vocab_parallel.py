@@ -22,7 +22,7 @@ from xirang.codegen.ops.vocab_parallel import (vocab_parallel_cross_entropy, voc
                                                vocab_parallel_embedding_reduced, vocab_shard_range)
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
-from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard
 
 WORLD = 4
 POISON = 1e4
@@ -38,7 +38,7 @@ def _err(a, b) -> float:
 def _poisoned_shard(full, dim, vocab, group, k, r):
     """This rank's Shard(dim) slice of ``full`` with its padding (beyond ``vocab``) poisoned."""
     start, rows = vocab_shard_range(vocab, group)
-    local = shard_of(full, Shard(dim), r, k)
+    local = shard_of(full, PlanShard(dim), r, k)
     real = max(0, min(rows, vocab - start))  # rows (or columns) this rank holds before padding
     local.narrow(dim, real, rows - real).fill_(POISON)
     return local.requires_grad_(), start
@@ -65,7 +65,7 @@ def _embedding(group, k, r, vocab, padding_idx=None):
     records = [(c.kind, c.nbytes, c.group_size, c.label) for c in counter.records]
     return {"partial": _err(partial, torch.where(mine, ref, 0.0).detach()),
             "forward": _err(reduced, ref.detach()),
-            "grad": _err(local.grad, shard_of(w_ref.grad, Shard(0), r, k)),
+            "grad": _err(local.grad, shard_of(w_ref.grad, PlanShard(0), r, k)),
             "records": records}
 
 
@@ -86,7 +86,7 @@ def _cross_entropy(group, k, r, vocab, reduction, *, shape=(7,), ignore_index=-1
                                         ignore_index=ignore_index, reduction=reduction,
                                         counter=counter)
     (loss * W).sum().backward()
-    grad_ref = shard_of(x_ref.grad, Shard(1), r, k)
+    grad_ref = shard_of(x_ref.grad, PlanShard(1), r, k)
     if T.numel() == ignored:  # every row ignored: mean is 0 / 0 = nan, the gradient zero
         return {"nan": (bool(loss.isnan()), bool(ref.isnan())),
                 "grad": _err(local.grad, grad_ref)}
@@ -190,59 +190,59 @@ def test_pad_dim_pads_the_end_with_zeros():
 def test_gpt2_vocab_on_8_ranks():
     # ceil(50257 / 8) = 6283 rows per rank; 8 * 6283 = 50264, so the last rank has 7 padding rows.
     full = torch.arange(1, 50258).unsqueeze(1) * torch.tensor([1, -1])  # row i: [i+1, -(i+1)]
-    locals_ = [shard_of(full, Shard(0), r, 8) for r in range(8)]
+    locals_ = [shard_of(full, PlanShard(0), r, 8) for r in range(8)]
     assert {tuple(t.shape) for t in locals_} == {(6283, 2)}
     assert locals_[1][0].tolist() == [6284, -6284]
     last = locals_[7]
     assert last[0].tolist() == [7 * 6283 + 1, -(7 * 6283 + 1)]
     assert last[6275].tolist() == [50257, -50257] and not last[6276:].any()
-    assert torch.equal(unshard(locals_, Shard(0), 50257), full)
+    assert torch.equal(unshard(locals_, PlanShard(0), 50257), full)
 
 
 def test_vocab_10_on_4_ranks_by_hand():
-    locals_ = [shard_of(torch.arange(1, 11), Shard(0), r, 4).tolist() for r in range(4)]
+    locals_ = [shard_of(torch.arange(1, 11), PlanShard(0), r, 4).tolist() for r in range(4)]
     assert locals_ == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 0, 0]]
-    assert unshard([torch.tensor(t) for t in locals_], Shard(0), 10).tolist() == list(range(1, 11))
+    assert unshard([torch.tensor(t) for t in locals_], PlanShard(0), 10).tolist() == list(range(1, 11))
 
 
 def test_chunks_pad_each_piece():
     # [q | k | v] of 3 each on 2 ranks: each piece split 2 + (1 + 1 padding), padding per piece.
     full = torch.arange(1, 10)
-    locals_ = [shard_of(full, Shard(0, 3), r, 2) for r in range(2)]
+    locals_ = [shard_of(full, PlanShard(0, 3), r, 2) for r in range(2)]
     assert [t.tolist() for t in locals_] == [[1, 2, 4, 5, 7, 8], [3, 0, 6, 0, 9, 0]]
-    assert torch.equal(unshard(locals_, Shard(0, 3), 9), full)
+    assert torch.equal(unshard(locals_, PlanShard(0, 3), 9), full)
     # Even pieces on dim 1 of a fused weight: rank r holds its columns of q, of k and of v.
     fused = torch.arange(24).reshape(2, 12)
-    locals_ = [shard_of(fused, Shard(1, 3), r, 2) for r in range(2)]
+    locals_ = [shard_of(fused, PlanShard(1, 3), r, 2) for r in range(2)]
     assert locals_[1][0].tolist() == [2, 3, 6, 7, 10, 11]
-    assert torch.equal(unshard(locals_, Shard(1, 3), 12), fused)
+    assert torch.equal(unshard(locals_, PlanShard(1, 3), 12), fused)
 
 
 def test_shard_of_copies_and_handles_replicate_and_partial():
     full = torch.arange(6.0).reshape(2, 3)
-    local = shard_of(full, Shard(0), 0, 1)
+    local = shard_of(full, PlanShard(0), 0, 1)
     local.zero_()
     assert full.sum() == 15  # the local is a copy, writing it leaves the full tensor alone
-    assert shard_of(full, Replicate(), 1, 2) is full
-    sums = [shard_of(full, Partial("sum"), r, 3) for r in range(3)]
-    assert torch.equal(unshard(sums, Partial("sum")), full) and not sums[2].any()
+    assert shard_of(full, PlanReplicate(), 1, 2) is full
+    sums = [shard_of(full, PlanPartial("sum"), r, 3) for r in range(3)]
+    assert torch.equal(unshard(sums, PlanPartial("sum")), full) and not sums[2].any()
     for op in ("avg", "max", "min"):
-        assert torch.equal(unshard([shard_of(full, Partial(op), r, 2) for r in range(2)],
-                                   Partial(op)), full)
-    assert unshard([full, full], Replicate()) is full
+        assert torch.equal(unshard([shard_of(full, PlanPartial(op), r, 2) for r in range(2)],
+                                   PlanPartial(op)), full)
+    assert unshard([full, full], PlanReplicate()) is full
 
 
 def test_padding_helpers_say_what_is_wrong():
     with pytest.raises(XirangError, match="cannot be cut into 3 equal pieces"):
-        shard_of(torch.zeros(10), Shard(0, 3), 0, 2)
+        shard_of(torch.zeros(10), PlanShard(0, 3), 0, 2)
     with pytest.raises(XirangError, match=r"rank 2 is not in 0\.\.1"):
-        shard_of(torch.zeros(10), Shard(0), 2, 2)
+        shard_of(torch.zeros(10), PlanShard(0), 2, 2)
     with pytest.raises(XirangError, match=r"ceil\(10/4\) = 3 per rank, but the locals have 2"):
-        unshard([torch.zeros(2)] * 4, Shard(0), 10)
+        unshard([torch.zeros(2)] * 4, PlanShard(0), 10)
     with pytest.raises(XirangError, match="different shapes"):
-        unshard([torch.zeros(2), torch.zeros(3)], Shard(0), 5)
+        unshard([torch.zeros(2), torch.zeros(3)], PlanShard(0), 5)
     with pytest.raises(XirangError, match="full_size must be the true length of dim 0"):
-        unshard([torch.zeros(2)] * 2, Shard(0))
+        unshard([torch.zeros(2)] * 2, PlanShard(0))
 
 
 def test_group_none_is_plain_torch_and_sends_nothing():

@@ -44,7 +44,7 @@ def _gpt():
 @pytest.fixture(scope="module")
 def compiled():
     """Tiny GPT at world = 1, the whole batch one micro-batch (as the planner picks for this size)."""
-    return xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
+    return xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
                           micro_batch=BATCH)
 
 
@@ -68,7 +68,7 @@ def test_world1_step_runs_the_eager_ops_and_gives_its_bits(compiled):
 
 def test_two_micro_batches_still_average_the_loss():
     """m > 1 keeps the 1/m scaling (skipped at m = 1 only, where it is exact): the loss is the mean."""
-    model = xirang.compile(_gpt(), world=1, device="cpu", example_kwargs=_batch(), global_batch=BATCH,
+    model = xirang.compile(_gpt(), world=1, hardware="cpu", example_kwargs=_batch(), global_batch=BATCH,
                            micro_batch=BATCH // 2)
     batch = _batch(2)
     loss = model.train_step(**batch)

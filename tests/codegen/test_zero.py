@@ -32,7 +32,7 @@ from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.cli.verify import loss_of
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import Mesh
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.lower import lower
 
 STEPS, SEQ, VOCAB_USED, TOLERANCE = 3, 16, 500, 1e-5
@@ -126,8 +126,8 @@ def check_zero(label: str, plan, results: list, want: dict) -> None:
 
 def _two_ranks(rank, world, plan, folder):
     counter = CommCounter()
-    compiled = xirang.compile(build("gpt"), world=world, example_kwargs=batch(0, 2), plan=plan, counter=counter,
-                              zero_stage=1)
+    compiled = xirang.compile(build("gpt"), world=world, example_kwargs=batch(0, 2), plan=plan,
+                              debug=xirang.DebugHooks(counter=counter), zero_stage=1)
     return {"zero": zero_run(compiled, counter, batch, STEPS, folder), "plan": compiled.plan}
 
 
@@ -179,11 +179,11 @@ def test_plan_zero_stage_round_trips_and_refuses_what_the_runtime_cannot_run():
 
 def _plan(name: str, dp: int, tp: int, pp: int, schedule: str, v: int = 1):
     plan = xirang.plan(build(name), world=dp * tp * pp, example_kwargs=batch(0, 2), global_batch=8, seq=4096,
-                       device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v,
+                       hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v,
                        micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp)
     if tp > 1:
-        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items())
+        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items())
     return plan.with_zero_stage(1)
 
 

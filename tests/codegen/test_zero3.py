@@ -35,7 +35,7 @@ from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.runtime.data_parallel.param_shards import GATE_PREFIX, gate_stage, storage_bytes
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.lower import lower
 
 from tests.codegen.test_zero import STEPS, TOLERANCE, batch, build  # the same models and batches as ZeRO-1's
@@ -178,11 +178,11 @@ def test_a_pinned_zero3_plan_lists_notes_and_round_trips_it_and_bad_stages_name_
 
 def _plan(name: str, dp: int, tp: int, pp: int, schedule: str, v: int, zero: int):
     plan = xirang.plan(build(name), world=dp * tp * pp, example_kwargs=batch(0, 2), global_batch=8, seq=4096,
-                       device="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v,
+                       hardware="a100-80g", precision="fp32", dp=dp, tp=tp, pp=pp, schedule=schedule, virtual_stages=v,
                        micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == (dp, tp, pp)
     if tp > 1:
-        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, Shard) for n, s in plan.placements.items())
+        assert any(n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items())
     return plan.with_zero_stage(zero)
 
 

@@ -25,7 +25,7 @@ from tests.codegen.single_device import compiled_run, single_device_run, worst_d
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.ir.schedules import schedule_spec
 from xirang.lower import lower
 
@@ -49,11 +49,12 @@ def batch(step: int, size: int = GLOBAL_BATCH) -> dict:
 @lru_cache(maxsize=None)
 def make_plan(name: str, dp: int, tp: int, pp: int, schedule: str):
     plan = xirang.plan(build(name, "meta"), world=dp * tp * pp, example_kwargs=token_batch(2, SEQ),
-                       global_batch=GLOBAL_BATCH, seq=PLAN_SEQ, device="a100-80g", precision="fp32",
+                       global_batch=GLOBAL_BATCH, seq=PLAN_SEQ, hardware="a100-80g", precision="fp32",
                        dp=dp, tp=tp, pp=pp, schedule=schedule, micro_batch=1)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.schedule) == (dp, tp, pp, schedule)
     if tp > 1:
-        sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+        sharded = [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp,
+                                                                                              PlanShard)]
         assert sharded, f"{name}: the plan shards no parameter, so tp would be vacuous"
     return plan
 
@@ -96,7 +97,7 @@ def test_zero_bubble_training_equals_single_device(dp, tp, pp):
 
 def test_the_planner_picks_and_explains_zero_bubble():
     plan = xirang.plan(build("gpt2", "meta"), world=2, example_kwargs=token_batch(2, SEQ), global_batch=8,
-                       seq=1024, device="a100-80g", dp=1, tp=1, pp=2, micro_batch=1, recompute="none")
+                       seq=1024, hardware="a100-80g", dp=1, tp=1, pp=2, micro_batch=1, recompute="none")
     assert plan.schedule == "zb-h1"
     text = plan.explain()
     assert "zb-h1" in text

@@ -36,8 +36,11 @@ def test_cli_reference_has_every_subcommand_and_option():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
+            if action.help == argparse.SUPPRESS:  # a renamed flag, kept only to refuse it: hidden as in --help
+                continue
             for option in action.option_strings:
                 assert re.search(rf"`{re.escape(option)}[` ]", text), (path, option)
+    assert "SUPPRESS" not in text and "RENAMED_" not in text and "--nprocs" not in text
 
 
 def test_api_reference_names_resolve_to_the_files_that_define_them():

@@ -232,15 +232,15 @@ def test_parse_world_forms(spec, nodes, per_node):
 
 
 def test_parse_world_device():
-    assert parse_world("2x8", device="h100").device_of(15) is DEVICE_PRESETS["h100-80g"]
-    assert parse_world(4, device=TINY).device_of(0) is TINY
+    assert parse_world("2x8", hardware="h100").device_of(15) is DEVICE_PRESETS["h100-80g"]
+    assert parse_world(4, hardware=TINY).device_of(0) is TINY
 
 
 def test_parse_world_passes_world_through():
     world = World((NodeSpec(2, "a100"), NodeSpec(4, "h100")))
     assert parse_world(world) is world
-    with pytest.raises(ValueError, match="device="):
-        parse_world(world, device="h100")
+    with pytest.raises(ValueError, match="hardware="):
+        parse_world(world, hardware="h100")
 
 
 @pytest.mark.parametrize("bad", ["abc", "0x8", "2x0", "2x", "x8", "-1", "2x4x2", "", "1.5", 0, -1,
@@ -253,7 +253,7 @@ def test_parse_world_rejects_bad_specs(bad):
 
 def test_parse_world_unknown_device():
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
-        parse_world(8, device="tpu")
+        parse_world(8, hardware="tpu")
 
 
 # --- links and efficiencies per device generation (issue 14) ------------------------------------

@@ -4,47 +4,47 @@ import json
 import pytest
 import sympy
 
-from xirang.ir.placement import Partial, Replicate, Shard, local_shape, placement_from_json
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard, local_shape, placement_from_json
 
 
 def test_str():
-    assert str(Shard(0)) == "S(0)"
-    assert str(Shard(2)) == "S(2)"
-    assert str(Replicate()) == "R"
-    assert str(Partial()) == "P(sum)"
-    assert str(Partial("max")) == "P(max)"
+    assert str(PlanShard(0)) == "S(0)"
+    assert str(PlanShard(2)) == "S(2)"
+    assert str(PlanReplicate()) == "R"
+    assert str(PlanPartial()) == "P(sum)"
+    assert str(PlanPartial("max")) == "P(max)"
 
 
 def test_equal_and_hashable():
-    assert Shard(1) == Shard(dim=1) and Shard(1) != Shard(0)
-    assert Replicate() == Replicate()
-    assert Partial() == Partial("sum") != Partial("avg")
-    assert len({Shard(0), Shard(0), Replicate(), Replicate(), Partial(), Partial("min")}) == 4
-    assert Shard(0) != Replicate()
+    assert PlanShard(1) == PlanShard(dim=1) and PlanShard(1) != PlanShard(0)
+    assert PlanReplicate() == PlanReplicate()
+    assert PlanPartial() == PlanPartial("sum") != PlanPartial("avg")
+    assert len({PlanShard(0), PlanShard(0), PlanReplicate(), PlanReplicate(), PlanPartial(), PlanPartial("min")}) == 4
+    assert PlanShard(0) != PlanReplicate()
 
 
 @pytest.mark.parametrize("dim", [-1, 1.0, "0", True, None])
 def test_shard_rejects_bad_dim(dim):
     with pytest.raises(ValueError, match="non-negative int"):
-        Shard(dim)
+        PlanShard(dim)
 
 
 def test_partial_rejects_bad_op():
     with pytest.raises(ValueError, match="'mean'.*sum, avg, max, min"):
-        Partial("mean")
+        PlanPartial("mean")
 
 
 def test_frozen():
     with pytest.raises(AttributeError):
-        Shard(0).dim = 1
+        PlanShard(0).dim = 1
 
 
 @pytest.mark.parametrize("placement, expected", [
-    (Shard(0), {"shard": 0}),
-    (Shard(3), {"shard": 3}),
-    (Replicate(), "replicate"),
-    (Partial(), {"partial": "sum"}),
-    (Partial("avg"), {"partial": "avg"}),
+    (PlanShard(0), {"shard": 0}),
+    (PlanShard(3), {"shard": 3}),
+    (PlanReplicate(), "replicate"),
+    (PlanPartial(), {"partial": "sum"}),
+    (PlanPartial("avg"), {"partial": "avg"}),
 ])
 def test_json_round_trip(placement, expected):
     assert placement.to_json() == expected
@@ -67,55 +67,55 @@ def test_from_json_bad_inner_values():
 
 
 def test_local_shape_even_split():
-    assert local_shape((8, 6), Shard(0), 4) == (2, 6)
-    assert local_shape((8, 6), Shard(1), 3) == (8, 2)
-    assert local_shape([8, 6], Shard(1), 1) == (8, 6)
+    assert local_shape((8, 6), PlanShard(0), 4) == (2, 6)
+    assert local_shape((8, 6), PlanShard(1), 3) == (8, 2)
+    assert local_shape([8, 6], PlanShard(1), 1) == (8, 6)
 
 
 def test_local_shape_uneven_split_pads_up():
     # 5 rows on 4 ranks: each holds ceil(5/4) = 2; the padded dim is 8 (ranks hold 2, 2, 1+1, 0+2)
-    assert local_shape((5, 3), Shard(0), 4) == (2, 3)
-    assert local_shape((10,), Shard(0), 4) == (3,)
-    assert local_shape((3,), Shard(0), 8) == (1,)
+    assert local_shape((5, 3), PlanShard(0), 4) == (2, 3)
+    assert local_shape((10,), PlanShard(0), 4) == (3,)
+    assert local_shape((3,), PlanShard(0), 8) == (1,)
 
 
 def test_local_shape_replicate_and_partial_keep_shape():
-    assert local_shape((5, 3), Replicate(), 4) == (5, 3)
-    assert local_shape((5, 3), Partial("avg"), 4) == (5, 3)
-    assert local_shape((), Replicate(), 2) == ()
+    assert local_shape((5, 3), PlanReplicate(), 4) == (5, 3)
+    assert local_shape((5, 3), PlanPartial("avg"), 4) == (5, 3)
+    assert local_shape((), PlanReplicate(), 2) == ()
 
 
 def test_local_shape_symbolic():
     batch = sympy.Symbol("batch", integer=True, positive=True)
-    (local, hidden) = local_shape((batch, 16), Shard(0), 4)
+    (local, hidden) = local_shape((batch, 16), PlanShard(0), 4)
     assert hidden == 16
     assert local.subs(batch, 8) == 2 and local.subs(batch, 9) == 3
-    assert local_shape((batch, 16), Shard(1), 4) == (batch, 4)
+    assert local_shape((batch, 16), PlanShard(1), 4) == (batch, 4)
 
 
 def test_local_shape_errors():
     with pytest.raises(ValueError, match=r"S\(2\) is out of range.*\(4, 4\).*0\.\.1"):
-        local_shape((4, 4), Shard(2), 2)
+        local_shape((4, 4), PlanShard(2), 2)
     with pytest.raises(ValueError, match="0-dim"):
-        local_shape((), Shard(0), 2)
+        local_shape((), PlanShard(0), 2)
     with pytest.raises(ValueError, match="axis_size"):
-        local_shape((4,), Shard(0), 0)
+        local_shape((4,), PlanShard(0), 0)
     with pytest.raises(TypeError, match="not a placement"):
         local_shape((4,), "S(0)", 2)
 
 
 def test_chunked_shard_prints_round_trips_and_keeps_the_local_shape():
-    fused = Shard(2, chunks=3)  # Megatron's layout of a fused [q | k | v] projection
-    assert str(fused) == "S(2, 3 chunks)" and fused != Shard(2) and Shard(2, chunks=1) == Shard(2)
-    assert fused.to_json() == {"shard": 2, "chunks": 3} and Shard(2).to_json() == {"shard": 2}
+    fused = PlanShard(2, chunks=3)  # Megatron's layout of a fused [q | k | v] projection
+    assert str(fused) == "S(2, 3 chunks)" and fused != PlanShard(2) and PlanShard(2, chunks=1) == PlanShard(2)
+    assert fused.to_json() == {"shard": 2, "chunks": 3} and PlanShard(2).to_json() == {"shard": 2}
     assert placement_from_json(json.loads(json.dumps(fused.to_json()))) == fused
-    assert placement_from_json({"shard": 2, "chunks": 1}) == Shard(2)
-    assert local_shape((4, 6, 192), fused, 2) == local_shape((4, 6, 192), Shard(2), 2) == (4, 6, 96)
+    assert placement_from_json({"shard": 2, "chunks": 1}) == PlanShard(2)
+    assert local_shape((4, 6, 192), fused, 2) == local_shape((4, 6, 192), PlanShard(2), 2) == (4, 6, 96)
 
 
 @pytest.mark.parametrize("chunks", [0, -3, 1.5, True, "3"])
 def test_chunked_shard_rejects_bad_chunks(chunks):
     with pytest.raises(ValueError, match="chunks must be a positive int"):
-        Shard(1, chunks=chunks)
+        PlanShard(1, chunks=chunks)
     with pytest.raises(ValueError, match="chunks must be a positive int"):
         placement_from_json({"shard": 1, "chunks": chunks})

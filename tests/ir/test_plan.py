@@ -8,7 +8,7 @@ import pytest
 
 from xirang.ir.device import GiB
 from xirang.ir.mesh import Mesh
-from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard
 from xirang.ir.plan import (SCHEMA_VERSION, CollectiveChoice, Layout, NodeStrategy, Plan, PlanError, Prediction,
                             StagePlan)
 from xirang.ir.world import LinkSpec, World
@@ -24,10 +24,10 @@ def make_plan(**overrides) -> Plan:
         micro_batch=2, num_micro_batches=4, global_batch=16,
         schedule="interleaved", virtual_stages=2, recompute="selective", precision="bf16", grad_reduce_dtype="fp32",
         placements={
-            "addmm": NodeStrategy("colwise", inputs=(Layout(dp=Shard(0)), Layout(tp=Shard(1))),
-                                  outputs=(Layout(dp=Shard(0), tp=Shard(2)),)),
-            "mm_1": NodeStrategy("rowwise", inputs=(Layout(dp=Shard(0), tp=Shard(2)), Layout(tp=Shard(0))),
-                                 outputs=(Layout(dp=Shard(0), tp=Partial("sum")),)),
+            "addmm": NodeStrategy("colwise", inputs=(Layout(dp=PlanShard(0)), Layout(tp=PlanShard(1))),
+                                  outputs=(Layout(dp=PlanShard(0), tp=PlanShard(2)),)),
+            "mm_1": NodeStrategy("rowwise", inputs=(Layout(dp=PlanShard(0), tp=PlanShard(2)), Layout(tp=PlanShard(0))),
+                                 outputs=(Layout(dp=PlanShard(0), tp=PlanPartial("sum")),)),
             "native_layer_norm": NodeStrategy("replicate", inputs=(Layout(),), outputs=(Layout(), Layout())),
         },
         stages=tuple(StagePlan(i, ("segment:0",) * (i == 0) + (f"block:model.layers.{i}",), 80 * GiB)
@@ -56,7 +56,7 @@ def test_round_trip_is_identical():
     assert again == plan and hash(again) == hash(plan)
     assert again.to_json() == plan.to_json()
     assert again.predicted.breakdown["tp_comm"] == 1 / 3  # floats survive exactly
-    assert again.placements["mm_1"].outputs[0].tp == Partial("sum")
+    assert again.placements["mm_1"].outputs[0].tp == PlanPartial("sum")
     assert isinstance(again.stages, tuple) and isinstance(again.buckets[0], tuple)
 
 
@@ -89,9 +89,9 @@ def test_memory_parts_and_offload_round_trip_and_older_files_still_load():
 
 def test_layout_json_names_only_sharded_axes():
     assert Layout().to_json() == {}
-    assert Layout(dp=Shard(0), tp=Partial()).to_json() == {"dp": {"shard": 0}, "tp": {"partial": "sum"}}
+    assert Layout(dp=PlanShard(0), tp=PlanPartial()).to_json() == {"dp": {"shard": 0}, "tp": {"partial": "sum"}}
     assert Layout.from_json({"tp": "replicate"}) == Layout()
-    assert str(Layout(dp=Shard(0), tp=Shard(1))) == "dp=S(0) tp=S(1)" and str(Layout()) == "R"
+    assert str(Layout(dp=PlanShard(0), tp=PlanShard(1))) == "dp=S(0) tp=S(1)" and str(Layout()) == "R"
 
 
 def test_save_and_load(tmp_path):
@@ -286,4 +286,4 @@ def test_plan_error_is_a_value_error_with_what_where_hint():
     error = PlanError("bad", where="plan.x", hint="fix it")
     assert isinstance(error, ValueError)
     assert str(error) == "bad\n  where: plan.x\n  what to do: fix it"
-    assert Replicate() == Layout().tp
+    assert PlanReplicate() == Layout().tp

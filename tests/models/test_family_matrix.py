@@ -23,7 +23,7 @@ import xirang
 from examples.hf_families import FAMILIES
 from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from xirang.codegen.runtime.launch.launcher import launch
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 from xirang.passes.analysis.fingerprint import graph_fingerprint
 
 WORLD, MESH, GLOBAL_BATCH, SEQ, PLAN_SEQ, STEPS, TOLERANCE = 8, (2, 2, 2), 8, 16, 4096, 3, 1e-5
@@ -49,14 +49,14 @@ def make_plan(name: str, analysed=None):
     model, inputs = build(name, "meta", batch=2)
     dp, tp, pp = MESH
     plan = xirang.plan(model, world=WORLD, example_kwargs=inputs, global_batch=GLOBAL_BATCH,
-                       seq=None if name in OWN_SEQ else PLAN_SEQ, device="a100-80g", precision="fp32", dp=dp, tp=tp,
+                       seq=None if name in OWN_SEQ else PLAN_SEQ, hardware="a100-80g", precision="fp32", dp=dp, tp=tp,
                        pp=pp, micro_batch=1, schedule="1f1b", analysed=analysed)
     assert (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp) == MESH and len(plan.stages) == pp, (name, plan.mesh)
     return plan
 
 
 def sharded_parameters(plan) -> list:
-    return [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, Shard)]
+    return [n for n, s in plan.placements.items() if n.startswith("p_") and isinstance(s.outputs[0].tp, PlanShard)]
 
 
 def check_sharded(name: str, plan) -> None:
@@ -93,7 +93,7 @@ def _rank_main(rank, world, jobs):
     results = {}
     for name, plan in jobs:
         model, inputs = build(name, batch=2)
-        compiled = xirang.compile(model, world=world, example_kwargs=inputs, plan=plan, device="a100-80g")
+        compiled = xirang.compile(model, world=world, example_kwargs=inputs, plan=plan, hardware="a100-80g")
         results[name] = compiled_run(compiled, batch(name), STEPS)
     return results
 

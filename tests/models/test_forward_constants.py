@@ -28,7 +28,7 @@ def test_constants_made_in_forward_are_bound_by_the_runtime():
     gm = xirang.analyze(model, example_kwargs={"x": x}).graph_module
     values = [CONSTANT_VALUE.get(n) for n in gm.graph.nodes if CONSTANT_VALUE.has(n)]
     assert sorted(v.tolist() for v in values) == [[-2, 0], [0.5, 2.0]], values
-    compiled = xirang.compile(model, world=1, example_kwargs={"x": x}, device="cpu", global_batch=8)
+    compiled = xirang.compile(model, world=1, example_kwargs={"x": x}, hardware="cpu", global_batch=8)
     loss = compiled.train_step(x=x)
     want = model(x)
     want.backward()

@@ -72,7 +72,7 @@ def _collectives_of_a_step(rank, world_size):
     g = torch.Generator().manual_seed(0)
     batch = {name: torch.randint(0, 128, (4, 16), generator=g) for name in ("input_ids", "labels")}
     torch.manual_seed(0)
-    compiled = xirang.compile(build_gpt(config), world=world_size, example_kwargs=batch, global_batch=4, device="cpu",
+    compiled = xirang.compile(build_gpt(config), world=world_size, example_kwargs=batch, global_batch=4, hardware="cpu",
                               dp=2, tp=1, pp=1, micro_batch=2)
     calls, original = [], dist.all_reduce
 

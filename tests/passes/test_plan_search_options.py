@@ -32,7 +32,7 @@ def long_gpt():
 
 def plan(gpt, device, **pins):
     model, kwargs, report = gpt
-    return xirang.plan(model, device=device, example_kwargs=kwargs, analysed=report, **PINS, **pins)
+    return xirang.plan(model, hardware=device, example_kwargs=kwargs, analysed=report, **PINS, **pins)
 
 
 def test_search_takes_sequence_parallelism_when_activations_fit_only_with_it(long_gpt):
@@ -60,7 +60,7 @@ def test_search_leaves_sequence_parallelism_off_where_it_only_costs():
     """At seq 64 each collective is latency: a reduce-scatter and an all-gather cost about twice the
     all-reduce they replace, and 1/tp of a norm over 64 tokens saves next to nothing."""
     model, kwargs = build("gpt"), batch(0, 2)
-    chosen = xirang.plan(model, device="a100-80g", example_kwargs=kwargs, seq=64, **PINS)
+    chosen = xirang.plan(model, hardware="a100-80g", example_kwargs=kwargs, seq=64, **PINS)
     assert not chosen.sequence_parallel
     twin = [a for a in chosen.alternatives if a.sequence_parallel]
     assert twin and twin[0].step_seconds > chosen.predicted.step_seconds
@@ -75,7 +75,7 @@ def test_explain_has_one_line_per_option_priced_both_ways(long_gpt):
     """Options are rows of one table (``plan_explain.OPTIONS``): a winner with dp > 1 and tp > 1 is
     compared with every other ZeRO stage and with the other layout, each differing in that alone."""
     model, kwargs, report = long_gpt
-    chosen = xirang.plan(model, device="a100-80g", example_kwargs=kwargs, analysed=report, world=4, global_batch=8,
+    chosen = xirang.plan(model, hardware="a100-80g", example_kwargs=kwargs, analysed=report, world=4, global_batch=8,
                          tp=2, pp=1, dp=2, micro_batch=1, recompute="none", offload="none")
     titles = [title for title, _ in option_trades(chosen)]
     from xirang.passes.planning.plan_search_space import ZERO_STAGES

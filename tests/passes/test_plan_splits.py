@@ -18,7 +18,7 @@ import xirang
 from xirang.ir.facts import evaluate
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import BLOCK, BYTES, FLOPS, PARAM_NAME, TENSOR, UNIT
-from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard
 from xirang.ir.plan_parts import NodeStrategy
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import collective_cost
@@ -28,7 +28,7 @@ from xirang.passes.planning.plan_splits_costs import Pricing
 from xirang.passes.planning.plan_splits_problem import transition
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
-R, P = Replicate(), Partial("sum")
+R, P = PlanReplicate(), PlanPartial("sum")
 WORLD = World.uniform(1, 8, "a100-80g")
 B, S = 4, 2048  # micro-batch and sequence the realistic models are priced at
 HIDDEN = 4096
@@ -118,7 +118,7 @@ def test_the_ilp_chooses_megatrons_layout_at_realistic_width(name, tp):
             seen[projection(node, MEGATRON[name])] = split.placements[node.name].strategy
         if packet == "aten.scaled_dot_product_attention":
             assert split.placements[node.name].strategy == "heads"
-            assert split.placements[node.name].outputs[0].tp == Shard(1)
+            assert split.placements[node.name].outputs[0].tp == PlanShard(1)
     assert seen == MEGATRON[name]
     names = {n.name for n in block}
     forward = [c for c in split.collectives if ".grad" not in c.node and base(c.node) in names]
@@ -176,9 +176,9 @@ def test_fused_qkv_is_held_chunked_and_its_layout_round_trips_json():
     split = pricer("gpt").price(2, (0, 1), B, S)
     qkv = next(n for n in block_nodes(gm) if projection(n, {"qkv.weight": 0}))
     strategy = split.placements[qkv.name]
-    assert strategy.outputs[0].tp == Shard(2, chunks=3)
+    assert strategy.outputs[0].tp == PlanShard(2, chunks=3)
     weight = next(v for v in qkv.all_input_nodes if PARAM_NAME.get(v, "").endswith("qkv.weight"))
-    assert split.placements[weight.name].outputs[0].tp == Shard(0, chunks=3)
+    assert split.placements[weight.name].outputs[0].tp == PlanShard(0, chunks=3)
     assert NodeStrategy.from_json(json.loads(json.dumps(strategy.to_json()))) == strategy
     assert strategy.to_json()["outputs"] == [{"tp": {"shard": 2, "chunks": 3}}]
 
@@ -224,7 +224,7 @@ def test_params_local_is_the_parameters_over_tp_for_the_sharded_weights():
         split = pricer("llama").price(tp, tuple(range(tp)), B, S)
         block = block_nodes(gm)
         weights = [n for n in block if n.op == "placeholder"]
-        sharded = [n for n in weights if isinstance(split.placements[n.name].outputs[0].tp, Shard)]
+        sharded = [n for n in weights if isinstance(split.placements[n.name].outputs[0].tp, PlanShard)]
         assert {PARAM_NAME.get(n).rsplit(".", 2)[-2] for n in sharded} == \
             {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
         numel = {n: n.meta["xr_param_count"] for n in weights}
@@ -234,12 +234,13 @@ def test_params_local_is_the_parameters_over_tp_for_the_sharded_weights():
 
 
 def test_resharding_table():
-    assert transition(P, R) == ("all_reduce",) and transition(Shard(2), R) == ("all_gather",)
-    assert transition(P, Shard(2)) == ("reduce_scatter",) and transition(Shard(1), Shard(2)) == ("all_to_all",)
-    assert transition(Shard(2, 3), Shard(2)) == ("all_to_all",)
-    assert transition(R, Shard(2)) == transition(R, P) == transition(R, None) == ()
-    assert transition(Shard(0), P) == ("all_gather",)  # gathered, then one rank keeps it
-    assert transition(Partial("max"), P) is None
+    assert transition(P, R) == ("all_reduce",) and transition(PlanShard(2), R) == ("all_gather",)
+    assert transition(P, PlanShard(2)) == ("reduce_scatter",)
+    assert transition(PlanShard(1), PlanShard(2)) == ("all_to_all",)
+    assert transition(PlanShard(2, 3), PlanShard(2)) == ("all_to_all",)
+    assert transition(R, PlanShard(2)) == transition(R, P) == transition(R, None) == ()
+    assert transition(PlanShard(0), P) == ("all_gather",)  # gathered, then one rank keeps it
+    assert transition(PlanPartial("max"), P) is None
 
 
 def test_a_partial_to_replicate_edge_costs_one_all_reduce():

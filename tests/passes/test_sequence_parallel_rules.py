@@ -16,7 +16,7 @@ import xirang
 from conftest import token_batch
 from examples.gpt import build_gpt
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 from xirang.ir.world import parse_world
 from xirang.passes.planning.plan_splits import SplitPricer
 from xirang.passes.planning.sharding_rules import strategies_for
@@ -48,8 +48,8 @@ def test_rows_only_when_asked(gpt_graph):
     for node in norms:
         assert not any(s.name.startswith("seq ") for s in strategies_for(node, TP))
         rows = [s for s in strategies_for(node, TP, True) if s.name.startswith("seq ")]
-        assert [(s.inputs[0], s.output, s.compute_fraction) for s in rows] == [(Shard(1), Shard(1), 1 / TP)]
-        assert all(p == Replicate() for p in rows[0].inputs[1:])  # weight and bias whole
+        assert [(s.inputs[0], s.output, s.compute_fraction) for s in rows] == [(PlanShard(1), PlanShard(1), 1 / TP)]
+        assert all(p == PlanReplicate() for p in rows[0].inputs[1:])  # weight and bias whole
 
 
 def test_ilp_takes_sequence_shards_where_cheaper(gpt_graph):

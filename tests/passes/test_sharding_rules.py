@@ -16,14 +16,14 @@ from conftest import HF_MODELS, token_batch
 from examples.gpt import build_gpt
 from xirang.ir.meta_keys import symbol
 from xirang.ir.pass_spec import CompileContext
-from xirang.ir.placement import Partial, Replicate, Shard
+from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard
 from xirang.pass_manager import PassManager
 from xirang.passes.planning.sharding_rules import gradient_placements, ops_without_sharding_rule, strategies_for
 from xirang.passes.planning.sharding_rules_views import info, remembering, reshape_groups
 from xirang.passes.analysis.tensors import annotate_tensors
 from xirang.passes.analysis.trace import trace_model
 
-R, P = Replicate(), Partial("sum")
+R, P = PlanReplicate(), PlanPartial("sum")
 B, S = symbol("batch"), symbol("seq")
 
 
@@ -59,13 +59,14 @@ def test_linear_offers_column_and_row_parallel():
     assert set(strategies) == {"replicate", "column", "row"}  # batch/seq dims are not provably even
     column, row = strategies["column"], strategies["row"]
     # inputs in node.all_input_nodes order: x, weight [out, in], bias
-    assert (column.inputs, column.output, column.compute_fraction) == ((R, Shard(0), Shard(0)), Shard(2), 0.5)
+    assert (column.inputs, column.output, column.compute_fraction) == ((R, PlanShard(0), PlanShard(0)), PlanShard(2),
+                                                                       0.5)
     # row: the bias is read as Partial, so it is added exactly once in the all-reduced sum
-    assert (row.inputs, row.output, row.compute_fraction) == ((Shard(2), Shard(1), P), P, 0.5)
+    assert (row.inputs, row.output, row.compute_fraction) == ((PlanShard(2), PlanShard(1), P), P, 0.5)
     assert column.collective is None and row.collective is None  # the all-reduce is priced on the edge
     # backward: column's input gradient is Partial (Megatron's f), row's bias gradient is whole
-    assert gradient_placements(column) == (P, Shard(0), Shard(0))
-    assert gradient_placements(row) == (Shard(2), Shard(1), R)
+    assert gradient_placements(column) == (P, PlanShard(0), PlanShard(0))
+    assert gradient_placements(row) == (PlanShard(2), PlanShard(1), R)
 
 
 def test_linear_needs_tp_to_divide_the_split_features():
@@ -85,8 +86,8 @@ def test_gpt2_conv1d_addmm_column_and_row():
         def forward(self, x):
             return torch.addmm(self.bias, x, self.weight)
     strategies = by_name(only(analysed(Conv1D(), {"x": {0: "batch"}}, x=torch.randn(4, 8)), "addmm"), tp=2)
-    assert (strategies["column"].inputs, strategies["column"].output) == ((Shard(0), R, Shard(1)), Shard(1))
-    assert (strategies["row"].inputs, strategies["row"].output) == ((P, Shard(1), Shard(0)), P)
+    assert (strategies["column"].inputs, strategies["column"].output) == ((PlanShard(0), R, PlanShard(1)), PlanShard(1))
+    assert (strategies["row"].inputs, strategies["row"].output) == ((P, PlanShard(1), PlanShard(0)), P)
 
 
 # --- views follow the shard through the heads split -----------------------------------------------
@@ -100,15 +101,16 @@ class SplitHeads(nn.Module):
 def test_view_that_splits_heads_maps_the_hidden_shard_to_the_heads_dim():
     gm = analysed(SplitHeads(), {"x": {0: "batch", 1: "seq"}}, x=torch.randn(2, 3, 64))
     view = only(gm, "view")
-    assert {(s.inputs[0], s.output) for s in strategies_for(view, tp=2)} == {(R, R), (Shard(2), Shard(2)), (P, P)}
+    assert {(s.inputs[0], s.output) for s in strategies_for(view, tp=2)} == {(R, R), (PlanShard(2), PlanShard(2)),
+                                                                             (P, P)}
     # 8 ranks cannot split 4 heads: a shard inside a head is not offered
     assert {s.output for s in strategies_for(view, tp=8)} == {R, P}
 
 
 def test_transpose_swaps_the_sharded_dim():
     gm = analysed(SplitHeads(), {"x": {0: "batch", 1: "seq"}}, x=torch.randn(2, 3, 64))
-    assert ((Shard(2),), Shard(1)) in layouts(only(gm, "transpose"), tp=2)
-    assert ((Shard(3),), Shard(3)) in layouts(only(gm, "transpose"), tp=2)
+    assert ((PlanShard(2),), PlanShard(1)) in layouts(only(gm, "transpose"), tp=2)
+    assert ((PlanShard(3),), PlanShard(3)) in layouts(only(gm, "transpose"), tp=2)
 
 
 def test_reshape_groups_pair_the_outermost_dims_of_equal_products():
@@ -130,19 +132,20 @@ def test_split_follows_other_dims_but_not_the_split_one():
     gm = analysed(FusedQKV(), {}, x=torch.randn(4, 6, 24))
     split = only(gm, "split")
     # a contiguous quarter of [q | k | v] is not a quarter of each: S(2) is not followed
-    assert {s.output for s in strategies_for(split, tp=2)} == {(R,) * 3, (Shard(0),) * 3, (Shard(1),) * 3, (P,) * 3}
+    assert {s.output for s in strategies_for(split, tp=2)} == {(R,) * 3, (PlanShard(0),) * 3, (PlanShard(1),) * 3,
+                                                               (P,) * 3}
     getitem = next(n for n in gm.graph.nodes if n.target is operator.getitem)
-    assert ((Shard(1),), Shard(1)) in layouts(getitem, tp=2)  # the element picked, not the tuple
+    assert ((PlanShard(1),), PlanShard(1)) in layouts(getitem, tp=2)  # the element picked, not the tuple
     # summing over a split dim leaves a Partial; a mean over it is not offered
-    assert ((Shard(2),), P) in layouts(calls(gm, "sum")[0], tp=2)
-    assert ((Shard(0),), P) not in layouts(only(gm, "mean"), tp=2)
-    assert ((Shard(1),), Shard(0)) in layouts(only(gm, "mean"), tp=2)
+    assert ((PlanShard(2),), P) in layouts(calls(gm, "sum")[0], tp=2)
+    assert ((PlanShard(0),), P) not in layouts(only(gm, "mean"), tp=2)
+    assert ((PlanShard(1),), PlanShard(0)) in layouts(only(gm, "mean"), tp=2)
 
 
 def test_layer_norm_splits_only_the_dims_it_does_not_normalise():
     gm = analysed(nn.LayerNorm(8), {}, input=torch.randn(4, 6, 8))
-    assert layouts(only(gm, "layer_norm"), tp=2) == {((R, R, R), R), ((Shard(0), R, R), Shard(0)),
-                                                     ((Shard(1), R, R), Shard(1))}
+    assert layouts(only(gm, "layer_norm"), tp=2) == {((R, R, R), R), ((PlanShard(0), R, R), PlanShard(0)),
+                                                     ((PlanShard(1), R, R), PlanShard(1))}
 
 
 # --- attention by heads, grouped-query attention ---------------------------------------------------
@@ -165,7 +168,7 @@ def attention(kv_heads, gqa):
 
 def test_attention_splits_heads():
     heads = by_name(attention(4, gqa=False), tp=2)["heads"]
-    assert (heads.inputs, heads.output, heads.compute_fraction) == ((Shard(1),) * 3, Shard(1), 0.5)
+    assert (heads.inputs, heads.output, heads.compute_fraction) == ((PlanShard(1),) * 3, PlanShard(1), 0.5)
     assert layouts(attention(4, gqa=False), tp=8) == {((R, R, R), R)}  # 4 heads on 8 ranks
 
 
@@ -188,8 +191,8 @@ class AddBias(nn.Module):
 def test_elementwise_broadcasting_maps_the_output_shard_to_each_operand():
     gm = analysed(AddBias(), {}, x=torch.randn(2, 4, 8))  # [b, s, h] + [h]
     found = layouts(only(gm, "add"), tp=2)
-    assert ((Shard(2), Shard(0)), Shard(2)) in found  # the bias is split with the hidden dim
-    assert ((Shard(0), R), Shard(0)) in found and ((Shard(1), R), Shard(1)) in found  # broadcast: R
+    assert ((PlanShard(2), PlanShard(0)), PlanShard(2)) in found  # the bias is split with the hidden dim
+    assert ((PlanShard(0), R), PlanShard(0)) in found and ((PlanShard(1), R), PlanShard(1)) in found  # broadcast: R
     assert ((P, P), P) in found  # add of two Partials is a Partial
 
 
@@ -197,8 +200,8 @@ def test_softmax_never_splits_its_reduction_dim():
     for dim in (-1, 1):
         gm = analysed(nn.Softmax(dim=dim), {}, input=torch.randn(4, 6, 8))
         outputs = {s.output for s in strategies_for(only(gm, "softmax"), tp=2)}
-        assert Shard(dim % 3) not in outputs
-        assert outputs == {R, Shard(0), Shard(1), Shard(2)} - {Shard(dim % 3)}
+        assert PlanShard(dim % 3) not in outputs
+        assert outputs == {R, PlanShard(0), PlanShard(1), PlanShard(2)} - {PlanShard(dim % 3)}
 
 
 class LinearThenNot(nn.Module):
@@ -243,16 +246,16 @@ def test_vocabulary_parallel_embedding_and_cross_entropy():
     tokens = {name: torch.zeros(2, 3, dtype=torch.long) for name in ("ids", "labels")}
     gm = analysed(LookupAndLoss(), **tokens)
     embedding = by_name(only(gm, "embedding"), tp=4)
-    assert (embedding["vocab_parallel"].inputs, embedding["vocab_parallel"].output) == ((Shard(0), R), P)
-    assert (embedding["hidden"].inputs, embedding["hidden"].output) == ((Shard(1), R), Shard(2))
+    assert (embedding["vocab_parallel"].inputs, embedding["vocab_parallel"].output) == ((PlanShard(0), R), P)
+    assert (embedding["hidden"].inputs, embedding["hidden"].output) == ((PlanShard(1), R), PlanShard(2))
     loss = by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"]
-    assert (loss.inputs, loss.output, loss.collective) == ((Shard(1), R), R, "all_reduce")
+    assert (loss.inputs, loss.output, loss.collective) == ((PlanShard(1), R), R, "all_reduce")
     # two all-reduces: one float32 per row (max), then target logit and sum of exp in one call of two
     assert [(c.reduce_op, sympy.expand(c.nbytes - 4 * B * S)) for c in loss.collectives] == \
         [("max", 0), ("sum", 4 * B * S)]
     # 100 classes on 3 ranks: an end-padded split, 34 columns each (the last holds 32 and 2 padding)
     padded = by_name(only(gm, "cross_entropy_loss"), tp=3)["vocab_parallel"]
-    assert (padded.inputs, padded.compute_fraction) == ((Shard(1), R), pytest.approx(34 / 100))
+    assert (padded.inputs, padded.compute_fraction) == ((PlanShard(1), R), pytest.approx(34 / 100))
 
 
 # --- padded (uneven) shards: the vocabulary chain only ---------------------------------------------
@@ -282,7 +285,7 @@ def tied(between=None):
 def padded_rows(node, tp=4):
     """Strategies that read or write a shard of a dim of size V."""
     def on_v(value, p):
-        return isinstance(p, Shard) and value is not None and info(value).shape[p.dim] == V
+        return isinstance(p, PlanShard) and value is not None and info(value).shape[p.dim] == V
     found = []
     for s in strategies_for(node, tp):
         outputs = s.output if isinstance(s.output, tuple) else (s.output,)
@@ -295,16 +298,16 @@ def test_vocabulary_tp_does_not_divide_is_split_with_padding():
     gm = tied()
     fraction = pytest.approx(251 / 1001)
     embedding = by_name(only(gm, "embedding"), tp=4)["vocab_parallel"]
-    assert (embedding.inputs, embedding.output, embedding.compute_fraction) == ((Shard(0), R), P, 1.0)
+    assert (embedding.inputs, embedding.output, embedding.compute_fraction) == ((PlanShard(0), R), P, 1.0)
     column = by_name(only(gm, "linear"), tp=4)["column"]
-    assert (column.inputs, column.output, column.compute_fraction) == ((R, Shard(0)), Shard(2), fraction)
+    assert (column.inputs, column.output, column.compute_fraction) == ((R, PlanShard(0)), PlanShard(2), fraction)
     (view,) = padded_rows(next(n for n in calls(gm, "reshape") if n.args[0] is only(gm, "linear")))
-    assert (view.inputs, view.output, view.compute_fraction) == ((Shard(2),), Shard(1), fraction)
+    assert (view.inputs, view.output, view.compute_fraction) == ((PlanShard(2),), PlanShard(1), fraction)
     loss = by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"]
-    assert (loss.inputs, loss.output, loss.compute_fraction) == ((Shard(1), R), R, fraction)
+    assert (loss.inputs, loss.output, loss.compute_fraction) == ((PlanShard(1), R), R, fraction)
     weight = next(n for n in gm.graph.nodes if n.op == "placeholder" and info(n).shape == (V, 8))
     held = {s.output: s.compute_fraction for s in strategies_for(weight, 4)}
-    assert held[Shard(0)] == fraction and Shard(1) in held  # 8 hidden: even
+    assert held[PlanShard(0)] == fraction and PlanShard(1) in held  # 8 hidden: even
     # 1001 = 7 x 143: the even split, priced as before
     assert by_name(only(gm, "cross_entropy_loss"), tp=7)["vocab_parallel"].compute_fraction == 1 / 7
 
@@ -326,7 +329,7 @@ def test_a_padded_dim_is_not_offered_to_ops_that_would_read_the_padding(between)
     assert len(readers) >= 2 and all(not padded_rows(n) for n in readers), \
         [(n.name, padded_rows(n)) for n in readers]
     # the loss itself still masks its padded classes; only the chain to it is cut
-    assert by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"].inputs == (Shard(1), R)
+    assert by_name(only(gm, "cross_entropy_loss"), tp=4)["vocab_parallel"].inputs == (PlanShard(1), R)
 
 
 def test_padded_out_features_that_are_not_logits_are_not_split():
@@ -433,22 +436,23 @@ class FusedProjection(nn.Module):
 
 def test_fused_projection_offers_a_chunked_column_that_the_split_turns_into_a_shard_of_each_piece():
     gm = analysed(FusedProjection(), {}, x=torch.randn(2, 3, 8))
-    fused = Shard(2, chunks=3)
+    fused = PlanShard(2, chunks=3)
     column = by_name(only(gm, "linear"), tp=2)["column (3 chunks)"]
-    assert (column.inputs, column.output, column.compute_fraction) == ((R, Shard(0, 3), Shard(0, 3)), fused, 0.5)
+    assert (column.inputs, column.output, column.compute_fraction) == ((R, PlanShard(0, 3), PlanShard(0, 3)), fused,
+                                                                       0.5)
     assert "column" in by_name(only(gm, "linear"), tp=2)  # the contiguous column is still offered
-    assert ((fused,), (Shard(2),) * 3) in layouts(only(gm, "split"), tp=2)
+    assert ((fused,), (PlanShard(2),) * 3) in layouts(only(gm, "split"), tp=2)
     weight = next(n for n in gm.graph.nodes if n.op == "placeholder" and "weight" in n.name)
-    assert Shard(0, 3) in {s.output for s in strategies_for(weight, tp=2)}  # held chunked, not sliced
+    assert PlanShard(0, 3) in {s.output for s in strategies_for(weight, tp=2)}  # held chunked, not sliced
     assert set(by_name(only(gm, "linear"), tp=16)) == {"replicate"}  # 8-wide pieces on 16 ranks
 
 
 def test_chunked_shard_follows_views_to_the_split():
     gm = analysed(FusedProjection(conv1d=True), {}, x=torch.randn(2, 3, 8))
     addmm = by_name(only(gm, "addmm"), tp=2)["column (3 chunks)"]
-    assert addmm.output == Shard(1, 3) and addmm.inputs[0] == Shard(0, 3)  # the bias, chunked alike
+    assert addmm.output == PlanShard(1, 3) and addmm.inputs[0] == PlanShard(0, 3)  # the bias, chunked alike
     view = next(n for n in calls(gm, "view") if n.args[0] is only(gm, "addmm"))
-    assert ((Shard(1, 3),), Shard(2, 3)) in {(s.inputs[:1], s.output) for s in strategies_for(view, tp=2)}
+    assert ((PlanShard(1, 3),), PlanShard(2, 3)) in {(s.inputs[:1], s.output) for s in strategies_for(view, tp=2)}
     # ops that do not reach a split are not offered chunked shards
     assert all(getattr(s.output, "chunks", 1) == 1 for s in strategies_for(only(gm, "add"), tp=2))
 

@@ -52,7 +52,7 @@ def _planned_on_a100s():
     tokens = torch.zeros(1, 4096, dtype=torch.long, device="meta")
     report = xirang.analyze(model, example_kwargs={"input_ids": tokens, "labels": tokens})
     plan = xirang.plan(model, world=8, example_kwargs={"input_ids": tokens, "labels": tokens}, global_batch=8,
-                       seq=4096, device="a100-80g", dp=1, tp=8, pp=1, micro_batch=1, sequence_parallel=True,
+                       seq=4096, hardware="a100-80g", dp=1, tp=8, pp=1, micro_batch=1, sequence_parallel=True,
                        analysed=report)
     return report, plan
 

@@ -43,7 +43,7 @@ def test_a_plan_made_on_meta_is_accepted_for_the_cpu_model():
         torch.manual_seed(0)
         return hf_gpt2(device=device, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     plan = xirang.plan(build("meta"), world=2, example_kwargs=token_batch(device="meta"), global_batch=8, seq=4096,
-                       device="a100-80g", precision="fp32", tp=2, pp=1, dp=1)
+                       hardware="a100-80g", precision="fp32", tp=2, pp=1, dp=1)
     on_cpu = traced(build, "cpu")
     plan.check_matches(graph_fingerprint(on_cpu), plan.world)  # raises if stale
     names = {n.name for n in on_cpu.graph.nodes}

@@ -80,7 +80,7 @@ def test_a_5b_gpt_on_80gb_devices_needs_zero1_and_explain_says_what_it_saved_and
     config = GPTConfig(vocab_size=32000, seq_len=4096, hidden=4096, heads=32, layers=24)
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
     plan = xirang.plan(build_gpt(config, device="meta"), world=8, example_kwargs={"input_ids": ids, "labels": ids},
-                       global_batch=64, device="a100-80g", tp=1, pp=1, micro_batch=1, recompute="full")
+                       global_batch=64, hardware="a100-80g", tp=1, pp=1, micro_batch=1, recompute="full")
     assert plan.zero_stage == 1 and plan.mesh.dp == 8
     assert {c.kind for c in plan.collectives if c.node.startswith("bucket:")} == {"reduce_scatter", "all_gather"}
     zero0 = [a for a in plan.alternatives if a.zero_stage == 0]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from xirang.ir.errors import DEBUG_ENV, XirangError, tracebacks_wanted
 
-from xirang.cli.args import (check_output_dir, check_output_file, nonnegative_float, nonnegative_int,
-                             positive_float, positive_int)
+from xirang.cli.args import (add_renamed_flag, check_output_dir, check_output_file, nonnegative_float,
+                             nonnegative_int, positive_float, positive_int, world_arg)
 from xirang.cli.model_files import build, load_factory
 
 
@@ -42,24 +42,24 @@ def cmd_analyze(args) -> int:
 
 def cmd_plan(args) -> int:
     from xirang.plan_api import plan as make_plan
-    if args.json is not None:  # "" too: refused as no file name, not taken for "no --json"
-        check_output_file(args.json, "--json")  # before planning, so the plan is not lost at the end
+    if args.out is not None:  # "" too: refused as no file name, not taken for "no --out"
+        check_output_file(args.out, "--out")  # before planning, so the plan is not lost at the end
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq, strict=True)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
                                                    "virtual_stages", "recompute", "offload", "precision")}
     from xirang.cli.progress import PlanProgressDisplay
     with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
-        world = args.world
-        if args.world_file:  # a measured World (`xirang calibrate`) replaces --world and --device
+        world = args.world.world()
+        if args.world_file:  # a measured World (`xirang calibrate`) replaces --world and --hardware
             from xirang.ir.world import World
             world = World.load(args.world_file)
         plan = make_plan(model, world=world, example_kwargs=example_kwargs, global_batch=args.global_batch,
-                         device=args.device, progress=progress, **{k: v for k, v in pins.items() if v is not None})
-    if args.json:
-        plan.save(args.json)
+                         hardware=args.hardware, progress=progress, **{k: v for k, v in pins.items() if v is not None})
+    if args.out:
+        plan.save(args.out)
     print(plan.explain())
-    if args.json:
-        print(f"\nplan written to {args.json}")
+    if args.out:
+        print(f"\nplan written to {args.out}")
     if args.check:
         from xirang.cli.check import run_check
         print()
@@ -91,11 +91,8 @@ def cmd_launch(args) -> int:
     if not Path(args.script).is_file():
         raise XirangError(f"script {args.script!r} does not exist", where=f"current directory {Path.cwd()}",
                           hint="give the path of a training script, e.g. examples/train_gpt.py")
-    if args.nprocs < 1:
-        raise XirangError(f"-n {args.nprocs}: the number of ranks must be at least 1", where="-n",
-                          hint="e.g. xirang launch -n 4 examples/train_gpt.py")
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-    command = launch_command(args.script, args.nprocs, script_args)
+    command = launch_command(args.script, args.world, script_args)
     print("+ " + " ".join(command), file=sys.stderr, flush=True)
     return subprocess.run(command).returncode
 
@@ -131,11 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="choose dp x tp x pp, micro-batching, schedule and recompute for a world")
     plan.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
-    plan.add_argument("--world", default="1x8", help="devices: N, or NODESxDEVICES_PER_NODE such as 128x8 "
-                                                     "(default 1x8)")
-    plan.add_argument("--device", default=None, help="device preset (a100-80g, h100-80g, h200, cpu)")
+    plan.add_argument("--world", type=world_arg, default=world_arg("1x8"),
+                      help="devices: N, or NODESxDEVICES_PER_NODE such as 128x8 (default 1x8)")
+    plan.add_argument("--hardware", default=None, help="the device preset the planner prices (a100-80g, h100-80g, "
+                                                       "h200, cpu; default a100-80g)")
+    add_renamed_flag(plan, "--device", "--hardware")
     plan.add_argument("--world-file", metavar="JSON", help="a World JSON (written by `xirang calibrate`) instead "
-                                                          "of --world/--device")
+                                                          "of --world/--hardware")
     plan.add_argument("--global-batch", type=positive_int, required=True, help="samples per optimizer step")
     plan.add_argument("--batch", type=positive_int, help="batch size of the example inputs passed to the factory")
     plan.add_argument("--seq", type=positive_int, help="sequence length passed to the factory")
@@ -148,13 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
                              ("offload", str, "activation offload: none, or blocks (to host memory)"),
                              ("precision", str, "fp32, bf16 or fp16")):
         plan.add_argument(f"--{name}", type=kind, help=f"pin the {text} (default: searched)")
-    plan.add_argument("--json", metavar="OUT", help="save the plan as JSON to OUT (replaced if it exists; its "
-                                                    "folder must exist)")
+    plan.add_argument("-o", "--out", metavar="FILE", help="save the plan as JSON to FILE (replaced if it exists; "
+                                                          "its folder must exist)")
+    add_renamed_flag(plan, "--json", "--out",
+                     note="--json means print as JSON, in analyze, explain and inspect")
     plan.add_argument("--check", action="store_true", help="then run the full-scale check on the plan (xirang check)")
     plan.set_defaults(run=cmd_plan)
 
     explain = commands.add_parser("explain", help="print a saved plan: the winner, the runners-up and why")
-    explain.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    explain.add_argument("plan", help="plan.json written by `xirang plan --out`")
     explain.add_argument("--json", action="store_true", help="print the table and reasons as JSON")
     explain.add_argument("--picture", metavar="PNG", help="draw the predicted memory per pipeline rank against "
                                                           "the usable limit into PNG")
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     from xirang.cli.inspect import cmd_inspect
     inspect_ = commands.add_parser("inspect", help="one rank of a saved plan: mesh place, stages, placements, "
                                                    "collectives and (with --model) its program")
-    inspect_.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    inspect_.add_argument("plan", help="plan.json written by `xirang plan --out`")
     inspect_.add_argument("--rank", type=nonnegative_int, required=True, help="global rank to show")
     inspect_.add_argument("--stage", type=nonnegative_int, help="show only this pipeline stage of the rank")
     inspect_.add_argument("--model", help="path/to/file.py:factory the plan was made for (to emit the code)")
@@ -188,15 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_verify)):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("model", help="path/to/file.py:factory (returns a model, or (model, example kwargs))")
-        sub.add_argument("--world", type=positive_int, required=True, help="number of local ranks")
+        sub.add_argument("--world", type=world_arg, required=True, help="local ranks: N, or NxM (N nodes of M "
+                                                                          "ranks, as the plan prices them)")
         sub.add_argument("--global-batch", type=positive_int, help="samples per step (default: the plan's, or the "
                                                           "example inputs')")
         sub.add_argument("--steps", type=positive_int, default=3 if name == "run" else 2, help="optimizer steps")
         sub.add_argument("--plan", help="plan.json to use (default: planned here for --world cpu ranks)")
         for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
             sub.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
-        sub.add_argument("--timeout", type=positive_float, default=600.0,
-                         help="seconds the ranks may take (default 600)")
+        sub.add_argument("--timeout", type=positive_float, default=None,
+                         help="seconds the whole run may take (default: no limit; a frozen rank is caught by its "
+                              "heartbeat)")
         if name == "run":
             sub.add_argument("--print-command", action="store_true",
                              help="print the torchrun command that trains MODEL this way on a cluster, instead "
@@ -230,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = commands.add_parser("launch", help="run a training script on N local ranks (torch.distributed.run; "
                                                 "gloo on CPU)")
-    launch.add_argument("-n", "--nprocs", type=positive_int, required=True, help="number of ranks")
+    launch.add_argument("-n", "--world", type=world_arg, required=True, help="ranks: N, or NxM (N * M local ranks)")
+    add_renamed_flag(launch, "--nprocs", "--world")
     launch.add_argument("script", help="the training script, e.g. examples/train_gpt.py")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     launch.set_defaults(run=cmd_launch)
@@ -243,8 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def rank_label() -> str:
+    """' (rank 3 of 8)' in a rank torchrun started (``xirang run/train --torchrun``), where every rank that
+    fails prints its own error: the label says which rank said it; '' in a single process."""
+    rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    return f" (rank {rank} of {size})" if rank is not None and size.isdigit() and int(size) > 1 else ""
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except XirangError as exc:  # a renamed flag (cli/args.py add_renamed_flag), refused naming the new one
+        print(f"xirang: error: {exc}", file=sys.stderr)
+        return 2
     logging.getLogger("transformers").setLevel(logging.ERROR)
     # --debug goes into the environment, so the ranks this command launches (torchrun's too) and their
     # report see it; off the namespace, so commands that spell their ranks' arguments from it do not
@@ -256,12 +271,12 @@ def main(argv=None) -> int:
     except XirangError as exc:  # the one error root: plan and schedule errors included
         if tracebacks_wanted():
             traceback.print_exc()
-        print(f"xirang: error: {exc}", file=sys.stderr)
+        print(f"xirang: error{rank_label()}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 -- not one of ours: a bug; one paragraph, the traceback on request
         if tracebacks_wanted() or os.environ.get("XIRANG_TRACEBACK"):
             raise
-        print(f"xirang: internal error: {type(exc).__name__}: {exc}\n  where: xirang {args.command}\n"
+        print(f"xirang: internal error{rank_label()}: {type(exc).__name__}: {exc}\n  where: xirang {args.command}\n"
               f"  what to do: this is a bug in xirang (every error it expects says what, where and what to do); "
               f"rerun with --debug for the traceback and report it", file=sys.stderr)
         return 3

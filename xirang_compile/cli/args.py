@@ -9,6 +9,11 @@
   folder, and an existing file is replaced (as ``torch.save`` and ``-o`` options do); a folder
   target (``--dump``) must not be a file and is created (with its parents) up front.
 - Input files (a plan, a world file): a clear error when missing, a folder, unreadable or not text.
+- The ranks: ``--world`` takes what ``xirang.compile(world=)`` takes, N or NxM, in every command
+  (``world_arg``).
+- Renamed flags (``--device`` is ``--hardware``, ``--json FILE`` is ``--out FILE``, ``--nprocs`` is
+  ``--world``): kept hidden only to refuse them naming the new flag (``add_renamed_flag``), so an old
+  command line fails with what to write instead of argparse's bare "unrecognized arguments".
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import os
 from pathlib import Path
 
 from xirang.ir.errors import XirangError
+from xirang.ir.world import parse_world
 
 
 def _number(text: str, kind, minimum, inclusive: bool, noun: str):
@@ -46,6 +52,61 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     return _number(text, float, 0.0, True, "a number >= 0")
+
+
+class WorldArg(int):
+    """The rank count ``--world`` names, spelt as given: every command uses it as a count (ranks to
+    launch, torchrun's ``--nproc-per-node``), and ``str()`` gives back "2x4" so the ranks a command
+    starts, its printed torchrun command and its saved config all plan the same nodes."""
+
+    def __new__(cls, count: int, spec: str):
+        made = super().__new__(cls, count)
+        made.spec = spec
+        return made
+
+    def __str__(self) -> str:
+        return self.spec
+
+    __repr__ = __str__
+
+    def __getnewargs__(self):  # pickled to launched ranks: rebuilt with its spelling
+        return int(self), self.spec
+
+    def world(self):
+        """What ``xirang.plan`` / ``xirang.compile`` take: the count, or the "NxM" text."""
+        return int(self) if self.spec.isdigit() else self.spec
+
+
+def world_arg(text) -> WorldArg:
+    """``--world``: N ranks or "NxM" (N nodes of M devices; node groups "2x8:a100-80g+2x8:h100-80g"), as
+    ``xirang.compile(world=)`` takes it."""
+    spec = str(text).strip().lower()
+    try:
+        if not spec:
+            raise ValueError("empty")
+        return WorldArg(parse_world(spec, "cpu").size, spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"world={str(text)!r}: {error}; give a positive integer N (ranks) or NxM "
+                                         f"(N nodes of M devices, e.g. 2x4)") from None
+
+
+class _RenamedFlag(argparse.Action):
+    def __init__(self, option_strings, dest, new: str = "", note: str = "", **kwargs):
+        self.new, self.note = new, note
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise XirangError(f"{option_string} was renamed {self.new}" + (f" ({self.note})" if self.note else ""),
+                          where=f"{parser.prog} {option_string}",
+                          hint=f"write {self.new}{' ' + values if isinstance(values, str) else ''} instead")
+
+
+def add_renamed_flag(parser: argparse.ArgumentParser, old: str, new: str, *, note: str = "",
+                     takes_value: bool = True) -> None:
+    """``old`` refused at parse time naming ``new``; hidden from ``--help`` and the CLI reference."""
+    parser.add_argument(old, action=_RenamedFlag, new=new, note=note, nargs="?" if takes_value else 0,
+                        default=argparse.SUPPRESS, dest=f"renamed_{old.lstrip('-').replace('-', '_')}",
+                        help=argparse.SUPPRESS)
 
 
 def check_output_file(path, option: str) -> Path:

@@ -16,6 +16,7 @@ import socket
 import time
 from pathlib import Path
 
+from xirang.cli.args import positive_float, world_arg
 from xirang.ir.errors import XirangError
 
 
@@ -23,14 +24,16 @@ def add_calibrate_parser(commands) -> None:
     """The ``calibrate`` subcommand and its options."""
     calibrate = commands.add_parser("calibrate", help="measure compute, per-op overhead and collectives on N local "
                                                       "ranks; write a World JSON the planner reads")
-    calibrate.add_argument("--world", type=int, default=8, help="number of local ranks measured at once (default 8)")
+    calibrate.add_argument("--world", type=world_arg, default=world_arg("8"),
+                           help="local ranks measured at once: N, or NxM (N * M ranks; default 8)")
     calibrate.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the ranks compute")
     calibrate.add_argument("--backend", default=None, help="torch.distributed backend (default gloo on cpu, nccl "
                                                            "on cuda)")
     calibrate.add_argument("--out", default="world.json", help="where to write the World JSON (default world.json)")
     calibrate.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: seconds, for tests "
                                                                 "(figures too rough to plan with)")
-    calibrate.add_argument("--timeout", type=float, default=900.0, help="seconds the ranks may take (default 900)")
+    calibrate.add_argument("--timeout", type=positive_float, default=None,
+                           help="seconds the whole run may take (default: no limit)")
     calibrate.set_defaults(run=cmd_calibrate)
 
 
@@ -40,7 +43,7 @@ def cmd_calibrate(args) -> int:
         raise XirangError(f"--world must be a positive number of ranks, got {args.world}",
                           where="xirang calibrate --world", hint="pass the rank count training will use, e.g. 8")
     start = time.perf_counter()
-    world = calibrate(args.world, device=args.device, backend=args.backend, quick=args.quick,
+    world = calibrate(int(args.world), device=args.device, backend=args.backend, quick=args.quick,
                       timeout_s=args.timeout)
     world.save(args.out)
     print(describe_calibration(world))

@@ -30,22 +30,25 @@ def cmd_check(args) -> int:
     from xirang.cli.args import check_output_file
     from xirang.cli.inspect import load_plan
     from xirang.cli.model_files import build, load_factory
-    if args.json is not None:
-        check_output_file(args.json, "--json")  # before the check's minutes, so its result is not lost
+    if args.out is not None:
+        check_output_file(args.out, "--out")  # before the check's minutes, so its result is not lost
     plan = load_plan(args.plan)
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq, strict=True)
-    return run_check(plan, model, example_kwargs, json_out=args.json)
+    return run_check(plan, model, example_kwargs, json_out=args.out)
 
 
 def add_check_command(commands) -> None:
     sub = commands.add_parser("check", help="prove a saved plan before launch: every rank's step run on fake "
                                             "tensors; collectives, sends, deadlock and memory checked on all ranks")
-    sub.add_argument("plan", help="plan.json written by `xirang plan --json`")
+    from xirang.cli.args import add_renamed_flag
+    sub.add_argument("plan", help="plan.json written by `xirang plan --out`")
     sub.add_argument("--model", required=True, help="path/to/file.py:factory the plan was made for (build it on "
                                                     "meta: nothing is allocated)")
     sub.add_argument("--batch", type=_positive, help="batch size passed to the factory")
     sub.add_argument("--seq", type=_positive, help="sequence length passed to the factory")
-    sub.add_argument("--json", metavar="OUT", help="also write the check as JSON to OUT")
+    sub.add_argument("-o", "--out", metavar="FILE", help="also write the check as JSON to FILE")
+    add_renamed_flag(sub, "--json", "--out",
+                     note="--json means print as JSON, in analyze, explain and inspect")
     sub.set_defaults(run=cmd_check)
 
 

@@ -25,7 +25,7 @@ from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTI
                                                       PiecesLoadPlanner, pieces_of, tensor_entries)
 from xirang.codegen.runtime.checkpoint.store import resolve_checkpoint
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Replicate
+from xirang.ir.placement import PlanReplicate
 
 
 def add_checkpoint_parser(commands) -> None:
@@ -58,7 +58,7 @@ def full_checkpoint(folder) -> dict:
     """Every tensor of a complete step folder at its full shape, nested as the module docstring says."""
     reader = FileSystemReader(folder)
     metadata = reader.read_metadata()
-    state = {key: pieces_of(torch.empty(md.size, dtype=md.properties.dtype), Replicate(), tuple(md.size), 0, 1, key)
+    state = {key: pieces_of(torch.empty(md.size, dtype=md.properties.dtype), PlanReplicate(), tuple(md.size), 0, 1, key)
              for key, md in tensor_entries(metadata).items()}
     state.update({key: None for key in metadata.state_dict_metadata if key not in state})
     planner = PiecesLoadPlanner()

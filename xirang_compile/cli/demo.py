@@ -112,7 +112,7 @@ def run_demo(*, world: int = 8, dp: int = 2, tp: int = 2, pp: int = 2, schedule:
     started = time.perf_counter()
     out(f"Xirang demo: a {CONFIG.layers}-layer GPT (hidden {CONFIG.hidden}, vocab {CONFIG.vocab_size}) "
         f"on {world} local CPU ranks (gloo), plan dp={dp} x tp={tp} x pp={pp}, {schedule}\n")
-    plan = xirang.plan(_model(), world=world, device="a100-80g", precision="fp32", example_kwargs=_batch(0),
+    plan = xirang.plan(_model(), world=world, hardware="a100-80g", precision="fp32", example_kwargs=_batch(0),
                        global_batch=GLOBAL_BATCH, seq=PLAN_SEQ, dp=dp, tp=tp, pp=pp, schedule=schedule)
     out(plan.explain())
     chosen = Counter(s.strategy for s in plan.placements.values()

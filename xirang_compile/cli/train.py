@@ -298,14 +298,14 @@ def add_train_parser(commands) -> None:
 
 def add_train_arguments(train) -> None:
     """Every option of ``xirang train`` (each may also come from --config's TOML file)."""
-    from xirang.cli.args import nonnegative_float, nonnegative_int, positive_float, positive_int
+    from xirang.cli.args import nonnegative_float, nonnegative_int, positive_float, positive_int, world_arg
     train.add_argument("model", nargs="?", help="path/to/file.py:factory (returns a model, or (model, example "
                                                 "kwargs)); or model = \"...\" in --config")
     train.add_argument("--config", metavar="TOML", help="read the options from this TOML file (keys: the option "
                                                         "names with underscores, e.g. global_batch = 8); options "
                                                         "given here override it. The run's folder gets the "
                                                         "effective options as config.toml")
-    train.add_argument("--world", type=positive_int, help="number of ranks (required, here or in --config)")
+    train.add_argument("--world", type=world_arg, help="ranks: N or NxM (required, here or in --config)")
     for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
         train.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
     train.add_argument("--plan", help="plan.json to use (default: planned here)")
@@ -343,7 +343,7 @@ def add_train_arguments(train) -> None:
                                                           "folder)")
     train.add_argument("--tensorboard", metavar="DIR", help="also write the metrics as TensorBoard scalars into DIR "
                                                             "(needs the tensorboard extra)")
-    train.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds the whole run may take")
+    train.add_argument("--timeout", type=positive_float, help="seconds the whole run may take (default: no limit)")
     train.add_argument("--collective-timeout", type=positive_float, default=120.0,
                        help="seconds a rank waits in a collective for a peer before failing (default 120)")
     train.add_argument("--torchrun", action="store_true", help="this process is one rank started by torchrun")

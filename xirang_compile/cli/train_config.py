@@ -29,6 +29,7 @@ import json
 import math
 from pathlib import Path
 
+from xirang.cli.args import world_arg
 from xirang.ir.errors import XirangError
 
 GIVEN = "given_options"  # the namespace attribute holding the dests the command line gave
@@ -102,6 +103,12 @@ def _kind(action: argparse.Action) -> type:
 def check_value(key: str, value, action: argparse.Action, where: str):
     """``value`` of config key ``key`` as the option takes it (an int is a fine float), or a XirangError
     naming the key, the expected type and what it got."""
+    if action.type is world_arg:  # world = 8 or world = "2x4", as --world takes them
+        try:
+            return world_arg(value if isinstance(value, (int, str)) and not isinstance(value, bool) else "?")
+        except argparse.ArgumentTypeError as error:
+            raise XirangError(f"{key} = {value!r}: {error}", where=where, hint=f'e.g. {key} = 8 or {key} = "2x4"') \
+                from None
     kind = _kind(action)
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     fits = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
@@ -151,7 +158,8 @@ def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        return str(value)
+        text = str(value)  # a --world of "2x4" (cli/args.py WorldArg) is written as the string it was given
+        return text if text.lstrip("-").isdigit() else json.dumps(text)
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from xirang.ir.errors import XirangError
+from xirang.cli.args import WorldArg
 
 MODEL_SEED, LR, VERIFY_SEED = 0, 1e-3, 0
 # Adam's eps: some gradients are exactly zero in exact arithmetic (the bias of k in attention:
@@ -107,7 +108,8 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
     model, example_kwargs = _build(spec, global_batch)
     global_batch = _global_batch(example_kwargs, global_batch)
     example = random_batch(example_kwargs, _int_bound(model), 0, global_batch)
-    plan = xirang.plan(model, world=world_spec or world, device=None if world_spec else "cpu", example_kwargs=example,
+    spelt = world.world() if isinstance(world, WorldArg) else world  # "2x4": nodes the plan prices
+    plan = xirang.plan(model, world=world_spec or spelt, hardware=None if world_spec else "cpu", example_kwargs=example,
                        global_batch=global_batch, **pins)
     return plan, global_batch
 
@@ -124,8 +126,9 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
     from xirang.codegen.viz.chrome_trace import with_rank
     model, example_kwargs = _build(spec, global_batch)
     bound = _int_bound(model)
-    compiled = xirang.compile(model, world=world, example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
-                              plan=plan, rng=rng, seed=VERIFY_SEED if rng == "exact" else None)
+    compiled = xirang.compile(model, world=plan.world, plan=plan,
+                              example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
+                              runtime=xirang.RuntimeOptions(rng=rng, seed=VERIFY_SEED if rng == "exact" else None))
     optimizer, losses, grads, records = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=ADAM_EPS), [], {}, []
     measured = None
     for step in range(steps):

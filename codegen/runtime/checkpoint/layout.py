@@ -7,7 +7,7 @@ the saved ones. So the layout never depends on the plan: this module only says w
 the global tensor a rank's local tensor holds.
 
 A tp shard (``codegen/ops/padding.shard_of``) is not always one contiguous block of the global
-tensor: ``Shard(dim, chunks)`` holds a slice of each of ``chunks`` pieces (Megatron's fused
+tensor: ``PlanShard(dim, chunks)`` holds a slice of each of ``chunks`` pieces (Megatron's fused
 ``[q | k | v]``), and an uneven dim is zero-padded at the end of each piece. So a local tensor is
 declared as a list of ``Piece``s -- one per fused piece, cut to its real rows -- and the padding is
 in none of them: it is never written, and a load zeroes it first. A DTensor cannot say this (one
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Replicate, Shard
+from xirang.ir.placement import PlanReplicate, PlanShard
 
 MODEL, OPTIM_STATE, PARAM_GROUPS = "model.", "optim.state.", "optim.param_groups"
 STEP, EXTRA, RNG, TORCH_RNG, LAYOUT = "xirang.step", "xirang.extra", "xirang.rng", "xirang.torch_rng", "xirang.layout"
@@ -81,8 +81,8 @@ def pieces_of(local: torch.Tensor, placement, full_shape: tuple, tp_rank: int, t
     """The blocks of the global tensor (``full_shape``) that ``local`` -- ``shard_of(full, placement,
     tp_rank, tp)`` -- holds, padding excluded (a rank whose slice is all padding holds none)."""
     full_shape = tuple(full_shape)
-    if not isinstance(placement, Shard) or tp == 1:
-        if not isinstance(placement, (Shard, Replicate)) or tuple(local.shape) != full_shape:
+    if not isinstance(placement, PlanShard) or tp == 1:
+        if not isinstance(placement, (PlanShard, PlanReplicate)) or tuple(local.shape) != full_shape:
             raise XirangError(f"{name} is held as {placement} with local shape {tuple(local.shape)} (full "
                               f"{full_shape}): only tp shards and replicated tensors can be checkpointed",
                               where=f"checkpoint of {name}", hint="this is a bug in xirang: report it")
@@ -120,7 +120,7 @@ def held_by_compiled(compiled) -> list:
     held = []
     for name, param in compiled.named_model_parameters():
         shard = shards.get(name)
-        placement, full_shape = (shard.placement, shard.full_shape) if shard else (Replicate(), tuple(param.shape))
+        placement, full_shape = (shard.placement, shard.full_shape) if shard else (PlanReplicate(), tuple(param.shape))
         held.append(HeldParameter(name, tuple(aliases.get(name, (name,))),
                                   pieces_of(param, placement, full_shape, compiled.tp_rank, compiled.tp, name)))
     return held
@@ -131,7 +131,7 @@ def held_by_module(model: torch.nn.Module) -> list:
     names = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(param, []).append(name)
-    return [HeldParameter(found[0], tuple(found), pieces_of(param, Replicate(), tuple(param.shape), 0, 1, found[0]))
+    return [HeldParameter(found[0], tuple(found), pieces_of(param, PlanReplicate(), tuple(param.shape), 0, 1, found[0]))
             for param, found in names.items() if param.requires_grad]
 
 

@@ -51,6 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from xirang.ir.errors import XirangError
+from xirang.ir.renamed import renamed_keywords
 
 from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTIM_STATE, PARAM_GROUPS, RNG, STEP,
                                                       TORCH_RNG, PiecesLoadPlanner, PiecesSavePlanner, TensorPieces,
@@ -61,7 +62,7 @@ from xirang.codegen.runtime.checkpoint.finite_check import refuse_nonfinite
 from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
 from xirang.codegen.runtime.data_parallel.dist_optimizer import PerParameterState
 from xirang.ir.mesh import Mesh
-from xirang.ir.placement import Replicate
+from xirang.ir.placement import PlanReplicate
 
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 _ASYNC_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compiled -> its checkpoint gloo group
@@ -136,7 +137,7 @@ def _optimizer_entries(held: list, optimizer) -> dict:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
                 entries[name] = owner.pieces.like(value)
             elif isinstance(value, torch.Tensor):
-                entries[name] = pieces_of(value, Replicate(), tuple(value.shape), 0, 1, name)
+                entries[name] = pieces_of(value, PlanReplicate(), tuple(value.shape), 0, 1, name)
             else:
                 entries[name] = value
     entries[PARAM_GROUPS] = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -161,8 +162,21 @@ def _layout(target, held: list) -> dict:
 def save_checkpoint(target, optimizer, directory, *, step: int, extra=None, async_save: bool = False):
     """Write ``directory/step-<8 digits>/`` (see the module docstring): collective, every rank calls it.
     Returns the step folder, or with ``async_save=True`` a ``PendingCheckpoint`` to ``wait()`` on."""
+    _check_process_group(target, "save_checkpoint")
     with _parameters_resident(target):  # an async save has copied them to host memory when it returns
         return _save_checkpoint(target, optimizer, directory, step=step, extra=extra, async_save=async_save)
+
+
+def _check_process_group(target, function: str) -> None:
+    """A compiled model's checkpoint is collective (every rank writes its pieces, rank 0 the layout): a
+    one-rank program compiled with no process group has no world to write it in."""
+    if not _is_module(target) and not (dist.is_available() and dist.is_initialized()):
+        raise XirangError(f"{function} of a compiled model needs the process group it was compiled in, and "
+                          f"this process has none (a one-rank program compiled outside a launcher)",
+                          where=f"xirang.{function}(compiled, ...)",
+                          hint="run the script under a launcher, even for one rank (`xirang launch --world 1 "
+                               "train.py` or `torchrun --nproc-per-node 1 train.py`): xirang.compile then joins "
+                               "its process group and the checkpoint resumes under any plan")
 
 
 def _parameters_resident(target):
@@ -318,19 +332,22 @@ def _optimizer_targets(held: list, saved: dict, metadata) -> tuple[dict, list]:
                 entries[key] = h.pieces.like(torch.zeros(h.pieces.local.shape, dtype=md.properties.dtype,
                                                          device=h.pieces.local.device))
             else:
-                entries[key] = pieces_of(torch.zeros(md.size, dtype=md.properties.dtype), Replicate(),
+                entries[key] = pieces_of(torch.zeros(md.size, dtype=md.properties.dtype), PlanReplicate(),
                                          tuple(md.size), 0, 1, key)
             installs.append((h.pieces.local, state_key, key))
     return entries, installs
 
 
-def load_checkpoint(target, optimizer, path) -> dict:
-    """Restore parameters, optimizer state and randomness from ``path`` (a step folder, or a root: its
+@renamed_keywords(path="directory=")
+def load_checkpoint(target, optimizer, directory) -> dict:
+    """Restore parameters, optimizer state and randomness from ``directory`` (a step folder, or the folder
+    ``save_checkpoint`` wrote into: its
     latest complete step, newer incomplete ones skipped with a logged message) under this plan;
     returns ``{"step": int, "extra": dict}``. Collective (every rank calls it) unless ``target`` is an
     ``nn.Module``. A checkpoint of another model is refused, naming the keys, before anything changes."""
+    _check_process_group(target, "load_checkpoint")
     with _parameters_resident(target):
-        return _load_checkpoint(target, optimizer, path)
+        return _load_checkpoint(target, optimizer, directory)
 
 
 def _load_checkpoint(target, optimizer, path) -> dict:

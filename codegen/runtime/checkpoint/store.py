@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from xirang.ir.errors import XirangError
+from xirang.ir.renamed import renamed_keywords
 
 MARKER = "COMPLETE"
 STEP_FOLDER = re.compile(r"^step-(\d{8})$")
@@ -78,11 +79,12 @@ def step_folders(root: Path) -> list:
     return sorted(found, reverse=True)
 
 
-def latest_checkpoint(root, *, quiet: bool = False) -> Optional[Path]:
-    """The newest complete step folder under ``root`` (None when there is none, or no ``root`` yet: a
-    run's first start); each newer incomplete one is skipped with a logged warning naming it and why
-    (``quiet``: no log, for the other ranks)."""
-    root = Path(root)
+@renamed_keywords(root="directory=")
+def latest_checkpoint(directory, *, quiet: bool = False) -> Optional[Path]:
+    """The newest complete step folder under ``directory`` (the folder ``save_checkpoint`` wrote into;
+    None when there is none, or no such folder yet: a run's first start); each newer incomplete one is
+    skipped with a logged warning naming it and why (``quiet``: no log, for the other ranks)."""
+    root = Path(directory)
     if not root.exists():
         return None
     if not root.is_dir():

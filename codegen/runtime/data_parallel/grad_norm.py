@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 LOG = logging.getLogger("xirang.grad_norm")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (total + 1e-6)
@@ -46,9 +46,9 @@ UNCLIPPED = "rank %d: the global gradient norm is %s; the gradients were left un
 
 def real_elements(local: torch.Tensor, shard, tp_rank: int, tp: int) -> torch.Tensor:
     """The elements of ``local`` (this tp rank's shard under ``shard.placement``) that are in the full
-    tensor: the padding rows of an uneven dim dropped, piece by piece for a fused ``Shard(dim, chunks)``."""
+    tensor: the padding rows of an uneven dim dropped, piece by piece for a fused ``PlanShard(dim, chunks)``."""
     placement = getattr(shard, "placement", None)
-    if not isinstance(placement, Shard) or tp == 1:
+    if not isinstance(placement, PlanShard) or tp == 1:
         return local
     dim = placement.dim
     piece = shard.full_shape[dim] // placement.chunks
@@ -69,7 +69,7 @@ def owned_gradients(named_parameters, *, shards: dict, tied: list, groups) -> li
         if param.grad is None:
             continue
         shard = shards.get(fqn)
-        sharded = isinstance(getattr(shard, "placement", None), Shard) and tp > 1
+        sharded = isinstance(getattr(shard, "placement", None), PlanShard) and tp > 1
         if not sharded and tp_rank != 0:
             continue
         if fqn in tied_owner and tied_owner[fqn] != groups.rank:
@@ -83,7 +83,7 @@ def owned_mask(fqn: str, local: torch.Tensor, *, shards: dict, tied: list, group
     rank (the rules of ``owned_gradients``, element by element: a tp shard's padding rows are False)."""
     tp, tp_rank = groups.axis_size("tp"), groups.axis_index("tp")
     shard = shards.get(fqn)
-    sharded = isinstance(getattr(shard, "placement", None), Shard) and tp > 1
+    sharded = isinstance(getattr(shard, "placement", None), PlanShard) and tp > 1
     tied_owner = {name: min(dist.get_process_group_ranks(group)) for name, group in tied}
     mask = torch.zeros(local.shape, dtype=torch.bool, device=local.device)
     if (not sharded and tp_rank != 0) or tied_owner.get(fqn, groups.rank) != groups.rank:

@@ -3,7 +3,7 @@
 ``runtime_device_for`` is the choice itself, pure (the backend's name, the environment and the number
 of CUDA devices are its arguments), so it is tested without a GPU; ``resolve_runtime_device`` reads
 them from this process (``torch.distributed``, ``os.environ``, ``torch.cuda``) and is what
-``xirang.compile(runtime_device=...)`` calls once the world is joined.
+``xirang.compile(device=...)`` calls once the world is joined.
 
     NCCL  (``dist.get_backend()`` names nccl)  -> cuda:LOCAL_RANK (torchrun and ``launch`` set it)
     gloo, or no process group                  -> cpu
@@ -35,7 +35,7 @@ def backend_names(backend: Optional[str]) -> frozenset:
 
 
 def runtime_device_for(backend: Optional[str], environ: Mapping[str, str], *, cuda_devices: int,
-                       requested=None, where: str = "xirang.compile(runtime_device=...)") -> torch.device:
+                       requested=None, where: str = "xirang.compile(device=...)") -> torch.device:
     """The device this rank's tensors live on (module docstring).
 
     ``backend``: the default process group's backend as ``torch.distributed.get_backend()`` spells
@@ -51,7 +51,7 @@ def runtime_device_for(backend: Optional[str], environ: Mapping[str, str], *, cu
     ``--gpus-per-task`` sets) it names a device that does not exist; ``torch.cuda.current_device()``
     is 0 unless the script chose one, which puts every rank of a node on the same GPU. Either way
     the run would fail later and less clearly (or share a GPU silently), so such a launch is told to
-    set ``LOCAL_RANK`` (Slurm: from ``SLURM_LOCALID``) or to pass ``runtime_device=``.
+    set ``LOCAL_RANK`` (Slurm: from ``SLURM_LOCALID``) or to pass ``device=``.
 
     Refused (``XirangError``): an NCCL-only process group with a non-CUDA device; a CUDA device when
     this process sees no CUDA device (gloo or no process group on a CPU machine) or fewer than its
@@ -64,16 +64,16 @@ def runtime_device_for(backend: Optional[str], environ: Mapping[str, str], *, cu
         try:
             device = torch.device(requested)
         except (RuntimeError, TypeError, ValueError) as error:
-            raise XirangError(f"runtime_device={requested!r} is not a device: {error}", where=where,
+            raise XirangError(f"device={requested!r} is not a device: {error}", where=where,
                               hint="pass a torch.device or a string such as 'cpu' or 'cuda:0', or leave it "
                                    "out to follow the launcher") from None
         if names == {"nccl"} and device.type != "cuda":
-            raise XirangError(f"runtime_device={str(device)!r} under {under}: NCCL moves only CUDA tensors, "
+            raise XirangError(f"device={str(device)!r} under {under}: NCCL moves only CUDA tensors, "
                               f"so the first collective would fail", where=where,
-                              hint="leave runtime_device out (NCCL ranks run on cuda:LOCAL_RANK), pass a "
+                              hint="leave device= out (NCCL ranks run on cuda:LOCAL_RANK), pass a "
                                    "'cuda:N' device, or start CPU ranks with the gloo backend")
         if device.type == "cuda":
-            what = f"runtime_device={str(device)!r} under {under}"
+            what = f"device={str(device)!r} under {under}"
             _check_cuda_index(device.index, cuda_devices, environ, what, where)
         return device
     if "nccl" in names:
@@ -82,7 +82,7 @@ def runtime_device_for(backend: Optional[str], environ: Mapping[str, str], *, cu
             raise XirangError(f"{under} but LOCAL_RANK is not set, so which GPU is this rank's is unknown",
                               where=where,
                               hint="start the ranks with torchrun (it sets LOCAL_RANK), export LOCAL_RANK "
-                                   "(under Slurm: LOCAL_RANK=$SLURM_LOCALID), or pass runtime_device='cuda:N'")
+                                   "(under Slurm: LOCAL_RANK=$SLURM_LOCALID), or pass device='cuda:N'")
         try:
             index = int(local)
         except ValueError:
@@ -90,14 +90,14 @@ def runtime_device_for(backend: Optional[str], environ: Mapping[str, str], *, cu
         if index < 0:
             raise XirangError(f"{under} with LOCAL_RANK={local!r}, which is not a GPU index", where=where,
                               hint="LOCAL_RANK must be this rank's position on its node (0, 1, ...), as torchrun "
-                                   "sets it, or pass runtime_device='cuda:N'")
+                                   "sets it, or pass device='cuda:N'")
         _check_cuda_index(index, cuda_devices, environ, f"{under} with LOCAL_RANK={local}", where)
         return torch.device("cuda", index)
     if names <= {"gloo"}:
         return torch.device("cpu")
     raise XirangError(f"{under}: xirang places a rank's tensors for gloo (CPU) and NCCL (CUDA) process groups, "
                       f"not for {', '.join(sorted(names - {'gloo', 'nccl'}))}", where=where,
-                      hint="pass runtime_device= the device this backend's collectives take")
+                      hint="pass device= the device this backend's collectives take")
 
 
 def _check_cuda_index(index: Optional[int], cuda_devices: int, environ: Mapping[str, str], what: str,
@@ -105,14 +105,14 @@ def _check_cuda_index(index: Optional[int], cuda_devices: int, environ: Mapping[
     if cuda_devices <= 0:
         raise XirangError(f"{what}: torch.cuda is unavailable in this process (no CUDA device, or a CPU build "
                           f"of torch)", where=where,
-                          hint="run on a machine with GPUs and a CUDA build of torch, or use runtime_device='cpu' "
+                          hint="run on a machine with GPUs and a CUDA build of torch, or use device='cpu' "
                                "with the gloo backend")
     if index is not None and index >= cuda_devices:
         visible = environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise XirangError(f"{what}: this process sees {cuda_devices} CUDA device(s){shown}, numbered from 0",
                           where=where,
-                          hint="when each process sees only its own GPU pass runtime_device='cuda:0'; otherwise "
+                          hint="when each process sees only its own GPU pass device='cuda:0'; otherwise "
                                "start at most as many ranks per node as it has GPUs")
 
 
@@ -128,7 +128,7 @@ def visible_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_runtime_device(requested=None, *, where: str = "xirang.compile(runtime_device=...)") -> torch.device:
+def resolve_runtime_device(requested=None, *, where: str = "xirang.compile(device=...)") -> torch.device:
     """``runtime_device_for`` with this process's backend, environment and CUDA devices: call it after the
     world is joined (``launch.ensure_distributed``)."""
     return runtime_device_for(process_group_backend(), os.environ, cuda_devices=visible_cuda_devices(),

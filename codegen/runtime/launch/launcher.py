@@ -1,6 +1,6 @@
 """Start ranks: a local launcher for CPU development and tests, and the torchrun command otherwise.
 
-``launch(fn, nprocs)`` starts ``nprocs`` processes on this machine (forks of a forkserver that has
+``launch(fn, world)`` starts ``world``'s processes on this machine (forks of a forkserver that has
 torch and Xirang imported, see _start_context), each one rank of a fresh
 ``torch.distributed`` world (gloo by default), runs ``fn(rank, world_size, *args)`` in each and
 returns their results in rank order. Failure is the interesting part: a rank that raises, dies
@@ -41,13 +41,15 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from xirang.ir.errors import XirangError, tracebacks_wanted
+from xirang.ir.renamed import renamed_keywords
+from xirang.ir.world import World, parse_world
 
 HEARTBEAT_S = 10.0  # default: a rank silent this long is reported as frozen
 # default process-group timeout: a collective left waiting this long raises inside its rank. torch's
@@ -154,14 +156,34 @@ def _describe_exit(code: Optional[int]) -> str:
     return f"exited with code {code} before returning a result (see its stderr)"
 
 
+def rank_count(world, where: str) -> int:
+    """The ranks ``world`` names (a positive int, "N", "NxM" or a World), else a XirangError at ``where``."""
+    if isinstance(world, World):
+        return world.size
+    if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
+        return int(world)  # the common case; the CLI's WorldArg ("2x4") is an int of its ranks
+    try:
+        if isinstance(world, bool) or not isinstance(world, (int, str)):
+            raise ValueError(f"a {type(world).__name__}")
+        return parse_world(world, "cpu").size  # the count alone: which preset does not matter
+    except ValueError as error:
+        raise XirangError(f"world={world!r} is not a number of ranks ({error})", where=where,
+                          hint="pass the number of ranks the mesh needs (pp * dp * cp * tp), 'NxM' or a World") \
+            from None
+
+
 def _fn_name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gloo",
+@renamed_keywords(nprocs="world=")
+def launch(fn: Callable, world: Union[int, str, World], args: Sequence = (), *, backend: str = "gloo",
            timeout_s: Optional[float] = None, pg_timeout_s: Optional[float] = None,
            heartbeat_s: float = HEARTBEAT_S) -> list:
-    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned local ranks; results in rank order.
+    """Run ``fn(rank, size, *args)`` on ``world``'s ranks spawned on this machine; results in rank order.
+
+    ``world`` is spelt as ``xirang.compile``'s: a rank count, "NxM" (N nodes of M devices: N * M
+    ranks here) or a World (its size); ``size`` is the rank count.
 
     ``fn``, ``args`` and each result must be picklable (``fn`` defined at module top level).
     ``timeout_s``, when given, bounds the whole run, start-up included (default: no limit);
@@ -170,10 +192,8 @@ def launch(fn: Callable, nprocs: int, args: Sequence = (), *, backend: str = "gl
     rank; a rank whose heartbeat is silent for ``heartbeat_s`` is reported as frozen. Any failing
     rank raises ``XirangError`` naming it.
     """
-    where = f"launch({_fn_name(fn)}, nprocs={nprocs}, backend={backend!r})"
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise XirangError(f"nprocs must be a positive int, got {nprocs!r}", where=where,
-                          hint="pass the number of ranks the mesh needs (pp * dp * cp * tp)")
+    where = f"launch({_fn_name(fn)}, world={world!r}, backend={backend!r})"
+    nprocs = rank_count(world, where)
     for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s), ("heartbeat_s", heartbeat_s)):
         if value is None and name != "heartbeat_s":
             continue
@@ -353,6 +373,7 @@ def _ranks(ranks) -> str:
 
 def launch_command(script: str, nprocs: int, script_args: Sequence[str] = ()) -> list:
     """argv that runs ``script`` on ``nprocs`` local ranks with torch's launcher (torchrun)."""
+    nprocs = int(nprocs)  # a CLI WorldArg ("2x4") is its rank count here
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(nprocs), str(script), *map(str, script_args)]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import Replicate
+from xirang.ir.placement import PlanReplicate
 
 from xirang.codegen.ops.padding import shard_of
 from xirang.codegen.runtime.state.shard_params import full_tensor, load_local
@@ -90,7 +90,7 @@ def load_full_state(state: dict, state_dict: dict, *, aliases: dict, trainable: 
     (a non-persistent buffer, such as Llama's rotary ``inv_freq``, is not in ``model.state_dict()``).
     Entries of other stages' tensors are ignored: every rank is given the same full state dict."""
     for fqn, local in state.items():
-        shard = shards.get(fqn) or ParamShard(fqn, fqn, aliases.get(fqn, (fqn,)), "parameter", Replicate(),
+        shard = shards.get(fqn) or ParamShard(fqn, fqn, aliases.get(fqn, (fqn,)), "parameter", PlanReplicate(),
                                               tuple(local.shape))
         name = next((alias for alias in (fqn, *aliases.get(fqn, ())) if alias in state_dict), None)
         if name is None and fqn in trainable:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from xirang.ir.errors import XirangError
 from xirang.ir.facts import ParamShard
-from xirang.ir.placement import Shard
+from xirang.ir.placement import PlanShard
 
 from xirang.codegen.ops.collectives import group_size
 from xirang.codegen.ops.padding import shard_of, unshard
@@ -21,7 +21,7 @@ from xirang.codegen.ops.padding import shard_of, unshard
 def full_tensor(local: torch.Tensor, shard: ParamShard, tp_group) -> torch.Tensor:
     """The full tensor from every tp rank's ``local`` (collective over ``tp_group`` when sharded)."""
     tp = group_size(tp_group)
-    if not isinstance(shard.placement, Shard) or tp == 1:
+    if not isinstance(shard.placement, PlanShard) or tp == 1:
         return local.detach().clone()
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
