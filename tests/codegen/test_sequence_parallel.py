@@ -107,6 +107,12 @@ def _run(configs, wanted_kinds=("gather", "scatter_to_group")):
     return results, jobs[0]
 
 
+def test_sequence_parallel_on_two_tp_ranks_equals_single_device():
+    """The default tier's sequence-parallel run: the in-repo GPT at (1, 2, 1), one launch of 2 ranks, every
+    sequence row taken, the all-gathers, slices and reduce-scatters in its program."""
+    _run([("gpt", 1, 2, 1, "1f1b", 1, 65536)], ("gather", "scatter_to_group", "reduce_scatter_to_group"))
+
+
 # Planned at seq 65536 the ILP makes the MLPs row-parallel, so a Partial meets a sequence shard
 # (reduce-scatter); each test is one launch (~40 s on 2 loaded cores), hence the matrix tier.
 @pytest.mark.matrix
