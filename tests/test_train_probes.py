@@ -353,3 +353,32 @@ def test_sigterm_names_the_rank_and_step_and_the_handler_is_restored():
     assert "rank 3 was stopped by its launcher (SIGTERM) in step 7" in caught.value.what
     assert "fix what that rank's error says" in caught.value.hint and "not a wrong input" in caught.value.hint
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_loss_spike_is_written_into_the_metrics_line(tmp_path):
+    from xirang.cli.train_metrics import MetricsWriter, RunFacts, read_metrics
+    facts = RunFacts(model_flops=1.0, peak_flops_per_s=1.0, peak="cpu", predicted_step_s=0.1, predicted_by="preset",
+                     tokens_per_step=8)
+    writer = MetricsWriter(tmp_path / "m.jsonl", facts, device=torch.device("cpu"))
+    writer.record(step=1, loss=2.0, lr=1e-3, step_s=0.1, grad_norm=1.0, stepped=True, memory=[0])
+    writer.record(step=2, loss=9.0, lr=1e-3, step_s=0.1, grad_norm=1.0, stepped=True, memory=[0],
+                  note="loss spike at step 2: 9")
+    writer.close()
+    assert [line["note"] for line in read_metrics(tmp_path / "m.jsonl")] == [None, "loss spike at step 2: 9"]
+
+
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, ("No space left on device", "free space there")),
+                                         (errno.EACCES, ("Permission denied", "writable from every rank"))])
+def test_a_checkpoint_write_that_fails_is_said_and_the_previous_step_still_counts(tmp_path, monkeypatch, code, words):
+    from torch.distributed.checkpoint import FileSystemWriter
+    folder = saved(tmp_path, TINY, step=2)
+
+    def failing(self, plan, planner):
+        raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EACCES: "Permission denied"}[code])
+    monkeypatch.setattr(FileSystemWriter, "write_data", failing)
+    torch.manual_seed(0)
+    error = refused(lambda: xirang.save_checkpoint(build_gpt(TINY), None, folder, step=4),
+                    "checkpoint step 4 could not be written", "rank 0 failed with", "does not count",
+                    "previous complete checkpoint", *words)
+    assert "Traceback" not in error.what
+    assert xirang.latest_checkpoint(folder, quiet=True).name == "step-00000002"
