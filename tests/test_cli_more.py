@@ -1,10 +1,13 @@
-"""``xirang inspect``, ``run``, ``verify`` and ``explain --picture`` as a user runs them: real subprocesses."""
+"""``xirang inspect``, ``run``, ``verify`` and ``explain --picture`` as a user runs them: real subprocesses
+for inspect's report and --dump and (matrix) run and verify; the saved plan, inspect --json and explain
+--picture in this process, where what is checked is the command's output, not another interpreter's start."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from tests.bad_input.probe import cli
 from tests.test_cli import xirang
 
 
@@ -12,9 +15,10 @@ from tests.test_cli import xirang
 def tp2_plan(tmp_path_factory):
     """A saved plan of the tiny GPT on 2 ranks, tensor parallel (tp=2)."""
     out = tmp_path_factory.mktemp("plans") / "tp2.json"
-    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--hardware", "cpu", "--global-batch", "8",
-                    "--tp", "2", "--out", str(out))
-    assert result.returncode == 0, result.stderr
+    # made in this process: the plan is what the tests read, the subprocesses are the commands they test
+    code, _, err = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--hardware", "cpu",
+                       "--global-batch", "8", "--tp", "2", "--out", str(out))
+    assert code == 0, err
     return out
 
 
@@ -52,9 +56,9 @@ def test_inspect_dumps_the_graph_after_every_compile_pass_and_times_each(tp2_pla
 
 
 def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp2_plan):
-    result = xirang("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")
-    assert result.returncode == 0, result.stderr
-    info = json.loads(result.stdout)
+    code, out, err = cli("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")  # the two above start it
+    assert code == 0, err
+    info = json.loads(out)
     assert info["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "edp": 0, "ep": 0} and info["code"] is None
     assert info["axes"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "ep": 1, "order": ["pp", "dp", "cp", "tp"]}
     assert len(info["placements"]) == info["placements_total"] > 50
@@ -145,9 +149,9 @@ def test_verify_fails_with_exit_1_below_what_fp32_reaches():
 
 def test_explain_picture_writes_a_png(tp2_plan, tmp_path):
     picture = tmp_path / "mem.png"
-    result = xirang("explain", str(tp2_plan), "--picture", str(picture))
-    assert result.returncode == 0, result.stderr
-    assert "memory picture:" in result.stdout and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = cli("explain", str(tp2_plan), "--picture", str(picture))
+    assert code == 0, err
+    assert "memory picture:" in out and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_verify_reads_the_loss_of_hugging_face_outputs_tuples_and_tensors():

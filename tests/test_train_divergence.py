@@ -114,3 +114,22 @@ def test_rollback_returns_every_rank_to_the_last_checkpoint_and_the_data_goes_on
     steps = sorted((tmp_path / "ckpt").glob("step-*"))
     assert [p.name for p in steps] == ["step-00000002", "step-00000004", "step-00000006", "step-00000008"]
     assert [bad for folder in steps for bad in non_finite_tensors(folder, tmp_path)] == []
+
+
+@pytest.mark.matrix
+def test_resume_continues_across_world_sizes_and_meshes_through_the_prechecks(tmp_path):
+    """Saved on 2 ranks at dp = 2, resumed on 1 rank, then on 2 ranks at tp = 2: the prechecks pass a checkpoint
+    of the same model whatever its mesh, and each run continues from the newest step."""
+    def run(*extra):
+        done = subprocess.run([sys.executable, "-m", "xirang", "train", MODEL, "--synthetic", "--lr", "1e-3",
+                               "--global-batch", "4", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                               "--checkpoint-every", "1", "--reprice-after", "0", "--collective-timeout", "60", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    run("--world", "2", "--dp", "2", "--steps", "2")
+    assert "resume: step 2" in run("--world", "1", "--steps", "3", "--resume")
+    out = run("--world", "2", "--tp", "2", "--steps", "4", "--resume")
+    assert "resume: step 3" in out and "step 4/4" in out and "step 3/4" not in out, out
+    assert [bad for folder in sorted((tmp_path / "ckpt").glob("step-*"))
+            for bad in non_finite_tensors(folder, tmp_path)] == []

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "examples/catalog.py:gpt_tiny"
 FIELDS = {"step", "loss", "lr", "grad_norm", "stepped", "tokens_per_s", "step_s", "predicted_step_s",
           "step_over_predicted", "predicted_by", "model_flops", "mfu", "peak_flops_per_s", "peak", "memory_bytes",
-          "memory", "time"}
+          "memory", "time", "note"}
 GPT_TINY_PARAMS = 136_960  # examples/gpt.py "tiny": hidden 64, 2 layers, vocabulary 512, 64 positions, tied head
 
 

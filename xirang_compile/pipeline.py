@@ -7,6 +7,7 @@ graph, after the plan is made (xirang_compile/lower.py).
 from __future__ import annotations
 
 from xirang.passes.analysis.blocks import find_blocks
+from xirang.passes.analysis.causal_masks import fold_causal_masks
 from xirang.passes.analysis.dependencies import build_dependencies
 from xirang.passes.analysis.flops import count_flops
 from xirang.passes.analysis.gradients import mark_requires_grad
@@ -27,6 +28,7 @@ from xirang.passes.lowering.split_stages import assign_stages, split_stages
 
 ANALYSIS_PASSES = [
     trace_model,          # model -> aten training graph on fake tensors; batch/seq symbolic
+    fold_causal_masks,    # attention masks proved causal -> is_causal=True (no seq x seq mask kept)
     annotate_tensors,     # shapes (sympy), dtypes
     mark_requires_grad,   # which outputs need gradients
     count_parameters,     # parameter elements per placeholder and per module

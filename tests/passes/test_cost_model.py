@@ -253,7 +253,8 @@ def test_an_h100_world_is_faster_than_an_a100_world_at_the_same_plan():
     from examples.gpt import GPTConfig, build_gpt
     from conftest import token_batch
     model = build_gpt(GPTConfig(vocab_size=1024, seq_len=512, hidden=512, heads=8, layers=4), device="meta")
-    pins = dict(example_kwargs=token_batch(seq=512), global_batch=64, seq=512, tp=2, pp=2, dp=4,
+    report = xirang.analyze(model, example_kwargs=token_batch(seq=512))  # one trace for the three plans
+    pins = dict(example_kwargs=token_batch(seq=512), analysed=report, global_batch=64, seq=512, tp=2, pp=2, dp=4,
                 micro_batch=2, schedule="1f1b", recompute="none", offload="none")
     steps = {}
     for device in ("a100", "h100"):

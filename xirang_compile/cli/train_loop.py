@@ -143,7 +143,7 @@ def train_rank(rank: int, world: int, args, plan, global_batch: int, facts=None)
                     print(f"warning: {outcome.spike}", flush=True)
             if metrics is not None:
                 metrics.record(step=step + 1, loss=losses[-1], lr=lr, step_s=took, grad_norm=outcome.norm,
-                               stepped=outcome.stepped, memory=memory)
+                               stepped=outcome.stepped, memory=memory, note=outcome.spike)
             repricing.after_step(step + 1)
             step += 1
             every = args.checkpoint_every

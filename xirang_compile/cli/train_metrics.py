@@ -140,7 +140,8 @@ class MetricsWriter:
         self.board = None if tensorboard is None else require_tensorboard()(log_dir=str(tensorboard))
 
     def record(self, *, step: int, loss: float, lr: float, step_s: float, grad_norm: Optional[float],
-               stepped: bool, memory: list) -> dict:
+               stepped: bool, memory: list, note: Optional[str] = None) -> dict:
+        """One step's line; ``note``: what the step was besides its numbers (a loss spike's report)."""
         facts = self.facts
         line = {"step": step, "loss": _finite(loss), "lr": lr, "grad_norm": _finite(grad_norm), "stepped": stepped,
                 "tokens_per_s": facts.tokens_per_step / step_s, "step_s": step_s,
@@ -149,7 +150,7 @@ class MetricsWriter:
                 "predicted_by": facts.predicted_by, "model_flops": facts.model_flops,
                 "mfu": facts.model_flops / (step_s * facts.peak_flops_per_s),
                 "peak_flops_per_s": facts.peak_flops_per_s, "peak": facts.peak, "memory_bytes": list(memory),
-                "memory": self.memory, "time": time.time()}
+                "memory": self.memory, "time": time.time(), "note": note}
         if self.file is not None:
             self.file.write(json.dumps(line, allow_nan=False) + "\n")
             self.file.flush()
