@@ -365,3 +365,20 @@ def test_a_loss_spike_is_written_into_the_metrics_line(tmp_path):
                   note="loss spike at step 2: 9")
     writer.close()
     assert [line["note"] for line in read_metrics(tmp_path / "m.jsonl")] == [None, "loss spike at step 2: 9"]
+
+
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, ("No space left on device", "free space there")),
+                                         (errno.EACCES, ("Permission denied", "writable from every rank"))])
+def test_a_checkpoint_write_that_fails_is_said_and_the_previous_step_still_counts(tmp_path, monkeypatch, code, words):
+    from torch.distributed.checkpoint import FileSystemWriter
+    folder = saved(tmp_path, TINY, step=2)
+
+    def failing(self, plan, planner):
+        raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EACCES: "Permission denied"}[code])
+    monkeypatch.setattr(FileSystemWriter, "write_data", failing)
+    torch.manual_seed(0)
+    error = refused(lambda: xirang.save_checkpoint(build_gpt(TINY), None, folder, step=4),
+                    "checkpoint step 4 could not be written", "rank 0 failed with", "does not count",
+                    "previous complete checkpoint", *words)
+    assert "Traceback" not in error.what
+    assert xirang.latest_checkpoint(folder, quiet=True).name == "step-00000002"

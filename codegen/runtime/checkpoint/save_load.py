@@ -59,6 +59,7 @@ from xirang.codegen.runtime.checkpoint.layout import (EXTRA, LAYOUT, MODEL, OPTI
                                                       tensor_entries)
 from xirang.codegen.runtime.checkpoint.mesh_record import mesh_record, saving_rank
 from xirang.codegen.runtime.checkpoint.finite_check import refuse_nonfinite
+from xirang.codegen.runtime.checkpoint.write_errors import said_as_checkpoint_errors
 from xirang.codegen.runtime.checkpoint.store import remove_marker, resolve_checkpoint, step_folder, write_marker
 from xirang.codegen.runtime.data_parallel.dist_optimizer import PerParameterState
 from xirang.ir.mesh import Mesh
@@ -217,7 +218,7 @@ def _save_checkpoint(target, optimizer, directory, *, step: int, extra, async_sa
                                     process_group=_async_group(target) if distributed else None,
                                     async_stager=_AlreadyStaged(), no_dist=not distributed)
         return PendingCheckpoint(future, folder, step, layout, coordinator)
-    with _one_process(not distributed):
+    with _one_process(not distributed), said_as_checkpoint_errors(folder, step, _rank(target)):
         dcp.save(state, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not distributed)
     if coordinator:  # dcp.save returned on the coordinator: every rank's files are written
         write_marker(folder, step, layout)
