@@ -8,7 +8,8 @@ benchmarks/plan_speed.py), then ``xirang.check`` runs every class of ranks on fa
 plan; printed: the plan, the check's report (measured vs predicted memory per pipeline rank, violations),
 seconds per phase and the peak RSS of this process and of its largest worker. ``--pin KEY=VALUE`` pins
 a choice (a published configuration: ``--pin tp=8 pp=16 micro_batch=1``) instead of the planner's;
-``--json OUT`` writes every memory row.
+``--json OUT`` writes every memory row, each with the check's seconds per phase (``phases``: trace, the
+classes' wall time, lowering and running summed over the classes, each proof) and the peak RSS figures.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def main() -> None:
         checked = xirang.check(plan, model, example_kwargs=example, analysed=report)
         seconds = time.perf_counter() - started
         print(checked.explain())
+        rss = {"rss_gib_here": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
+               "rss_gib_largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20}
         print("per pipeline rank, GiB: part predicted / dry run")
         for row in checked.memory_rows():
             predicted = plan.predicted.memory_parts[row["pp_rank"]] if plan.predicted.memory_parts else {}
@@ -62,10 +65,10 @@ def main() -> None:
                               for part in parts))
             rows.append({"model": name, "pins": pins, "mesh": str(plan.mesh), "schedule": plan.schedule,
                          "micro_batch": plan.micro_batch, "recompute": plan.recompute, "zero": plan.zero_stage,
-                         **row, "predicted_parts": dict(predicted), "check_seconds": seconds, "ok": checked.ok})
-        print(f"check {seconds:.1f} s, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB "
-              f"here, {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20:.2f} GiB in the largest worker"
-              f"\n", flush=True)
+                         **row, "predicted_parts": dict(predicted), "check_seconds": seconds, "ok": checked.ok,
+                         "phases": dict(checked.seconds), "classes": len(checked.classes), **rss})
+        print(f"check {seconds:.1f} s, peak RSS {rss['rss_gib_here']:.2f} GiB here, "
+              f"{rss['rss_gib_largest_worker']:.2f} GiB in the largest worker\n", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2, default=str)

@@ -16,7 +16,7 @@ heads first, as the CUDA kernels without native GQA do.
 
 Activation offload copies what a block saves to host memory on a GPU (pinned, on a side stream), freeing
 the device's copy; on the fakes' device the CPU path would clone it on the device. ``HostCopies`` copies to
-fake CPU tensors and back, in order, so the device's peak drops as a GPU's does and the host's holds them.
+host memory and back, in order, so the device's peak drops as a GPU's does and the host's holds them.
 """
 from __future__ import annotations
 
@@ -74,12 +74,21 @@ def fuse_attention(program) -> int:
 
 
 class HostCopies:
-    """The offload engine's copies as a GPU makes them (module docstring): out to host memory, back to the device."""
+    """The offload engine's copies as a GPU makes them (module docstring): out to host memory, back to the device.
+    The step runs on meta tensors without memory (rank_step.py), so a host copy is a meta tensor too, made
+    inside the recorder's ``on_host`` (counted as host memory), and the copy back a new device storage."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
 
     def to_host(self, tensor):
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        with self.recorder.on_host():
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         host.copy_(tensor.detach())
         return Ready(host)
 
     def to_device(self, host, device):
-        return Ready(host.wait().to(device))
+        host = host.wait()
+        back = torch.empty(host.shape, dtype=host.dtype, device=device)  # a new storage: ``to`` would be a no-op
+        back.copy_(host)
+        return Ready(back)

@@ -8,9 +8,21 @@ AdamW's state made by a first optimizer step, then the measured step -- ``train_
 share of the batch, ``optimizer.step()``, ``zero_grad()`` -- inside a ``Recorder``. Nothing of the
 runtime is replaced: the executor, schedule, buckets, ZeRO gathers, recompute and offload regions,
 random streams and tied sums are the ones a launched rank runs.
+
+What the tensors are. A CPU program runs on fake tensors (FakeTensorMode): a plain CPU tensor would
+allocate. A GPU program runs on plain ``meta`` tensors (xirang_compile/check_api.py ``fake_device``):
+they allocate nothing either, and torch's meta kernels give the same shapes, dtypes, views and device
+checks as the fake tensors did, since a FakeTensor on meta runs those same kernels on a meta tensor it
+wraps. The wrapping added nothing the check reads and was most of a step's time: every op went through
+FakeTensorMode's Python dispatch (a cache key of its arguments, a new FakeTensor per output, and every
+``tensor.device`` read dispatched as an op of its own), 70-80% of one class's step on Llama-2-70B's
+plan. What a fake tensor answered that a meta one does not -- host reads of a value, tensors made on the
+host -- the recorder answers (recorder.py: host reads answered as a healthy step's; offload's host copies
+counted as host memory by ``Recorder.on_host``); a host tensor the runtime makes is a real, small one.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Optional
 
@@ -22,12 +34,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from xirang.codegen.check.gpu_semantics import HostCopies, fuse_attention
 from xirang.codegen.check.recorder import Recorder, object_collectives_on_host
 from xirang.codegen.check.send_completion import completed_by_causality
-from xirang.codegen.check.send_completion import completed_by_causality
 from xirang.codegen.check.records import MemoryReport, RankLog
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.compiled_model import CompiledModel
 from xirang.codegen.runtime.executor.pipeline_executor import PipelineExecutor
 from xirang.codegen.runtime.launch.process_groups import build_mesh_groups
+from xirang.codegen.runtime.state.pipeline_state import STANDS_FOR_VALUES
 from xirang.ir.errors import XirangError
 
 
@@ -85,14 +97,17 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
     try:
         if gpu:
             fuse_attention(program)  # the kernel a GPU runs (codegen/check/gpu_semantics.py)
-        with FakeTensorMode(allow_non_fake_inputs=True), recorder, object_collectives_on_host(recorder):
+        fakes = contextlib.nullcontext() if device.type == "meta" else FakeTensorMode(allow_non_fake_inputs=True)
+        with fakes, recorder, object_collectives_on_host(recorder):
             groups = build_mesh_groups(plan.mesh)
             state = {fqn: torch.empty(shape, dtype=dtype, device=device) for fqn, (shape, dtype) in tensors.items()}
+            for tensor in state.values():  # a meta tensor here stands for the model's values, as a fake one
+                setattr(tensor, STANDS_FOR_VALUES, True)
             counter = CommCounter()  # the runtime labels its calls on it ("bucket:3"); the recorder reads them
             compiled = CompiledModel(state, plan, program, groups=groups, device=device, counter=counter, seed=0)
             del state  # the rank keeps its shards only, as a launched rank does
             if compiled.activation_offload is not None and gpu:
-                compiled.activation_offload.use_copier(HostCopies())  # to host memory, as a GPU copies
+                compiled.activation_offload.use_copier(HostCopies(recorder))  # to host memory, as a GPU copies
             if mutate is not None:
                 mutate(compiled)
             optimizer = torch.optim.AdamW(compiled.parameters())
@@ -110,7 +125,6 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
             hooks = [param.register_post_accumulate_grad_hook(recorder.mark_gradient)  # ZeRO drops them
                      for _, param in compiled.named_model_parameters() if param.requires_grad]  # before the step ends
             with completed_by_causality():  # fake sends never complete; a network's do (send_completion.py)
-                with completed_by_causality():  # fake sends never complete; a network's do (send_completion.py)
                 compiled.train_step(**batch, pre_sharded=True)
             for hook in hooks:
                 hook.remove()

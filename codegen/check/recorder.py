@@ -1,12 +1,14 @@
-"""The dry run's eyes: a TorchDispatchMode over FakeTensorMode that logs what one rank's step does.
+"""The dry run's eyes: a TorchDispatchMode that logs what one rank's step does.
 
-Every op of the step reaches ``Recorder.__torch_dispatch__`` before the fake kernels, so the real
-runtime runs unchanged and the recorder sees, with their arguments as issued:
+The step runs on tensors without memory: fake tensors under FakeTensorMode (a CPU program), or plain
+``meta`` tensors (a GPU program: rank_step.py says why). Every op of the step reaches
+``Recorder.__torch_dispatch__`` before the fake or meta kernels, so the real runtime runs unchanged and
+the recorder sees, with their arguments as issued:
 - each ``c10d`` op (what ``torch.distributed``'s collectives, ``isend`` and ``irecv`` dispatch to): its
   group's global ranks, kind, dtype, element count, reduce op, root, peer and tag, as a ``Call``, with
   the schedule action, the stage-module node and model source line, and the runtime line issuing it;
 - each read of a device value on the host (``.item()``, ``torch.equal``, a tensor's truth), which a fake
-  tensor cannot answer: it is answered as a healthy run would (0, equal) and logged as a ``HostRead``,
+  or meta tensor cannot answer: it is answered as a healthy run would (0, equal) and logged as a ``HostRead``,
   since on a GPU each one is a synchronisation of the step;
 - each new storage an op makes and when Python frees it (``weakref.finalize``), at the size the device's
   allocator would hand out (the CUDA caching allocator rounds every block up to 512 bytes), so the peak
@@ -17,8 +19,6 @@ fake process group (whose all-gather echoes this rank's value) and are logged as
 from __future__ import annotations
 
 import contextlib
-import operator
-import sys
 import weakref
 
 import torch
@@ -28,8 +28,9 @@ from torch._C._distributed_c10d import ProcessGroup
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from xirang.codegen.check.meta_cache import MetaCache
 from xirang.codegen.check.records import Call, HostRead
-from xirang.ir.meta_keys import INSERTED, MODULE_TYPE, SOURCE
+from xirang.codegen.check.sites import Sites
 
 CUDA_BLOCK_BYTES = 512  # the caching allocator's smallest block and rounding (c10/cuda/CUDACachingAllocator.cpp)
 
@@ -44,6 +45,8 @@ _BUFFER = {"all_reduce": "tensors", "all_gather": "input_tensor", "reduce_scatte
            "broadcast": "tensors", "all_to_all": "input", "barrier": "tensor", "send": "tensors", "recv": "tensors"}
 _HOST_READS = {torch.ops.aten._local_scalar_dense.default: 0, torch.ops.aten.equal.default: True,
                torch.ops.aten.is_nonzero.default: False}
+# a fake tensor's ``.device`` reaches the mode as this op: most of a step's dispatches, none of them recorded
+_DEVICE = torch.ops.prim.device.default
 
 
 def allocator_bytes(nbytes: int, device: torch.device) -> int:
@@ -56,9 +59,14 @@ def allocator_bytes(nbytes: int, device: torch.device) -> int:
 def _tensors(value) -> list:
     if isinstance(value, torch.Tensor):
         return [value]
+    found = []
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
+        for item in value:  # called twice per op: a loop, not a recursion per item
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                found += _tensors(item)
+    return found
 
 
 class Recorder(TorchDispatchMode):
@@ -73,8 +81,7 @@ class Recorder(TorchDispatchMode):
         self.device_problems: list = []
         self.counter = None  # the rank's CommCounter: its newest record labels a call
         self._labelled = 0
-        self._executor_codes = tuple(executor_code or ())  # the executor's methods whose local ``action`` is running
-        self._backward_codes = tuple(code for code in self._executor_codes if "backward" in code.co_name)
+        self.sites = Sites(executor_code or ())  # where an op comes from (sites.py)
         self.live = 0
         self.peak = 0
         self.peak_at = 0  # events recorded when the peak was reached
@@ -88,6 +95,18 @@ class Recorder(TorchDispatchMode):
         self.site_of: dict = {}  # storage key -> where it was made: the stage node (op) or the runtime line
         self.host_live = self.host_peak = 0  # a GPU rank's host memory the step's tensors hold (offload copies)
         self._host_sizes: dict = {}
+        self._on_host = 0  # inside ``on_host``: storages made are host memory, whatever their device
+        self.meta_cache = MetaCache()  # a plain meta step's kernels' answers (meta_cache.py)
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """Storages made inside are the rank's host memory (a GPU's offload copies, made as meta tensors when
+        the step runs on plain meta tensors: a real CPU tensor would take real memory)."""
+        self._on_host += 1
+        try:
+            yield
+        finally:
+            self._on_host -= 1
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -96,14 +115,15 @@ class Recorder(TorchDispatchMode):
         return self._ids.get(id(tensor.untyped_storage()))
 
     def _track(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, FakeTensor):
+        if not isinstance(tensor, FakeTensor) and tensor.device.type != "meta":  # a real host tensor of the step
             return
         storage = tensor.untyped_storage()
         if id(storage) in self._ids:
             return
         self._keys += 1
         key = self._keys
-        on_device = tensor.device.type == self.device.type  # a GPU rank's host buffers (offload) are not device memory
+        # a GPU rank's host buffers (offload) are not device memory
+        on_device = tensor.device.type == self.device.type and not self._on_host
         size = allocator_bytes(storage.nbytes(), self.allocator) if on_device else 0
         if not on_device:  # host memory of a GPU rank: counted apart
             self.host_live += storage.nbytes()
@@ -111,12 +131,12 @@ class Recorder(TorchDispatchMode):
             self._host_sizes[id(storage)] = storage.nbytes()
         self._ids[id(storage)] = key
         self.sizes[key] = size
-        self.part_of[key], self.site_of[key] = self._part() if size else ("activations", "")
+        self.part_of[key], self.site_of[key] = self.sites.part() if size else ("activations", "")
         self.events.append((key, size))
         self.live += size
         if self.live > self.peak:
             self.peak, self.peak_at = self.live, len(self.events)
-            self.peak_action = self._action()
+            self.peak_action = self.sites.action()
         weakref.finalize(storage, self._free, id(storage), key)
 
     def _free(self, storage_id: int, key: int) -> None:
@@ -126,33 +146,6 @@ class Recorder(TorchDispatchMode):
         size = self.sizes.pop(key, 0)
         self.live -= size
         self.events.append((key, -size))
-
-    def _part(self) -> str:
-        """Which part of a rank's memory a storage made now is, by where it is made (ALLOCATION_SITES; inside a
-        backward action the rest is the backward's working set; in a stage module a cast of a parameter is a
-        weight copy; else an activation), and the site: the innermost stage node making it (its op), else the
-        runtime's line."""
-        backward = False
-        cast = False
-        node = runtime = None
-        for frame in self._frames():
-            code = frame.f_code
-            if code in self._backward_codes:
-                backward = True
-                break
-            name = code.co_filename
-            for site, part in ALLOCATION_SITES:
-                if site in name:
-                    return part, f"{site.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-            if node is None and name.startswith("<eval_with_key>"):
-                node = _node_at(frame)
-                cast = node is not None and _casts_a_parameter(node)
-            elif runtime is None and "/codegen/" in name and "/codegen/check/" not in name:
-                runtime = f"{name.rsplit('/codegen/', 1)[-1]}:{frame.f_lineno}"
-        where = _site_of_node(node) if node is not None else runtime or ""
-        if backward:
-            return "working_set", where or "backward"
-        return ("weight_casts" if cast else "activations"), where
 
     def mark_gradient(self, param: torch.Tensor) -> None:
         """A parameter's accumulated gradient is the gradients part, wherever the backward made it
@@ -171,51 +164,35 @@ class Recorder(TorchDispatchMode):
                 live.pop(key, None)
         return live
 
-    # --- where a call comes from -------------------------------------------------------------
-
-    def _frames(self):
-        frame = sys._getframe(2)
-        while frame is not None:
-            yield frame
-            frame = frame.f_back
-
-    def _action(self) -> str:
-        for frame in self._frames():
-            if frame.f_code in self._executor_codes:
-                return str(frame.f_locals.get("action", ""))
-        return ""
-
-    def _context(self) -> dict:
-        action = node = source = where = ""
-        for frame in self._frames():
-            code = frame.f_code
-            if not action and code in self._executor_codes:
-                action = str(frame.f_locals.get("action", ""))
-            elif not node and code.co_filename.startswith("<eval_with_key>"):
-                found = _node_at(frame)
-                if found is not None:
-                    node = found.name
-                    location = SOURCE.get(found, None)
-                    source = str(location) if location is not None else ""
-            elif not where and "/codegen/" in code.co_filename and "/codegen/check/" not in code.co_filename:
-                where = f"{code.co_filename.rsplit('/codegen/', 1)[-1]}:{frame.f_lineno}"
-        return {"action": action, "node": node, "source": source, "where": f"codegen/{where}" if where else ""}
-
     # --- the mode ----------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _DEVICE:
+            return func(*args, **kwargs)
         if func in _HOST_READS:
             try:
                 return func(*args, **kwargs)
-            except DataDependentOutputException:  # a fake tensor has no value: answer as a healthy step would
-                context = self._context()
+            except (DataDependentOutputException, RuntimeError, NotImplementedError) as error:
+                if not isinstance(error, DataDependentOutputException) and \
+                        not any(t.device.type == "meta" for t in _tensors(list(args))):
+                    raise  # a real failure, not a tensor without a value
+                # a fake or meta tensor has no value: answer as a healthy step would
+                context = self.sites.context()
                 self.host_reads.append(HostRead(str(func).removesuffix(".default"), context["source"] or
                                                 context["where"], context["action"]))
                 return _HOST_READS[func]
         if func.namespace == "c10d" and not self.in_object_collective:
             self._record_call(func, args, kwargs)
-        out = func(*args, **kwargs)
+        if self.device.type == "meta":
+            # ``torch.tensor(data, device="meta")`` makes its storage without dispatching an op (a fake tensor's
+            # maker dispatches ``lift_fresh``): such a storage is counted from the first op that reads it
+            for tensor in _tensors(args):
+                if tensor.is_meta and id(tensor.untyped_storage()) not in self._ids:
+                    self._track(tensor)
+            out = self.meta_cache.run(func, args, kwargs)  # the same outputs, remembered (meta_cache.py)
+        else:
+            out = func(*args, **kwargs)
         for tensor in _tensors(out):
             self._track(tensor)
         return out
@@ -232,7 +209,7 @@ class Recorder(TorchDispatchMode):
         buffer = _tensors(bound.get(_BUFFER[kind]))
         for tensor in buffer:
             if tensor.device.type != self.device.type:
-                context = self._context()
+                context = self.sites.context()
                 self.device_problems.append(f"{kind} on a {tensor.device.type} tensor {list(tensor.shape)} on a "
                                             f"{self.device.type} rank at {context['where'] or context['source']}")
         dtype = str(buffer[0].dtype).removeprefix("torch.") if buffer else ""
@@ -255,47 +232,7 @@ class Recorder(TorchDispatchMode):
                                root=root, peer=peer, tag=tag, shape=shape, label=label,
                                blocking=kind not in ("send", "recv") and not bound.get("async_op", True),
                                channel=getattr(group, "group_desc", ""),
-                               **self._context()))
-
-
-# (a path fragment of the file making a storage, the part of memory it is), innermost frame first
-ALLOCATION_SITES = (("codegen/runtime/data_parallel/param_shards.py", "parameters"),
-                    ("codegen/runtime/data_parallel/dist_optimizer.py", "parameters"),
-                    ("codegen/runtime/data_parallel/grad_sync.py", "gradients"),
-                    ("codegen/runtime/executor/p2p.py", "communication"),
-                    ("/torch/optim/", "optimizer"))
-
-
-def _casts_a_parameter(node) -> bool:
-    """Whether ``node`` makes a half-precision copy of a parameter (the precision pass's cast of a weight)."""
-    inputs = node.all_input_nodes
-    return str(INSERTED.get(node, "")).startswith("precision") and len(inputs) == 1 \
-        and inputs[0].op == "placeholder" and inputs[0].name.startswith("p_")  # torch.export names parameters p_
-
-
-def _site_of_node(node) -> str:
-    """A stage node as a site that adds up over layers and micro-batches: its op (a tuple's item, its maker's)
-    and the class of the module it is in, e.g. "mm in LlamaMLP"."""
-    op = node
-    while op.target is operator.getitem and op.args and isinstance(op.args[0], torch.fx.Node):
-        op = op.args[0]
-    name = getattr(op.target, "__name__", str(op.target)).removesuffix(".default")
-    module = MODULE_TYPE.get(op, "") or MODULE_TYPE.get(node, "")
-    return f"{name} in {module}" if module else name
-
-
-def _node_at(frame):
-    """The fx node whose generated line ``frame`` (a GraphModule's forward) is executing, or None."""
-    module = frame.f_locals.get("self")
-    lines = getattr(module, "_lineno_map", None)
-    start = getattr(module, "_prologue_start", None)
-    if not lines or start is None:
-        return None
-    index = lines.get(frame.f_lineno - start)  # as torch._utils reads it
-    if index is None:
-        return None
-    nodes = list(module.graph.nodes)
-    return nodes[index] if 0 <= index < len(nodes) else None
+                               **self.sites.context()))
 
 
 @contextlib.contextmanager
@@ -308,7 +245,7 @@ def object_collectives_on_host(recorder: Recorder):
         def run(*args, group=None, **kwargs):
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
                 tuple(range(dist.get_world_size()))
-            context = recorder._context()
+            context = recorder.sites.context()
             root = kwargs.get("src", args[1] if name == "broadcast_object_list" and len(args) > 1 else None)
             recorder.calls.append(Call(index=len(recorder.calls), kind="all_gather" if "gather" in name else
                                        "broadcast", group=ranks, dtype="object", count=0, root=root, blocking=True,

@@ -31,9 +31,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 from xirang.passes.lowering.split_stages import tied_parameters
 
 
+# set (True) on a meta tensor that stands for one with values, as a fake tensor does: the dry run's state
+# on plain meta tensors (codegen/check/rank_step.py), bound as a copy, not initialised from scratch
+STANDS_FOR_VALUES = "_xirang_stands_for_values"
+
+
 def _valueless(tensor) -> bool:
-    """A tensor on meta holds no values; a fake tensor (the dry run's, codegen/check/) stands for one that does."""
-    return tensor.is_meta and not isinstance(tensor, FakeTensor)
+    """A tensor on meta holds no values; a fake tensor or one marked STANDS_FOR_VALUES (the dry run's,
+    codegen/check/) stands for one that does."""
+    return tensor.is_meta and not isinstance(tensor, FakeTensor) and not getattr(tensor, STANDS_FOR_VALUES, False)
 
 
 def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, tp_rank: int, tp: int,

@@ -1,0 +1,118 @@
+"""Meta kernels' answers remembered: a GPU program's dry run repeats the same ops on the same shapes.
+
+A GPU plan's step runs on plain meta tensors (rank_step.py). Many aten ops' meta kernels are Python
+(torch._refs and torch._prims: broadcasting, type promotion, stride propagation), a millisecond or so
+each, and one class's step runs each layer's ops once per micro-batch and layer: the same op on the same
+shapes tens of thousands of times.
+
+Formulation. A meta tensor has no data, so what a meta kernel returns is a function of the op and of its
+arguments' metadata alone. For an ``aten`` op that mutates no argument, returns no alias of one (its schema
+has no alias annotation), draws no random numbers (not tagged ``nondeterministic_seeded``) and has outputs
+whose shapes do not depend on data (not tagged ``dynamic_output_shape`` or ``data_dependent_output``), and
+all of whose returns are tensors, the outputs are new storages whose (dtype, shape, stride, storage offset,
+storage bytes, which outputs share a storage) are that function of
+    key = (op, for each argument: (dtype, shape, stride, storage offset, device) of a tensor, the value of
+           anything else, lists and tuples element by element).
+``MetaCache.run`` computes the outputs with the kernel the first time a key is met and remembers that
+metadata; later it makes fresh meta tensors with exactly it. An argument of another kind (a generator, a
+process group, a symbolic size) makes the call uncacheable: it runs the kernel. The recorder sees the
+same new storages of the same sizes as the kernel would make, so memory and every call are unchanged.
+The kernel's first answer for a key is checked to be new storages; one sharing an argument's storage (an
+alias the schema does not declare, as ``_unsafe_view``'s) makes the key uncacheable: it always runs.
+"""
+from __future__ import annotations
+
+import torch
+
+_EXCLUDED_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape,
+                  torch.Tag.data_dependent_output)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_UNCACHEABLE = object()
+
+
+def cacheable(func) -> bool:
+    """Whether ``func``'s meta outputs are a function of its arguments' metadata (module docstring)."""
+    schema = func._schema
+    return (func.namespace == "aten" and not schema.is_mutable and bool(schema.returns)
+            and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+            and all(a.alias_info is None for a in schema.arguments)
+            and not any(tag in func.tags for tag in _EXCLUDED_TAGS))
+
+
+def _key(value):
+    """The part of the key one argument gives, or _UNCACHEABLE."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta" or value.layout != torch.strided:
+            return _UNCACHEABLE
+        return (value.dtype, tuple(value.shape), value.stride(), value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        items = tuple(_key(item) for item in value)
+        return _UNCACHEABLE if any(item is _UNCACHEABLE for item in items) else (type(value), items)
+    if type(value) in _PLAIN:
+        return (type(value), value)
+    return _UNCACHEABLE
+
+
+class MetaCache:
+    """Remembered meta outputs per key (module docstring)."""
+
+    def __init__(self):
+        self._cacheable: dict = {}  # op -> cacheable(op)
+        self._outputs: dict = {}  # key -> ((storage slot, dtype, shape, stride, offset), ...), (slot bytes, ...)
+        self.hits = self.misses = 0
+
+    def run(self, func, args, kwargs):
+        ok = self._cacheable.get(func)
+        if ok is None:
+            ok = self._cacheable[func] = cacheable(func)
+        if not ok:
+            return func(*args, **kwargs)
+        arguments, options = _key(args), _key(tuple(sorted(kwargs.items())))
+        if arguments is _UNCACHEABLE or options is _UNCACHEABLE:
+            return func(*args, **kwargs)
+        key = (func, arguments, options)
+        found = self._outputs.get(key)
+        if found is None:
+            out = func(*args, **kwargs)
+            self._outputs[key] = _describe(out, args, kwargs)
+            self.misses += 1
+            return out
+        if found is _UNCACHEABLE:
+            return func(*args, **kwargs)
+        self.hits += 1
+        return _make(*found, tuple_out=len(func._schema.returns) > 1)
+
+
+def _describe(out, args, kwargs):
+    """(per output: storage slot, dtype, shape, stride, offset), (bytes per slot); _UNCACHEABLE where an output
+    is not a meta tensor or shares an argument's storage (``_unsafe_view`` aliases its input without saying so
+    in its schema): the kernel, a function of the key, does so for every call with this key."""
+    outputs = out if isinstance(out, tuple) else (out,)
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outputs):
+        return _UNCACHEABLE
+    inputs = {id(t.untyped_storage()) for t in _tensors((args, tuple(kwargs.values())))}
+    if any(id(t.untyped_storage()) in inputs for t in outputs):
+        return _UNCACHEABLE
+    slots: dict = {}
+    described = []
+    for tensor in outputs:
+        storage = tensor.untyped_storage()
+        slot = slots.setdefault(id(storage), (len(slots), storage.nbytes()))[0]
+        described.append((slot, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()))
+    return tuple(described), tuple(nbytes for _, nbytes in sorted(slots.values()))
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _make(described, slot_bytes, tuple_out: bool):
+    """Fresh meta tensors with exactly the described metadata, each slot one new storage."""
+    storages = [torch.empty((nbytes,), dtype=torch.uint8, device="meta").untyped_storage() for nbytes in slot_bytes]
+    made = tuple(torch.empty((0,), dtype=dtype, device="meta").set_(storages[slot], offset, shape, stride)
+                 for slot, dtype, shape, stride, offset in described)
+    return made if tuple_out else made[0]
