@@ -175,3 +175,11 @@ def test_cli_world_is_n_or_nxm_in_every_command(command):
     for spelling, count in (("4", 4), ("2x4", 8)):
         args = parser.parse_args(command[:where] + ["--world", spelling] + command[where:])
         assert (int(args.world), str(args.world)) == (count, spelling)
+
+
+def test_train_config_world_takes_nxm_and_passes_it_to_the_ranks(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text('model = "examples/catalog.py:gpt_tiny"\nworld = "2x4"\nsynthetic = true\nsteps = 2\n')
+    assert main(["train", "--config", str(config), "--print-command"]) == 0
+    command = capsys.readouterr().out
+    assert "--nproc-per-node 8 " in command and command.rstrip().endswith("--world 2x4")
