@@ -5,7 +5,8 @@ for biases and norms -- used to train nothing under ZeRO (the loss stayed 5.9149
 came with the whole parameters, which under ZeRO get no gradient). Matrix tier (two ranks, one launch):
 the tiny GPT at dp = 2 under ZeRO-1 and ZeRO-3, 3 AdamW steps with the idiom, equal to one device with the
 same idiom (loss each step, parameters after) within 1e-5; the same groups with one weight decay equal
-``parameters()``. Default tier: an optimizer over tensors the runtime does not step is refused at the first
+``parameters()``; an optimizer over the whole parameters (``named_model_parameters()``) refused on both ranks
+at its first step. Default tier: an optimizer over tensors the runtime does not step is refused at the first
 ``train_step``, naming the tensor and what to pass.
 """
 from __future__ import annotations
@@ -51,6 +52,14 @@ def _rank(rank, world, plan_of):
                 optimizer.step()
                 optimizer.zero_grad()
             found[label] = {"losses": losses, "params": compiled.full_state_dict(), "names": names}
+        compiled = xirang.compile(gpt(), world=2, example_kwargs=batch(0, 2), plan=plan)
+        stray = torch.optim.AdamW([t for _, t in compiled.named_model_parameters()], lr=1e-3)  # the whole ones
+        try:
+            compiled.train_step(**batch(0))
+            found["refused"] = None
+        except XirangError as error:
+            found["refused"] = (error.what, error.where, error.hint)
+        del stray
         out[stage] = found
     return out
 
@@ -78,8 +87,11 @@ def test_name_grouped_adamw_trains_under_zero1_and_zero3_as_one_device():
             "same": _one_device(lambda m: [{"params": list(m.parameters()), "weight_decay": 0.1}])}
     initial = dict(gpt().named_parameters())
     for stage in plans:
-        for result in results:
+        for rank, result in enumerate(results):
             found = result[stage]
+            what, where, hint = found["refused"]  # an optimizer over the whole parameters: refused on every rank
+            assert "the model's whole parameter: under ZeRO its gradient goes to this rank's shard pieces" in what
+            assert f"rank {rank}" in where and "compiled.named_parameters()" in hint
             assert set(found["idiom"]["names"]) <= set(initial) and found["idiom"]["names"], stage
             moved = min((found["idiom"]["params"][n] - p).abs().max().item() for n, p in initial.items())
             assert moved > 1e-4, (stage, "a parameter the name-grouped AdamW never stepped", moved)
