@@ -382,3 +382,15 @@ def test_a_checkpoint_write_that_fails_is_said_and_the_previous_step_still_count
                     "previous complete checkpoint", *words)
     assert "Traceback" not in error.what
     assert xirang.latest_checkpoint(folder, quiet=True).name == "step-00000002"
+
+
+def test_a_background_checkpoint_write_that_fails_is_said_at_wait(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    torch.manual_seed(0)
+    pending = xirang.save_checkpoint(build_gpt(TINY), None, tmp_path / "ckpt", step=1, async_save=True)
+    refused(pending.wait, "checkpoint step 1 could not be written", "No space left on device", "does not count")
+    assert xirang.latest_checkpoint(tmp_path / "ckpt", quiet=True) is None

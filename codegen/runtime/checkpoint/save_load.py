@@ -217,7 +217,7 @@ def _save_checkpoint(target, optimizer, directory, *, step: int, extra, async_sa
             future = dcp.async_save(staged, storage_writer=writer, planner=PiecesSavePlanner(),
                                     process_group=_async_group(target) if distributed else None,
                                     async_stager=_AlreadyStaged(), no_dist=not distributed)
-        return PendingCheckpoint(future, folder, step, layout, coordinator)
+        return PendingCheckpoint(future, folder, step, layout, coordinator, rank=_rank(target))
     with _one_process(not distributed), said_as_checkpoint_errors(folder, step, _rank(target)):
         dcp.save(state, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=not distributed)
     if coordinator:  # dcp.save returned on the coordinator: every rank's files are written
@@ -255,8 +255,8 @@ class PendingCheckpoint:
     background thread); ``wait()`` (every rank) returns the step folder once the step is complete and
     raises what the save raised."""
 
-    def __init__(self, future, folder: Path, step: int, layout: dict, coordinator: bool):
-        self.future, self.folder, self.step = future, folder, step
+    def __init__(self, future, folder: Path, step: int, layout: dict, coordinator: bool, rank: int = 0):
+        self.future, self.folder, self.step, self.rank = future, folder, step, rank
         self._layout, self._coordinator, self._lock, self._marked = layout, coordinator, threading.Lock(), False
         future.add_done_callback(lambda finished: finished.exception() is None and self._mark())
 
@@ -270,7 +270,8 @@ class PendingCheckpoint:
             self._marked = True
 
     def wait(self) -> Path:
-        self.future.result()  # DCP's coordinator finished: every rank's files and .metadata are written
+        with said_as_checkpoint_errors(self.folder, self.step, self.rank):  # a failed write: said, not a traceback
+            self.future.result()  # DCP's coordinator finished: every rank's files and .metadata are written
         self._mark()
         return self.folder
 
