@@ -166,7 +166,7 @@ def plan_candidate(plan: Plan) -> Candidate:
     return Candidate(tp=mesh.tp, pp=mesh.pp, dp=mesh.dp, micro_batch=plan.micro_batch,
                      num_micro_batches=plan.num_micro_batches, schedule=plan.schedule,
                      virtual_stages=plan.virtual_stages, recompute=plan.recompute, offload=plan.offload,
-                     zero_stage=getattr(plan, "zero_stage", 0))
+                     zero_stage=getattr(plan, "zero_stage", 0), outermost=mesh.order[0])
 
 
 def stage_predictions(plan: Plan, split: TensorSplit) -> tuple[list, list, list, list]:

@@ -123,7 +123,7 @@ class WorldSpeeds:
         self._speeds, self._shares = {}, {}
 
     def speeds(self, c, units) -> tuple[tuple[float, ...], ...]:
-        key = (c.dp, c.pp, c.tp, c.micro_batch, c.recompute, c.offload)
+        key = (c.layout, c.micro_batch, c.recompute, c.offload)
         if key not in self._speeds:
             work, flops, by_kind = math.fsum(units.compute), units.flops / c.tp, {}
 

@@ -226,11 +226,11 @@ class CandidatePricer(RankMemory):
 
     def _slowest_pair(self, c: Candidate) -> tuple[int, ...]:
         """Global ranks of the neighbouring pipeline ranks joined by the slowest link."""
-        key = (c.dp, c.pp, c.tp, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
+        key = (c.layout, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
         if key not in self._pairs:
             mesh = c.mesh
             ranks = [mesh.rank_of(dp=0, pp=r, tp=0) for r in range(c.pp)]
-            pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[3] else [])
+            pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[1] else [])
             crossing = [pair for pair in pairs if not self.world.same_node(*pair)]
             self._pairs[key] = (crossing or pairs or [(0,)])[0]
         return self._pairs[key]
@@ -245,14 +245,14 @@ class CandidatePricer(RankMemory):
         """The dp group of pipeline rank ``rank`` (tp index 0); in a world of identical nodes every
         pipeline rank's group has the same shape, so rank 0's stands for all."""
         rank = 0 if self.uniform else rank
-        key = ("dp", c.dp, c.pp, c.tp, rank)
+        key = ("dp", c.layout, rank)
         if key not in self._pairs:
             self._pairs[key] = c.mesh.group("dp", c.mesh.rank_of(dp=0, pp=rank, tp=0))
         return self._pairs[key]
 
     def step_sync(self, c: Candidate) -> float:
         """Seconds of the step's own collectives (``step_sync_costs``), once per mesh."""
-        key = ("step_sync", c.dp, c.pp, c.tp)
+        key = ("step_sync", c.layout)
         if key not in self._costs:
             self._costs[key] = step_sync_seconds(c, self.batch_inputs, self.cost)
         return self._costs[key]

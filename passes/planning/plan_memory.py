@@ -67,7 +67,7 @@ class RankMemory:
 
     def usable(self, c: Candidate) -> tuple[float, ...]:
         """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
-        key = (c.dp, c.pp, c.tp)
+        key = c.layout
         if key not in self._usable:
             if self.uniform:
                 least = [self.world.nodes[0].device.memory_bytes] * c.pp

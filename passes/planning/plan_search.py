@@ -26,6 +26,11 @@ the plan, do not depend on the order). Then, with no further solves:
    with sequence-sharded rows (one more ILP per (tp, micro-batch)), in every recompute mode its mesh
    was offered, and competes with the rest; only where nothing fits without it is the whole tp > 1
    space priced with it. Both layouts are real ILP solutions, so the winner is whichever costs less.
+5. the rank order (ir/mesh.py ``ORDERS``): steps 1-4 lay ranks out pp outermost (Megatron-Core's
+   default: a dp group's ranks close together, pipeline neighbours dp x tp ranks apart); each of the
+   ``ORDER_SEEDS`` best with dp and pp > 1 is priced again dp outermost (pipeline neighbours tp ranks
+   apart, often on one node; dp groups spread over nodes; on a mixed cluster, whole replicas on one
+   kind of device, so uneven dp shares can follow the devices), fast then exact, and competes.
 
 Costs of each term are in ``plan_costs``; the candidate rules in ``plan_search_space``.
 """
@@ -53,6 +58,7 @@ PriceFn = Callable[..., TensorSplit]
 GiB = 1024**3
 SPLIT_WORKERS = 2  # splits priced at once: one builds its ILP while another's CBC process solves
 ZERO1_MARGIN = 0.01  # ZeRO-1 wins a tie with zero 0 only when 1% faster (``_rank``)
+ORDER_SEEDS = 3  # best candidates with dp, pp > 1 priced again laid out dp outermost (step 5)
 SP_SEEDS = 3  # best fitting tp > 1 candidates priced again with sequence parallelism (step 4)
 
 
@@ -118,6 +124,7 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     top = sorted((_exact(pricer, p) for p in fitting[:max(exact_top, alternatives + 1)] + extra), key=_rank)
     if both:
         top = sorted(top + _sequence_parallel_twins(clock, pricer, top, failing, skipped, shardable), key=_rank)
+    top = sorted(top + _order_twins(pricer, top), key=_rank)
     best = top[0]
     shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
     shown = top[1:max(alternatives - len(shown_failing), 0) + 1] + shown_failing
@@ -207,17 +214,18 @@ def _first_tp(world: World, pinned) -> int:
 def _key(p: Priced) -> tuple:
     """Candidates shown side by side differ in mesh or schedule, not only in b, v or recompute."""
     c = p.candidate
-    return (c.dp, c.pp, c.tp, c.schedule)
+    return (*c.layout, c.schedule)
 
 
 def _rank(p: Priced) -> tuple:
     """Fastest first; at equal speed no offload (its copies are hidden, not free: they load the host
-    link and host memory), then the candidates' order. ZeRO-1 must be faster by more than
+    link and host memory), then the default rank order (pp outermost: another order must be faster to be
+    chosen), then the candidates' order. ZeRO-1 must be faster by more than
     ``ZERO1_MARGIN``: where nothing overlaps, a ring's reduce-scatter + all-gather prices exactly its
     all-reduce, and neither rounding nor a measured line's noise should pick a collective more per
     step (and a lazily gathered parameter copy); where memory forces it, it wins alone."""
     return (p.step_seconds * (1 + ZERO1_MARGIN * p.candidate.zero_stage), p.candidate.offload != "none",
-            p.candidate)
+            p.candidate.outermost != "pp", p.candidate)
 
 
 def _fast_pass(pricer: CandidatePricer, todo: list[Candidate], keep: int):
@@ -307,6 +315,15 @@ def _option_counterparts(pricer: _ByLayout, best: Priced) -> list[Priced]:
             for other in others]
 
 
+def _order_twins(pricer: _ByLayout, top: list[Priced]) -> list[Priced]:
+    """Step 5: the ``ORDER_SEEDS`` best with dp and pp > 1, laid out dp outermost: fast cuts, then exact
+    where they fit."""
+    twins = [replace(p.candidate, outermost="dp") for p in top
+             if p.candidate.dp > 1 and p.candidate.pp > 1 and p.candidate.outermost == "pp"][:ORDER_SEEDS]
+    fast = [_fast_price(pricer.of(c), c) for c in twins]
+    return [_exact(pricer.of(p.candidate), p) for p in fast if p.fits]
+
+
 def _sequence_parallel_twins(clock: _Clock, pricer: _ByLayout, top: list[Priced], failing: list[Priced],
                              skipped: list, shardable: list[Candidate]) -> list[Priced]:
     """Step 4: the best fitting tp > 1 candidates and up to two faster ones that did not fit, in every
@@ -375,7 +392,7 @@ def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
         worst = max(range(c.pp), key=memory.__getitem__)
         if memory[worst] < need:
             leanest, need, rank = c, memory[worst], worst
-    device = world.device_of(rank * leanest.tp)
+    device = world.device_of(leanest.mesh.rank_of(dp=0, pp=rank, tp=0))
     tried = {name: sorted({getattr(c, name) for c in todo}, key=str)
              for name in ("micro_batch", "schedule", "recompute", "offload")}
     meshes = sorted({(c.dp, c.pp, c.tp) for c in todo})

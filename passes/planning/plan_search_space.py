@@ -35,7 +35,7 @@ from functools import lru_cache, reduce
 from typing import Iterator, Optional
 
 from xirang.ir.errors import XirangError
-from xirang.ir.mesh import Mesh
+from xirang.ir.mesh import ORDERS, Mesh
 from xirang.ir.plan import OFFLOAD_MODES, RECOMPUTE_MODES
 from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
@@ -45,6 +45,8 @@ PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "rec
              "sequence_parallel")
 # offered when dp > 1: 0 replicates the optimizer state over dp, 1 shards it, 3 shards the parameters too
 ZERO_STAGES = (0, 1, 3)
+# a Candidate's ``outermost`` -> its mesh's rank order: pp outermost (Megatron-Core's default) or dp outermost
+ORDER_BY_OUTERMOST = {order[0]: order for order in ORDERS}
 OFFLOAD_WITH = ("none", "selective")  # the recompute modes offload is offered with
 
 
@@ -63,10 +65,16 @@ class Candidate:
     offload: str = "none"
     zero_stage: int = 0  # 1: ZeRO-1, optimizer state sharded over dp; 3: parameters too (offered when dp > 1)
     sequence_parallel: bool = False  # the split with sequence-sharded rows (only where tp > 1)
+    outermost: str = "pp"  # the rank axis laid out outermost (ir/mesh.py ORDERS): "pp" or "dp"
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp)
+        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, order=ORDER_BY_OUTERMOST[self.outermost])
+
+    @property
+    def layout(self) -> tuple:
+        """What places the ranks: the mesh's sizes and its order (a key for what depends on them alone)."""
+        return (self.dp, self.pp, self.tp, self.outermost)
 
     @property
     def stages(self) -> int:
@@ -79,8 +87,9 @@ class Candidate:
         offload = f" offload={self.offload}" if self.offload != "none" else ""
         zero = f" zero={self.zero_stage}" if self.zero_stage else ""
         sp = " sp" if self.sequence_parallel else ""
+        order = " dp-outermost" if self.outermost == "dp" else ""
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.micro_batch} m={self.num_micro_batches} "
-                f"{self.schedule}{v} recompute={self.recompute}{offload}{zero}{sp}")
+                f"{self.schedule}{v} recompute={self.recompute}{offload}{zero}{sp}{order}")
 
 
 def in_flight_by_rank(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, ...]:

@@ -290,3 +290,24 @@ def test_dp_sync_estimate_equals_the_bucket_by_bucket_price_at_an_even_rate():
         pricer = CandidatePricer({(1, 1): split}, world, global_batch=8)
         fast, exact = (pricer.price(c, ((0, 4),), exact=flag).breakdown["dp_exposed"] for flag in (False, True))
         assert fast == pytest.approx(exact) and exact > 0
+
+
+# --- the rank order (step 5) ---------------------------------------------------------------------
+
+def _order_chosen(cut: float, params: int) -> str:
+    """2 nodes of 4, pinned dp 4 x pp 2 x tp 1: pp outermost puts the two pipeline ranks on different nodes and
+    each dp group inside one; dp outermost the reverse."""
+    make = lambda tp, b: [unit(f"block:{i}", 1e-3 * b, params=params, cut=cut * b) for i in range(4)]  # noqa: E731
+    world = World.uniform(2, 4, tiny_device(400 * GiB))
+    best = search_plan(pricer(make), world, global_batch=64, seq=8, tp=1, pp=2, dp=4, micro_batch=1,
+                       schedule="1f1b", zero_stage=0).best
+    assert best.candidate.mesh.order[0] == best.candidate.outermost
+    return best.candidate.outermost
+
+
+def test_pipeline_sends_that_outweigh_gradients_put_the_pipeline_inside_a_node():
+    assert _order_chosen(cut=2e9, params=1_000) == "dp"
+
+
+def test_gradients_that_outweigh_pipeline_sends_keep_the_data_parallel_groups_inside_a_node():
+    assert _order_chosen(cut=1e3, params=2_000_000_000) == "pp"
