@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.bad_input.probe import MODELS, assert_clear_cli, cli
+from xirang.ir.plan import SCHEMA_VERSION
 
 MODEL = f"{MODELS}:mlp"
 
@@ -174,7 +175,7 @@ PLAN_FILES = [  # (content: str / bytes / None, words of the refusal)
     (b"\x89PNG\r\n\x1a\n\x00\x00binary", "not a text"),
     ("[]", "must be a JSON object"),
     ('{"schema_version": 99}', "schema_version"),
-    ('{"schema_version": 1}', "missing the field"),
+    ('{"schema_version": %d}' % SCHEMA_VERSION, "missing the field"),  # the version this Xirang reads, no fields
 ]
 
 

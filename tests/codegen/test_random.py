@@ -118,7 +118,7 @@ def make_plan(name: str, dp: int, tp: int, pp: int, *, micro_batch: int = 1, sch
 
 
 def rank_of(plan, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
-    return next(r for r in range(plan.mesh.size) if plan.mesh.coords(r) == {"dp": dp, "pp": pp, "tp": tp})
+    return plan.mesh.rank_of(dp=dp, pp=pp, tp=tp)
 
 
 # --- what each launched rank runs ----------------------------------------------------------------
