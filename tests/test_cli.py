@@ -77,9 +77,9 @@ def test_plan_saves_json_that_explain_reads(tmp_path):
     # not a terminal: one progress line per planning step on stderr, stdout is the plan
     steps = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert [line[:6] for line in steps] == ["[#...]", "[##..]", "[###.]", "[####]"], result.stderr
-    as_data = xirang("explain", str(out), "--json")
-    assert as_data.returncode == 0, as_data.stderr
-    table = json.loads(as_data.stdout)
+    code, as_data, err = cli("explain", str(out), "--json")  # the same command as above, read as data
+    assert code == 0, err
+    table = json.loads(as_data)
     rows = table["rows"]
     assert rows[0]["chosen"] and not any(row["chosen"] for row in rows[1:])
     assert chosen[0].startswith("* " + rows[0]["configuration"])
