@@ -59,8 +59,8 @@ class Sites:
         if id(code) in self._executor_ids:
             return (BACKWARD if "backward" in code.co_name else EXECUTOR), None, path
         for site, part in ALLOCATION_SITES:
-            if site in name:
-                return SITE, (part, site.rsplit("/", 1)[-1]), path
+            if site in name:  # named by its file (a folder's site, torch/optim/, by the file in it: adam.py)
+                return SITE, (part, site.rsplit("/", 1)[-1] or name.rsplit("/", 1)[-1]), path
         if name.startswith("<eval_with_key>"):
             return GRAPH, None, path
         return (RUNTIME if path else OTHER), None, path
