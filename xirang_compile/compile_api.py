@@ -60,12 +60,13 @@ def check_plan_for_graph(plan: Plan, gm, world: World) -> None:
     "seed", "rng", "bucket_bytes", "dp_shares", "rebalance_every", "inject_every")},
     **{name: f"debug=xirang.DebugHooks({name}=...)" for name in ("counter", "event_log", "dump_dir")})
 def compile(model, *, world: Union[int, str, World], example_inputs=(), example_kwargs=None,  # noqa: A001
-            plan: Optional[Plan] = None, global_batch: Optional[int] = None,
+            plan: Optional[Plan] = None, global_batch: Optional[int] = None, seq: Optional[int] = None,
             hardware: Union[str, DeviceSpec, None] = None, device=None, choices: Optional[PlanChoices] = None,
             runtime: Optional[RuntimeOptions] = None, debug: Optional[DebugHooks] = None,
             **pins) -> CompiledModel:
     """This rank's ``CompiledModel`` of ``model`` on ``world`` (see the module docstring).
 
+    ``seq``: the sequence length to plan for (as in ``xirang.plan``; default: the example inputs').
     ``hardware`` names the device preset the planner prices (as in ``xirang.plan``; default: the
     plan's when one is given, "cpu" when ``device`` is a CPU device, else "a100-80g").
     ``device`` is the torch device this rank's tensors live on: by default it follows the launcher and
@@ -132,8 +133,9 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
     gm = report.graph_module
     check_trainable(gm)  # no scalar loss, or positions past the table: refused before any rank trains
     if plan is not None:  # a stale plan is the user's first problem, before how to launch
-        if plan_pins:
-            raise XirangError(f"compile got both a plan and plan choices {sorted(plan_pins)}",
+        if plan_pins or seq is not None:
+            given = sorted(plan_pins) + (["seq"] if seq is not None else [])
+            raise XirangError(f"compile got both a plan and plan choices {given}",
                               where="xirang.compile",
                               hint="pin choices when planning (xirang.plan(..., tp=2)), or drop them here "
                                    "(zero_stage= alone applies to a given plan)")
@@ -145,7 +147,7 @@ def compile(model, *, world: Union[int, str, World], example_inputs=(), example_
             raise XirangError("compile needs global_batch= to plan (samples per optimizer step)",
                               where="xirang.compile", hint="pass global_batch=, or a plan made by xirang.plan")
         plan = make_plan(model, world=parsed, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                         global_batch=global_batch, analysed=report, choices=choices)
+                         global_batch=global_batch, seq=seq, analysed=report, choices=choices)
         check_emittable(plan)
         check_plan_for_graph(plan, gm, parsed)
     if zero_stage is not None and zero_stage != plan.zero_stage:

@@ -104,3 +104,12 @@ def test_debug_shows_the_traceback_of_xirangs_error_and_only_then(tmp_path, monk
     monkeypatch.setenv("XIRANG_DEBUG", "1")
     code, _, err = cli("explain", missing)
     assert code == 2 and "Traceback (most recent call last)" in err, err
+
+
+def test_compile_plans_at_the_sequence_it_is_given_and_refuses_one_beside_a_plan():
+    # examples/train_gpt.py plans at seq 2048 and runs at 32: compile passes seq= on to xirang.plan
+    model, inputs = models.mlp()
+    compiled = xirang.compile(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8, seq=8)
+    plan = xirang.plan(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8)
+    _refused("both a plan and plan choices ['seq']", plan=plan, seq=8)
+    assert compiled.plan.mesh.size == 1
