@@ -149,15 +149,11 @@ def _proved_causal(mask: Node, torch_symbols: dict) -> bool:
 
 
 def _drop_unused(graph, nodes) -> None:
-    """Remove ``nodes`` that nothing reads any more, users before what they read."""
-    changed = True
-    while changed:
-        changed = False
-        for node in list(nodes):
-            if node.graph is graph and node.op == "call_function" and not node.users:
-                graph.erase_node(node)
-                nodes.discard(node)
-                changed = True
+    """Remove ``nodes`` that nothing reads any more: one pass in reverse graph order meets a node's users
+    before the node, so a chain left unread goes whole."""
+    for node in reversed(list(graph.nodes)):
+        if node in nodes and node.op == "call_function" and not node.users:
+            graph.erase_node(node)
 
 
 def _ancestors(node: Node) -> set:
