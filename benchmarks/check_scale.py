@@ -1,12 +1,15 @@
 """The full-scale check of the planner's own plans for the large setups: time per phase and peak RSS.
 
-    python benchmarks/check_scale.py [--models llama2_70b gpt3_175b_hf llama3_405b] [--pin tp=8 pp=16 ...]
-                                     [--json OUT]
+    python benchmarks/check_scale.py [--models llama2_70b gpt3_175b_hf llama3_405b qwen3_moe_30b_a3b] \
+                                     [--pin tp=8 pp=16 ...] [--json OUT]
 
 Each model is built on meta (examples/catalog.py), planned for its world (the setups of
-benchmarks/plan_speed.py), then ``xirang.check`` runs every class of ranks on fake tensors and proves the
-plan; printed: the plan, the check's report (measured vs predicted memory per pipeline rank, violations),
-seconds per phase and the peak RSS of this process and of its largest worker. ``--pin KEY=VALUE`` pins
+benchmarks/plan_speed.py, and Qwen3-30B-A3B on 4x8 H100 as its Megatron-Bridge row runs), then
+``xirang.check`` runs every class of ranks on fake tensors and proves the plan; printed: the plan, the
+check's report (measured vs predicted memory per pipeline rank, violations), seconds per phase, the CPU
+seconds of this process and its workers (on a shared machine the wall time is those over the cores its
+load leaves) and the peak RSS of this process and of its largest worker.
+``--pin KEY=VALUE`` pins
 a choice (a published configuration: ``--pin tp=8 pp=16 micro_batch=1``) instead of the planner's;
 ``--json OUT`` writes every memory row, each with the check's seconds per phase (``phases``: trace, the
 classes' wall time, lowering and running summed over the classes, each proof) and the peak RSS figures.
@@ -27,7 +30,14 @@ SETUPS = {  # factory in examples/catalog.py, world, device, global batch (as be
     "llama2_70b": ("128x8", "a100-80g", 1024),
     "gpt3_175b_hf": ("128x8", "a100-80g", 1536),
     "llama3_405b": ("2048x8", "h100-80g", 2048),
+    "qwen3_moe_30b_a3b": ("4x8", "h100-80g", 256),  # an MoE (ep) plan, bf16 with fp32 islands (router, norms, loss)
 }
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process and its finished workers (a worker counts once it is reaped)."""
+    here, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return here.ru_utime + here.ru_stime + children.ru_utime + children.ru_stime
 
 
 def main() -> None:
@@ -50,9 +60,9 @@ def main() -> None:
         planned = time.perf_counter() - started
         print(f"== {name}: {plan.mesh}, {plan.schedule}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, "
               f"recompute {plan.recompute}, zero {plan.zero_stage}; planned in {planned:.1f} s", flush=True)
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), _cpu_seconds()
         checked = xirang.check(plan, model, example_kwargs=example, analysed=report)
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu_before
         print(checked.explain())
         rss = {"rss_gib_here": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                "rss_gib_largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20}
@@ -66,8 +76,10 @@ def main() -> None:
             rows.append({"model": name, "pins": pins, "mesh": str(plan.mesh), "schedule": plan.schedule,
                          "micro_batch": plan.micro_batch, "recompute": plan.recompute, "zero": plan.zero_stage,
                          **row, "predicted_parts": dict(predicted), "check_seconds": seconds, "ok": checked.ok,
-                         "phases": dict(checked.seconds), "classes": len(checked.classes), **rss})
-        print(f"check {seconds:.1f} s, peak RSS {rss['rss_gib_here']:.2f} GiB here, "
+                         "phases": dict(checked.seconds), "classes": len(checked.classes), "check_cpu_seconds": cpu,
+                         **rss})
+        print(f"check {seconds:.1f} s ({cpu:.1f} CPU s here and in the workers: the wall time over the cores this "
+              f"machine's load leaves), peak RSS {rss['rss_gib_here']:.2f} GiB here, "
               f"{rss['rss_gib_largest_worker']:.2f} GiB in the largest worker\n", flush=True)
     if args.json:
         with open(args.json, "w") as handle:

@@ -13,6 +13,14 @@ wrote there. Recording the same command again replaces its file.
 The page lists every benchmark script (its docstring's first line and its command) with each of its
 recorded runs, the output as the script printed it; a script with no recorded run is listed as not yet
 recorded. Nothing else goes on the page: no figure without a result file behind it.
+
+Other pages (README.md, docs/) show a recorded output where they hold a region
+
+    <!-- recorded: NAME -->
+    <!-- end recorded -->
+
+which this script fills from ``benchmarks/results/NAME.json``: the command that records it, the date,
+machine and load, then the output in a ``text`` block. ``--check`` covers those regions too.
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 NOT_BENCHMARKS = {"make_docs", "native_3d"}  # this generator; the baseline race_native.py imports
+RECORDED = re.compile(r"^<!-- recorded: ([\w.,=-]+) -->$")  # a result file's name, without .json
+END_RECORDED = "<!-- end recorded -->"
 
 
 def benchmark_scripts() -> dict[str, Path]:
@@ -175,6 +185,17 @@ def _published_configs(run: dict):
                f"{min(speedups):.2f}x to {max(speedups):.2f}x faster")
 
 
+def _published_moe_runs(run: dict):
+    """Published MoE runs: how many could be priced as published, and their predicted / published step."""
+    rows = run.get("data") or []
+    priced = [row for row in rows if row.get("priced")]
+    if rows:
+        ratios = ", ".join(f"{row['id']} {row['priced']['ratio']:.2f}" for row in priced) or "none"
+        within = sum(abs(row["priced"]["ratio"] - 1) <= 0.15 for row in priced)
+        yield ("published MoE runs priced with their configuration pinned: predicted / published step",
+               f"{len(priced)} of {len(rows)} rows priceable as published, {within} within 15%: {ratios}")
+
+
 def _activation_memory(run: dict):
     """Saved activations measured on CPU ranks against the plan's prediction, over every mode and rank."""
     ratios = [rank["ratio"] for mode in run.get("data") or [] for rank in mode["memory"] if rank.get("ratio")]
@@ -184,8 +205,33 @@ def _activation_memory(run: dict):
                f"{min(ratios):.3f} to {max(ratios):.3f}")
 
 
+def _race_native(run: dict):
+    """Xirang's step against the native baseline's on 8 CPU ranks, per mesh: wall and CPU-seconds ratios."""
+    rows = []
+    for line in run["stdout"].splitlines():
+        row = re.match(r"^(\(\d+, \d+, \d+\)\s+\S+)\s+\d+\s+(strong|weak)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+(\S+)"
+                       r"\s+\S+\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s*$", line)
+        if row:
+            rows.append(row.groups())
+    for kind in ("strong", "weak"):
+        mine = [r for r in rows if r[1] == kind]
+        if mine:
+            walls, cpus = [float(r[2]) for r in mine], [float(r[4]) for r in mine]
+            worst = max(float(r[3]) for r in mine)
+            yield (f"Xirang's step / the {kind} PyTorch-native baseline's, 8 CPU gloo ranks, {len(mine)} meshes",
+                   f"wall {min(walls):.2f} to {max(walls):.2f}, CPU seconds {min(cpus):.2f} to {max(cpus):.2f}; "
+                   f"losses equal within {worst:.1e}")
+    meshes = {r[0] for r in rows}
+    if meshes and {r[1] for r in rows} == {"strong", "weak"}:  # against the faster native at each mesh
+        walls = [max(float(r[2]) for r in rows if r[0] == mesh) for mesh in meshes]
+        cpus = [max(float(r[4]) for r in rows if r[0] == mesh) for mesh in meshes]
+        yield (f"Xirang's step / the faster native baseline's at each mesh, 8 CPU gloo ranks, {len(meshes)} meshes",
+               f"wall {min(walls):.2f} to {max(walls):.2f}, CPU seconds {min(cpus):.2f} to {max(cpus):.2f}")
+
+
 SUMMARIES = {"plan_speed": _plan_speed, "activation_memory": _activation_memory, "published_runs": _published_runs,
-             "published_configs": _published_configs}
+             "published_configs": _published_configs, "published_moe_runs": _published_moe_runs,
+             "race_native": _race_native}
 
 
 def summary_lines(runs: dict[str, list[dict]]) -> list[str]:
@@ -243,6 +289,46 @@ def render() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def pages_with_recorded_output() -> list[Path]:
+    """README.md and the docs/ pages (the benchmarks page aside) that hold a ``recorded`` region."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in pages if p != PAGE and p.is_file() and "<!-- recorded: " in p.read_text()]
+
+
+def fill_recorded(page: Path, text: str, results: Path | None = None) -> str:
+    """``text`` (of ``page``) with every ``recorded`` region written from its result file (module docstring)."""
+    results = RESULTS if results is None else results
+    lines, out, index = text.splitlines(), [], 0
+    where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    while index < len(lines):
+        line = lines[index]
+        out.append(line)
+        index += 1
+        match = RECORDED.match(line.strip())
+        if not match:
+            continue
+        end = next((j for j in range(index, len(lines)) if lines[j].strip() == END_RECORDED), None)
+        if end is None:
+            raise SystemExit(f"make_docs: {where}: '{line.strip()}' has no '{END_RECORDED}' after it")
+        path = results / f"{match.group(1)}.json"
+        if not path.is_file():
+            raise SystemExit(f"make_docs: {where} shows {path.name}, which is not recorded: run "
+                             f"python benchmarks/make_docs.py record SCRIPT [ARGS] (the name is SCRIPT__ARGS)")
+        run = json.loads(path.read_text())
+        if run["exit_status"] != 0:
+            raise SystemExit(f"make_docs: {where} shows {path.name}, a run that failed (exit {run['exit_status']})")
+        name, args = Path(run["script"]).stem, run["command"].split()[2:]
+        link = os.path.relpath(PAGE, page.parent).replace(os.sep, "/")
+        m, load = run["machine"], (run["load_average_before"] or "?").split()[0]
+        out += ["", f"Recorded by `{' '.join(['python benchmarks/make_docs.py record', name, *args])}` on "
+                f"{run['date']} ({m['cpu']}, {m['cores']} cores, load {load}; "
+                f"torch {m['torch']}); the run is also on [the benchmarks page]({link}#{name}).", "",
+                "```text", *run["stdout"].rstrip("\n").splitlines(), "```", ""]
+        out.append(lines[end])
+        index = end + 1
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["record"]:
@@ -254,16 +340,22 @@ def main(argv=None) -> int:
         record(argv[1], argv[2:], timeout_s)
         argv = []
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md differs")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when docs/benchmarks.md or a page's recorded output differs")
     args = parser.parse_args(argv)
-    text = render()
+    texts = {PAGE: render()}
+    for page in pages_with_recorded_output():
+        texts[page] = fill_recorded(page, page.read_text())
     if args.check:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print("docs/benchmarks.md is not what benchmarks/make_docs.py writes: run python benchmarks/make_docs.py")
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+        stale = [page for page, text in texts.items() if not page.exists() or page.read_text() != text]
+        for page in stale:
+            print(f"{page.relative_to(ROOT)} is not what benchmarks/make_docs.py writes: "
+                  "run python benchmarks/make_docs.py")
+        return 1 if stale else 0
+    for page, text in texts.items():
+        if not page.exists() or page.read_text() != text:
+            page.write_text(text)
+            print(f"wrote {page.relative_to(ROOT)}")
     return 0
 
 

@@ -3,7 +3,13 @@
 The same GPT (examples/gpt.py; untied head, so the native pipeline needs no hand-made tied-weight
 sum) is trained from identical weights by
 - Xirang: ``xirang.compile`` of a plan pinned to the mesh (dp, tp, pp, schedule), made for "cpu";
-- native: benchmarks/native_3d.py (DTensor tp, torch.distributed.pipelining, DDP / flat all-reduce).
+- native: benchmarks/native_3d.py, as strong as the native stack allows at every mesh (DTensor tp with
+  the embedding and the LM head vocabulary-parallel and the loss under ``loss_parallel``,
+  torch.distributed.pipelining cut where the stages' FLOPs balance, DDP where tp = 1 and DDP's
+  bucketed, overlapped all-reduce by hand where tp > 1, since DDP does not take DTensors).
+  ``--native weak`` races the earlier baseline instead (layers split evenly, embedding and head
+  replicated, one flat all-reduce after the backward where dp, tp > 1), ``--native both`` both against
+  the same Xirang steps, so the two can be compared.
 Both use AdamW. The steps alternate Xirang, native, Xirang, ... so load drift on a shared machine
 hits both; every rank waits on a barrier before each step and a step's time is the slowest
 rank's. Reported: the median over the steps after the warm-up, their ratio, and the largest
@@ -11,7 +17,7 @@ per-step |loss difference|; and the CPU seconds of a step summed over the ranks 
 every thread of a rank's process, gloo's included): with more ranks than cores that sum, not the
 step's critical path, bounds the step, and unlike wall time it barely moves with other load.
 
-    python benchmarks/race_native.py [--meshes 8,1,1 1,1,8:gpipe ...] [--steps N] [--warmup N]
+    python benchmarks/race_native.py [--meshes 8,1,1 1,1,8:gpipe ...] [--steps N] [--warmup N] [--native strong]
 """
 from __future__ import annotations
 
@@ -109,33 +115,39 @@ class XirangRun:
         return float(loss)
 
 
-def _rank(rank, world, meshes, plans, steps, warmup):
+NATIVES = {"strong": (True,), "weak": (False,), "both": (True, False)}
+
+
+def _rank(rank, world, meshes, plans, steps, warmup, strengths):
     torch.set_num_threads(1)
     results = []
     for mesh, plan in zip(meshes, plans):
         ours = XirangRun(plan, world)
-        native = NativeRun(model(), mesh[:3], mesh[3], micro_batches(mesh), _optimizer)
+        natives = [NativeRun(model(), mesh[:3], mesh[3], micro_batches(mesh), _optimizer, strong=strong)
+                   for strong in strengths]
         rows = []
         for step in range(warmup + steps):
             data = batch(step)
             x_s, x_loss, x_cpu = _timed(ours.step, data)
-            n_s, n_loss, n_cpu = _timed(native.step, data)
-            rows.append((x_s, n_s, x_loss, n_loss, x_cpu, n_cpu))
+            timed = [_timed(native.step, data) for native in natives]  # each (seconds, loss, CPU seconds)
+            rows.append((x_s, x_loss, x_cpu, timed))
         results.append(rows)
         dist.barrier()
     return results
 
 
-def summarise(per_rank, warmup):
+def summarise(per_rank, warmup, which=0):
+    """Xirang against the ``which``-th native variant: medians over the timed steps, the worst |loss difference|."""
     steps = len(per_rank[0])
     x_times = [max(rows[s][0] for rows in per_rank) for s in range(steps)][warmup:]
-    n_times = [max(rows[s][1] for rows in per_rank) for s in range(steps)][warmup:]
-    x_loss = [per_rank[0][s][2] for s in range(steps)]
+    n_times = [max(rows[s][3][which][0] for rows in per_rank) for s in range(steps)][warmup:]
+    x_loss = [per_rank[0][s][1] for s in range(steps)]
     # the native loss of a step: the mean of the dp shares' losses, reported by their last-stage tp-0 ranks
-    n_loss = [statistics.fmean(rows[s][3] for rows in per_rank if rows[s][3] is not None) for s in range(steps)]
+    n_loss = [statistics.fmean(rows[s][3][which][1] for rows in per_rank if rows[s][3][which][1] is not None)
+              for s in range(steps)]
     diff = max(abs(a - b) for a, b in zip(x_loss, n_loss))
-    x_cpu = statistics.median([sum(rows[s][4] for rows in per_rank) for s in range(steps)][warmup:])
-    n_cpu = statistics.median([sum(rows[s][5] for rows in per_rank) for s in range(steps)][warmup:])
+    x_cpu = statistics.median([sum(rows[s][2] for rows in per_rank) for s in range(steps)][warmup:])
+    n_cpu = statistics.median([sum(rows[s][3][which][2] for rows in per_rank) for s in range(steps)][warmup:])
     return statistics.median(x_times), statistics.median(n_times), diff, x_loss[-1], x_cpu, n_cpu
 
 
@@ -144,6 +156,8 @@ def main(argv=None):
     parser.add_argument("--meshes", nargs="+", default=DEFAULT_MESHES, help="dp,tp,pp[:gpipe|1f1b] ...")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per system and mesh")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--native", choices=sorted(NATIVES), default="strong",
+                        help="the native baseline: strong (default), the earlier weak one, or both")
     args = parser.parse_args(argv)
     meshes = [parse_mesh(m) for m in args.meshes]
     print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -161,14 +175,19 @@ def main(argv=None):
               f"{sharded} tp-sharded parameters")
     # 8 ranks on a few shared cores can go silent for seconds while another rank computes: a long
     # heartbeat keeps the launcher from calling a starved rank frozen
-    results = launch(_rank, WORLD, (meshes, plans, args.steps, args.warmup), timeout_s=1800, heartbeat_s=300)
-    print(f"\n{'mesh (dp,tp,pp)':18s} {'schedule':8s} {'m':>2s} {'xirang ms':>10s} {'native ms':>10s} {'x/native':>9s} "
-          f"{'max |dloss|':>12s} {'last loss':>10s} {'xirang CPU s':>12s} {'native CPU s':>12s} {'CPU x/n':>8s}")
+    strengths = NATIVES[args.native]
+    results = launch(_rank, WORLD, (meshes, plans, args.steps, args.warmup, strengths), timeout_s=1800,
+                     heartbeat_s=300)
+    print(f"\n{'mesh (dp,tp,pp)':18s} {'schedule':8s} {'m':>2s} {'native':>6s} {'xirang ms':>10s} {'native ms':>10s} "
+          f"{'x/native':>9s} {'max |dloss|':>12s} {'last loss':>10s} {'xirang CPU s':>12s} {'native CPU s':>12s} "
+          f"{'CPU x/n':>8s}")
     for i, mesh in enumerate(meshes):
-        x_s, n_s, diff, last, x_cpu, n_cpu = summarise([r[i] for r in results], args.warmup)
-        schedule = mesh[3] if mesh[2] > 1 else "-"
-        print(f"{str(mesh[:3]):18s} {schedule:8s} {micro_batches(mesh):2d} {x_s * 1e3:10.1f} {n_s * 1e3:10.1f} "
-              f"{x_s / n_s:9.2f} {diff:12.2e} {last:10.4f} {x_cpu:12.2f} {n_cpu:12.2f} {x_cpu / n_cpu:8.2f}")
+        for which, strong in enumerate(strengths):
+            x_s, n_s, diff, last, x_cpu, n_cpu = summarise([r[i] for r in results], args.warmup, which)
+            schedule = mesh[3] if mesh[2] > 1 else "-"
+            print(f"{str(mesh[:3]):18s} {schedule:8s} {micro_batches(mesh):2d} {'strong' if strong else 'weak':>6s} "
+                  f"{x_s * 1e3:10.1f} {n_s * 1e3:10.1f} {x_s / n_s:9.2f} {diff:12.2e} {last:10.4f} {x_cpu:12.2f} "
+                  f"{n_cpu:12.2f} {x_cpu / n_cpu:8.2f}")
     print(f"\ntotal {time.perf_counter() - began:.0f} s")
 
 

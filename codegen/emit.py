@@ -22,8 +22,10 @@ from typing import Optional
 from xirang.ir.errors import XirangError
 from xirang.ir.meta_keys import (PARAM_ALIASES, PARAM_NAME, PARAM_SHARD, RANDOM_SITES, ROLE, STAGE_MODULES,
                                  SYMBOL_DIMS, SYMBOLS)
+from xirang.passes.planning.context_parallel_cost import context_parallel_conflicts
 from xirang.passes.lowering.precision import COMPUTE_DTYPES
 from xirang.passes.lowering.regions import region_source
+from xirang.passes.lowering.split_stages import tied_parameters
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Program:
     """Everything a rank runs, picklable: its stage modules and how to bind and feed them."""
 
     stages: tuple  # StageModule per plan stage (passes/lowering/split_stages.py)
-    symbols: dict  # size symbol -> value the stages were built for (batch = one micro-batch)
+    symbols: dict  # size symbol -> value of one micro-batch's inputs (seq: the whole sequence, which cp cuts)
     batch_dims: dict  # user input name -> {dim: symbol}
     inputs: tuple  # user input names the stages read
     aliases: dict  # FQN -> every FQN bound to that tensor (tied weights)
@@ -41,16 +43,11 @@ class Program:
 
 
 # mesh axes a plan may size that no program enacts yet: (what it is, what a program would get wrong, issue)
-NOT_ENACTED = {
-    "cp": ("context parallelism", "no program splits attention's sequence over a cp group, so every cp rank "
-                                  "would train on the whole sequence as a copy of the others", "issue 36"),
-    "ep": ("expert parallelism", "no program dispatches tokens to experts held on other ranks, so every rank "
-                                 "would keep every expert and the ep groups would go unused", "issue 35"),
-}
+NOT_ENACTED: dict = {}  # cp runs since issue 36 (passes/lowering/context_parallel.py), ep since issue 35
 
 
 def check_enacted_axes(mesh, where: str = "plan.mesh") -> None:
-    """Refuse a mesh with cp > 1 or ep > 1 until their runtimes land: run, it would train wrong."""
+    """Refuse a mesh that sizes an axis ``NOT_ENACTED`` names (none now): run, it would train wrong."""
     for axis, (name, why, issue) in NOT_ENACTED.items():
         size = mesh.axis_size(axis)
         if size > 1:
@@ -59,9 +56,65 @@ def check_enacted_axes(mesh, where: str = "plan.mesh") -> None:
                               hint=f"re-plan with xirang.plan(...), which keeps {axis}=1 until {issue} lands")
 
 
+def check_expert_parallel(plan) -> None:
+    """Refuse what expert parallelism does not run with yet (ep > 1), naming the other choice."""
+    ep = plan.mesh.ep
+    if ep == 1:
+        return
+    if plan.zero_stage:
+        raise XirangError(f"expert parallelism (ep={ep}) with ZeRO-{plan.zero_stage} is not run yet: ZeRO shards "
+                          f"the optimizer state over the dp group, and expert weights are reduced over their "
+                          f"expert-data-parallel group instead", where="plan.zero_stage",
+                          hint="plan with zero_stage=0 beside ep > 1, or with ep=1")
+    if len(set(plan.dp_shares)) > 1:
+        raise XirangError(f"expert parallelism (ep={ep}) with uneven dp shares {list(plan.dp_shares)}: every rank "
+                          f"of an ep group must run as many micro-batches, since each experts layer exchanges "
+                          f"rows with all of them", where="plan.dp_shares",
+                          hint="plan with even dp shares (a World of one device kind), or with ep=1")
+
+
+def check_context_parallel(plan) -> None:
+    """Refuse what context parallelism (cp > 1, passes/lowering/context_parallel.py) does not run with yet,
+    naming the other choice."""
+    cp = plan.mesh.cp
+    # the planner lists no candidate with these either (the same predicate: context_parallel_cost.py)
+    for what, where, why in context_parallel_conflicts(cp=cp, ep=plan.mesh.ep, zero_stage=plan.zero_stage,
+                                                       dp_shares=plan.dp_shares,
+                                                       sequence_parallel=plan.sequence_parallel):
+        raise XirangError(f"context parallelism (cp={cp}) with {what} is not run yet: {why}", where=where,
+                          hint=f"plan with cp={cp} beside dp and pp only, or with cp=1")
+
+
+def check_context_parallel_program(program: "Program", plan) -> None:
+    """Refuse a cp > 1 program with random ops (their streams are drawn per dp and tp rank, so the cp ranks
+    of a sequence would draw alike, and exact mode's whole-tensor draw is cut by batch, not by chunk), or
+    whose weights are tied across pipeline ranks (their gradient sums are built per (dp, tp) place:
+    codegen/runtime/state/pipeline_state.py ``tied_groups``, not yet per cp rank)."""
+    if plan.mesh.cp == 1:
+        return
+    if program.random_sites:
+        ops = sorted({f"{site.node} ({site.op})" for site in program.random_sites})
+        raise XirangError(f"context parallelism (cp={plan.mesh.cp}) with random ops ({', '.join(ops[:4])}"
+                          f"{', ...' if len(ops) > 4 else ''}) is not run yet: their draws are not split by "
+                          f"sequence chunk", where="the model's dropout",
+                          hint="set the model's dropout probabilities to 0, or plan with cp=1")
+    if plan.mesh.pp == 1:
+        return
+    pp = plan.mesh.pp
+    tied = sorted(fqn for fqn, stages in tied_parameters(program.stages).items()
+                  if len({stage % pp for stage in stages}) > 1)
+    if tied:
+        raise XirangError(f"context parallelism (cp={plan.mesh.cp}) with pp={pp} and weights tied across pipeline "
+                          f"ranks ({', '.join(tied)}) is not run yet: their gradients are summed per dp and tp "
+                          f"place, not per cp rank", where="plan.mesh",
+                          hint="plan with pp=1 beside cp, untie the weights, or plan with cp=1")
+
+
 def check_emittable(plan) -> None:
     """Refuse what no program is emitted for, before any rank builds anything."""
     check_enacted_axes(plan.mesh)
+    check_expert_parallel(plan)
+    check_context_parallel(plan)
     if plan.precision not in COMPUTE_DTYPES:
         raise XirangError(f"the plan computes in {plan.precision!r}, which no program is emitted for",
                           where="plan.precision", hint=f"re-plan with precision in {sorted(COMPUTE_DTYPES)}")
@@ -72,8 +125,11 @@ def emit_program(gm, plan) -> Program:
     stages = STAGE_MODULES.get(gm)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     shards = {PARAM_SHARD.get(n).name: PARAM_SHARD.get(n) for n in placeholders if PARAM_SHARD.has(n)}
+    symbols = {**SYMBOLS.get(gm, {}), "batch": plan.micro_batch}
+    if plan.mesh.cp > 1 and "seq" in symbols:  # the stages hold seq / cp tokens (split_sequence); inputs the whole
+        symbols["seq"] *= plan.mesh.cp
     return Program(
-        stages=stages, symbols={**SYMBOLS.get(gm, {}), "batch": plan.micro_batch},
+        stages=stages, symbols=symbols,
         batch_dims={name: dict(dims) for name, dims in SYMBOL_DIMS.get(gm, {}).items()},
         inputs=tuple(dict.fromkeys(name for stage in stages for name in stage.user_inputs)),
         aliases={PARAM_NAME.get(n): tuple(PARAM_ALIASES.get(n, (PARAM_NAME.get(n),)))
@@ -82,11 +138,18 @@ def emit_program(gm, plan) -> Program:
         shards=shards, random_sites=tuple(RANDOM_SITES.get(gm, ())))
 
 
-def attach(program: Program, *, tp_group=None, counter: Optional[object] = None, rng=None) -> Program:
-    """Point every stage module at this process's live tp group and communication counter, and (when
-    given) the runtime's RNG streams (``codegen/ops/random_ops.RngContext``)."""
+def attach(program: Program, *, tp_group=None, counter: Optional[object] = None, rng=None,
+           ep_group=None, cp_group=None, context_groups=None) -> Program:
+    """Point every stage module at this process's live tp group (and ep group: expert parallelism's
+    dispatch, passes/lowering/expert_parallel.py; cp group: context parallelism's attention, positions and
+    loss, passes/lowering/context_parallel.py; ``context_groups``: USP attention's sub-groups of it,
+    codegen/runtime/launch/process_groups.py ``ContextGroups``) and communication counter, and (when given) the
+    runtime's RNG streams (``codegen/ops/random_ops.RngContext``)."""
     for stage in program.stages:
         stage.module.tp_group, stage.module.comm_counter = tp_group, counter
+        stage.module.ep_group, stage.module.cp_group = ep_group, cp_group
+        if context_groups is not None:
+            stage.module.cp_a2a_group, stage.module.cp_ring_group = context_groups.a2a, context_groups.ring
         if rng is not None:
             stage.module.rng = rng
     return program

@@ -28,7 +28,7 @@ def token_batch(batch: int, seq: int, device="cpu", *, step: int = 0, names=("in
     return {name: torch.randint(0, VOCAB_USED, (batch, seq), generator=generator).to(device) for name in names}
 
 
-def _build(config_class, model_class, device, **options):
+def build_from_config(config_class, model_class, device, **options):
     torch.manual_seed(0)
     config = config_class(**options)
     with torch.device(device):
@@ -38,7 +38,7 @@ def _build(config_class, model_class, device, **options):
 
 def _decoder(config_name, model_name, batch, seq, device, step=0, **options):
     import transformers
-    model = _build(getattr(transformers, config_name), getattr(transformers, model_name), device, **options)
+    model = build_from_config(getattr(transformers, config_name), getattr(transformers, model_name), device, **options)
     return model, token_batch(batch, seq, device, step=step)
 
 
@@ -85,10 +85,11 @@ def falcon(batch=2, seq=16, device="cpu", step=0):
                     max_position_embeddings=POSITIONS, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
 
 
-def gpt_bigcode(batch=2, seq=16, device="cpu", step=0):
-    """GPTBigCode (StarCoder): multi-query attention, learned positions, tied head."""
+def gpt_bigcode(batch=2, seq=16, device="cpu", step=0, multi_query=True):
+    """GPTBigCode (StarCoder): multi-query attention (or, multi_query=False, all heads), learned positions,
+    tied head."""
     return _decoder("GPTBigCodeConfig", "GPTBigCodeForCausalLM", batch, seq, device, step, n_layer=LAYERS,
-                    n_embd=HIDDEN, n_head=HEADS, multi_query=True, vocab_size=VOCAB, n_positions=POSITIONS,
+                    n_embd=HIDDEN, n_head=HEADS, multi_query=multi_query, vocab_size=VOCAB, n_positions=POSITIONS,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
                     eos_token_id=0)
 
@@ -147,7 +148,7 @@ def mixtral(batch=2, seq=16, device="cpu", step=0):
 def bert(batch=2, seq=16, device="cpu", step=0):
     """BERT with its masked-LM head: encoder-only, bidirectional attention, learned positions, tied head."""
     import transformers
-    model = _build(transformers.BertConfig, transformers.BertForMaskedLM, device, num_hidden_layers=LAYERS,
+    model = build_from_config(transformers.BertConfig, transformers.BertForMaskedLM, device, num_hidden_layers=LAYERS,
                    hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=FFN, vocab_size=VOCAB,
                    max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return model, token_batch(batch, seq, device, step=step)
@@ -156,7 +157,7 @@ def bert(batch=2, seq=16, device="cpu", step=0):
 def t5(batch=2, seq=16, device="cpu", step=0):
     """T5: encoder-decoder, relative position buckets, RMSNorm, cross-attention, untied head."""
     import transformers
-    model = _build(transformers.T5Config, transformers.T5ForConditionalGeneration, device, num_layers=LAYERS,
+    model = build_from_config(transformers.T5Config, transformers.T5ForConditionalGeneration, device, num_layers=LAYERS,
                    num_decoder_layers=LAYERS, d_model=HIDDEN, d_kv=HIDDEN // HEADS, num_heads=HEADS, d_ff=FFN,
                    vocab_size=VOCAB, dropout_rate=0.0, tie_word_embeddings=False, decoder_start_token_id=0,
                    pad_token_id=0, use_cache=False)
@@ -166,7 +167,7 @@ def t5(batch=2, seq=16, device="cpu", step=0):
 def bart(batch=2, seq=16, device="cpu", step=0):
     """BART: encoder-decoder, learned positions (offset 2), post-LayerNorm, tied head."""
     import transformers
-    model = _build(transformers.BartConfig, transformers.BartForConditionalGeneration, device,
+    model = build_from_config(transformers.BartConfig, transformers.BartForConditionalGeneration, device,
                    encoder_layers=LAYERS, decoder_layers=LAYERS, d_model=HIDDEN, encoder_attention_heads=HEADS,
                    decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, vocab_size=VOCAB,
                    max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
@@ -182,7 +183,7 @@ def vit(batch=2, seq=16, device="cpu", step=0):
     if side * side != seq:
         raise ValueError(f"vit: seq={seq} patches must be a square number")
     patch = 4
-    model = _build(transformers.ViTConfig, transformers.ViTForImageClassification, device,
+    model = build_from_config(transformers.ViTConfig, transformers.ViTForImageClassification, device,
                    num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=FFN,
                    image_size=side * patch, patch_size=patch, num_channels=3, num_labels=10,
                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -221,7 +221,8 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         # 2020-21 software (Megatron-LM with apex kernels, attention unfused: its seq x seq scores
         # written, masked, softmaxed and dropped out in HBM): the pair fitted by
         # benchmarks/fit_efficiency.py to the five Megatron-LM runs of
-        # benchmarks/published_configs.json (worst error 4.8%, leave-one-out 10.6%).
+        # benchmarks/published_configs.json (its errors, fitted and left-one-out, are its recorded run on
+        # docs/benchmarks.md).
         # matmul 0.7 = 218 of 312 TFLOP/s; memory 0.35 lumps the unfused elementwise passes.
         efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.35),
     ),
@@ -258,6 +259,24 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         # host link: PCIe Gen5 x16 (H200 datasheet, "PCIe Gen5: 128GB/s"), 64 GB/s each way
         host_link_bytes_per_s=64e9,
         # the H100's kernels and software (same die): see there
+        efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.8),
+    ),
+    # NVIDIA B200 (Blackwell) as it ships in DGX B200 / HGX B200 (1,000 W), dense figures (the
+    # datasheets' headline numbers are with 2:4 sparsity, twice these). HGX B200 platform page, 8-GPU
+    # totals: BF16/FP16 36 PFLOPS, FP8 72 PFLOPS, TF32 18 PFLOPS (sparse), FP64 / FP64 tensor 296 TFLOPS,
+    # FP32 600 TFLOPS; per GPU and dense: BF16 2,250, FP8 4,500, TF32 1,125, FP32 75, FP64 37 TFLOPS.
+    # DGX B200 datasheet: 1,440 GB of HBM3e in all at 64 TB/s, i.e. 180 GB and 8 TB/s a GPU. Memory as
+    # 179 GiB: nvidia-smi reports 183359 MiB for this part (not checked on a machine here).
+    "b200": DeviceSpec(
+        name="b200",
+        peak_flops={"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "tf32": 1125e12, "fp32": 75e12,
+                    "fp64": 37e12},
+        memory_bytes=179 * GiB,
+        memory_bandwidth=8.0e12,
+        # host link: PCIe Gen5 x16 to the DGX B200's Xeon hosts, 64 GB/s each way (as the H100's)
+        host_link_bytes_per_s=64e9,
+        # 2025 software (Megatron-Core / Transformer Engine on Blackwell): the H100's fractions kept, not
+        # fitted to any B200 run (no bf16 dense B200 run with its configuration was found to fit them to)
         efficiency=Efficiency(matmul=0.7, other=0.1, memory=0.8),
     ),
     # A modest generic CPU, deliberately conservative: 0.5 TFLOP/s is roughly a 16-core AVX-512

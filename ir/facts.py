@@ -127,7 +127,11 @@ class BlockInfo:
 class ParamShard:
     """How a rank holds one placeholder bound to model state: its FQN (and tied aliases), role
     ('parameter', 'buffer', 'constant'), tp placement and the full (unsharded) shape. The runtime
-    binds ``shard_of(full, placement, tp_rank, tp)`` and undoes it for ``full_state_dict``."""
+    binds ``shard_of(full, placement, tp_rank, tp)`` and undoes it for ``full_state_dict``.
+
+    ``experts``: for an expert weight under expert parallelism, ``(first, count)``: this rank holds
+    experts ``first .. first + count - 1`` of dim 0 (its ep rank's), and the tp placement applies to
+    that slice; empty for every other tensor (passes/lowering/expert_parallel.py)."""
 
     placeholder: str
     name: str
@@ -135,6 +139,7 @@ class ParamShard:
     role: str
     placement: object
     full_shape: tuple
+    experts: tuple = ()
 
 
 class RandomSite(NamedTuple):

@@ -26,6 +26,7 @@ from xirang.ir.plan_checks import (REPLAN, PlanError, check_choice, check_int, c
                                    parse_json_list)
 from xirang.ir.plan_explain import explain_plan
 from xirang.ir.plan_parts import Alternative, CollectiveChoice, NodeStrategy, Prediction, StagePlan
+from xirang.ir.plan_trials import Trial
 # re-exported: the plan's parts and PlanError are importable from here as well
 from xirang.ir.plan_parts import COLLECTIVE_KINDS, Layout  # noqa: F401
 from xirang.ir.schedules import SCHEDULES
@@ -71,6 +72,15 @@ class Plan:
     precision: str = "fp32"
     grad_reduce_dtype: str = "fp32"
     zero_stage: int = 0  # ZERO_STAGES; 1 and 3 need dp > 1 and list each bucket's reduce-scatter and all-gather
+    # expert parallelism priced with the most-loaded ep rank's routed rows this many times the mean
+    # (passes/planning/expert_costs.py); 1.0 is balanced routing
+    routing_imbalance: float = 1.0
+    # the expert all-to-alls priced as run under another micro-batch's compute (Megatron-Core's batch-level
+    # overlap; passes/planning/expert_costs.py). Xirang's runtime runs them exposed: a pricing assumption
+    ep_overlap: bool = False
+    # each expert takes at most ceil(rows / experts x capacity_factor) of the rows a rank routes it per
+    # micro-batch, the rest dropped (codegen/ops/expert_capacity.py); None: dropless
+    capacity_factor: Optional[float] = None
     placements: Mapping[str, NodeStrategy] = field(default_factory=dict)  # node name -> strategy
     stages: tuple[StagePlan, ...]
     # parameter names per gradient bucket, in launch order, each bucket one stage's (collectives "bucket:<k>")
@@ -84,6 +94,8 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()  # other configurations priced, for explain()
     # the model in brief (parameters, ties, inputs, a record per node), so a refusal names what differs
     model_summary: Optional[ModelSummary] = None
+    # configurations run for a few steps on the ranks by ``xirang tune`` (ir/plan_trials.py); () untuned
+    trials: tuple[Trial, ...] = ()
 
     def __post_init__(self):
         with errors_at("plan"):
@@ -126,6 +138,20 @@ class Plan:
             raise PlanError(f"sequence_parallel is {self.sequence_parallel!r}", where="sequence_parallel",
                             hint="set it to true or false")
         self._check_tp_overlap(mesh)
+        if not isinstance(self.ep_overlap, bool) or (self.ep_overlap and mesh.ep == 1):
+            raise PlanError(f"ep_overlap is {self.ep_overlap!r} at ep {mesh.ep}; it is true only where expert "
+                            f"parallelism exchanges rows (ep > 1)", where="ep_overlap",
+                            hint="set ep_overlap to false, or use a plan with ep > 1")
+        if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(
+                self.capacity_factor, (int, float)) or not self.capacity_factor > 0):
+            raise PlanError(f"capacity_factor is {self.capacity_factor!r}; give a number > 0 (each expert's rows "
+                            f"per micro-batch over the balanced share) or null (dropless)", where="capacity_factor",
+                            hint="set capacity_factor to null, or to e.g. 1.0 or 1.25")
+        if isinstance(self.routing_imbalance, bool) or not isinstance(self.routing_imbalance, (int, float)) \
+                or not self.routing_imbalance >= 1:
+            raise PlanError(f"routing_imbalance is {self.routing_imbalance!r}; give a number >= 1 (the most-loaded "
+                            f"expert-parallel rank's rows over the mean)", where="routing_imbalance",
+                            hint="1.0 for balanced routing")
         check_choice(self.precision, PRECISIONS, "precision")
         check_choice(self.grad_reduce_dtype, PRECISIONS, "grad_reduce_dtype")
         self._check_zero_stage(mesh)
@@ -172,6 +198,7 @@ class Plan:
                                                            lambda v, w: check_type(v, Alternative, w)))
         if self.model_summary is not None:
             check_type(self.model_summary, ModelSummary, "model_summary")
+        object.__setattr__(self, "trials", check_seq(self.trials, "trials", lambda v, w: check_type(v, Trial, w)))
 
     def _check_tp_overlap(self, mesh: Mesh) -> None:
         if type(self.tp_overlap) is not int or self.tp_overlap < 0 or self.tp_overlap == 1:
@@ -317,8 +344,8 @@ class Plan:
                 value = [v.to_json() if hasattr(v, "to_json") else v for v in value]
             elif hasattr(value, "to_json"):
                 value = value.to_json()
-            if f.name == "model_summary" and value is None:
-                continue  # a plan made without its model's summary is written as older plans were
+            if (f.name == "model_summary" and value is None) or (f.name == "trials" and not value):
+                continue  # a plan made without its model's summary (or untuned) is written as older plans were
             data[f.name] = value
         return data
 
@@ -331,19 +358,21 @@ class Plan:
                 raise PlanError(f"plan has schema_version {data['schema_version']!r}; this Xirang reads "
                                 f"version {SCHEMA_VERSION}" + (f": {reason}" if reason else ""),
                                 where="schema_version", hint="re-plan with xirang.plan(...) and save the new plan")
-            # alternatives, offload, dp_shares, sequence_parallel, zero_stage, tp_overlap and model_summary came
+            # alternatives, offload, dp_shares, sequence_parallel, zero_stage, tp_overlap, model_summary,
+            # routing_imbalance, ep_overlap and trials came
             # after the first plans were written: optional when reading
             check_keys(data, tuple(f.name for f in fields(cls)), "plan",
                        required=tuple(f.name for f in fields(cls) if f.name not in (
                            "alternatives", "offload", "dp_shares", "sequence_parallel", "zero_stage",
-                           "tp_overlap", "model_summary")))
+                           "tp_overlap", "model_summary", "routing_imbalance", "ep_overlap", "capacity_factor",
+                           "trials")))
             values = dict(data)
             for name, parse in (("world", World.from_json), ("mesh", Mesh.from_json),
                                 ("predicted", Prediction.from_json)):
                 with errors_at(name):
                     values[name] = parse(data[name])
             for name, parse in (("stages", StagePlan.from_json), ("collectives", CollectiveChoice.from_json),
-                                ("alternatives", Alternative.from_json)):
+                                ("alternatives", Alternative.from_json), ("trials", Trial.from_json)):
                 if name in data:
                     values[name] = parse_json_list(data[name], name, parse)
             if data.get("model_summary") is not None:

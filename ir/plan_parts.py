@@ -236,9 +236,11 @@ class Alternative:
     offload: str = "none"
     zero_stage: int = 0  # 0, or 1: ZeRO-1's optimizer state sharded over dp (Plan.zero_stage)
     sequence_parallel: bool = False  # the residual stream sharded along the sequence (Plan.sequence_parallel)
+    context_method: str = "ring"  # how attention runs at cp > 1: "ring" or "all_to_all" (context_parallel_cost.py)
 
     def __post_init__(self):
         check_type(self.mesh, Mesh, "mesh")
+        check_str(self.context_method, "context_method")
         check_int(self.zero_stage, "zero_stage", minimum=0)
         for name in ("micro_batch", "num_micro_batches", "virtual_stages"):
             check_int(getattr(self, name), name)
@@ -258,7 +260,7 @@ class Alternative:
 
     def __hash__(self) -> int:
         return hash((self.mesh, self.micro_batch, self.schedule, self.virtual_stages, self.recompute, self.offload,
-                     self.zero_stage, self.sequence_parallel))
+                     self.zero_stage, self.sequence_parallel, self.context_method))
 
     def __reduce__(self):
         return (Alternative.from_json, (self.to_json(),))
@@ -272,7 +274,7 @@ class Alternative:
     @classmethod
     def from_json(cls, data) -> "Alternative":
         names = tuple(f.name for f in fields(cls))
-        came_later = ("offload", "zero_stage", "sequence_parallel")
+        came_later = ("offload", "zero_stage", "sequence_parallel", "context_method")
         check_keys(data, names, "alternative", required=tuple(n for n in names if n not in came_later))
         with errors_at("mesh"):
             mesh = Mesh.from_json(data["mesh"])

@@ -83,12 +83,19 @@ INTRA_NODE_NVLINK4 = LinkSpec(bandwidth=450e9 * NVLINK_BUS_FRACTION, latency=5e-
 # 8 x 50 GB/s = 400 GB/s per node each way (twice HDR). DGX H200 has the same NVLink4 and NICs.
 INTER_NODE_NDR = LinkSpec(bandwidth=400e9, latency=1e-5)
 
+# DGX B200 (NVIDIA DGX B200 datasheet): NVLink5, 18 links x 50 GB/s = 900 GB/s per direction per GPU
+# (1.8 TB/s bidirectional; 14.4 TB/s for the node's 8 GPUs); bus bandwidth at the DGX A100
+# fraction, as for the H100: 900 x 0.767 = 690 GB/s. Between nodes the same 8 single-port
+# ConnectX-7 400 Gb/s NICs as DGX H100 (INTER_NODE_NDR).
+INTRA_NODE_NVLINK5 = LinkSpec(bandwidth=900e9 * NVLINK_BUS_FRACTION, latency=5e-6)
+
 # device preset name -> (intra-node, inter-node) links of the node it ships in. A device not listed
 # (the cpu preset, a custom DeviceSpec) keeps the DGX A100 figures, as every World had before.
 NODE_LINKS = {
     "a100-80g": (INTRA_NODE_NVLINK, INTER_NODE_IB),
     "h100-80g": (INTRA_NODE_NVLINK4, INTER_NODE_NDR),
     "h200": (INTRA_NODE_NVLINK4, INTER_NODE_NDR),
+    "b200": (INTRA_NODE_NVLINK5, INTER_NODE_NDR),
 }
 
 
@@ -165,7 +172,8 @@ class World:
                 *, intra_node: Optional[LinkSpec] = None,
                 inter_node: Optional[LinkSpec] = None) -> "World":
         """``nodes`` identical nodes of ``devices_per_node`` devices each; the links default to those of
-        the device's node (``NODE_LINKS``: DGX A100 for an A100, DGX H100 for an H100 or H200)."""
+        the device's node (``NODE_LINKS``: DGX A100 for an A100, DGX H100 for an H100 or H200,
+        DGX B200 for a B200)."""
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise InvalidValue(f"World.uniform nodes must be a positive int, got {nodes!r}")
         node = NodeSpec(devices_per_node, device_spec(device))

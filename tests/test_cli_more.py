@@ -161,3 +161,19 @@ def test_verify_reads_the_loss_of_hugging_face_outputs_tuples_and_tensors():
     loss = torch.tensor(2.5)
     assert loss_of(CausalLMOutput(loss=loss, logits=torch.zeros(1))) is loss  # HF models with labels
     assert loss_of((loss, torch.zeros(1))) is loss and loss_of(loss) is loss
+
+
+def test_plan_pins_ep_and_prices_the_routing_imbalance_given(tmp_path):
+    """`xirang plan --ep N --routing-imbalance R --capacity-factor F --ep-overlap`: the pins every other axis
+    has, and the planning inputs the MoE guide names (the API took them; the command line had none)."""
+    out = tmp_path / "moe.json"
+    code, printed, err = cli("plan", "examples/hf_moe.py:mixtral", "--world", "4", "--hardware", "cpu",
+                             "--global-batch", "8", "--dp", "4", "--ep", "2", "--routing-imbalance", "1.5",
+                             "--capacity-factor", "1.25", "--ep-overlap", "--out", str(out))
+    assert code == 0, err
+    saved = json.loads(out.read_text())
+    assert saved["mesh"]["ep"] == 2 and saved["routing_imbalance"] == 1.5, (saved["mesh"], saved["routing_imbalance"])
+    assert saved["capacity_factor"] == 1.25 and saved["ep_overlap"] is True  # token dropping, overlap pricing
+    assert "routing imbalance assumed 1.5" in printed
+    assert "capacity factor 1.25" in printed and "priced at 1.25 times the mean" in printed
+    assert "all-to-alls priced as overlapped" in printed

@@ -31,8 +31,9 @@ def planned():
     batch = {name: torch.zeros(2, 16, dtype=torch.long, device="meta") for name in ("input_ids", "labels")}
     analysed = xirang.analyze(model, (), batch)
     world = xirang.World.uniform(1, 4, "a100-80g", intra_node=xirang.LinkSpec(bandwidth=50e9, latency=1e-5))
+    # cp = 1: the planner now prices cp 4 faster here, and reprice re-searches cp = 1 meshes only
     plan = xirang.plan(model, world=world, example_kwargs=batch, global_batch=1, seq=SEQ, precision="fp32",
-                       analysed=analysed)
+                       analysed=analysed, cp=1)
     assert plan.mesh.tp == 4  # the premise: tp wins here
     assert any(isinstance(s.outputs[0].tp, PlanShard) for n, s in plan.placements.items() if n.startswith("p_"))
     split = SplitPricer(analysed.graph_module, world, precision="fp32").price(4, (0, 1, 2, 3), plan.micro_batch, SEQ)
@@ -164,3 +165,27 @@ def test_stage_seconds_on_shared_cores_are_brought_to_the_all_busy_rate():
                                                                                   waiting_share=0.5))
     waited = MeasuredCosts({0: 1.0}, {0: 2.0}, 0.0, 3.0, 1, busy_ranks=2.0, waiting_ranks=6.0)
     assert shared_core_factor(spinning, waited) == pytest.approx(8 / (2 + 0.5 * 6))  # a waiter costs half a busy rank
+
+
+def test_a_plan_with_cp_is_refused_rather_than_fitted_wrong(planned):
+    """reprice prices the stages from the split at the whole sequence; a cp rank runs seq / cp of it, so the
+    fitted compute scale would be cp times off. Refused, naming the axis, until the fit re-prices cp and ep."""
+    plan, analysed, *_ = planned
+    with_cp = xirang.plan(build_gpt("tiny", device="meta"), world=plan.world, example_kwargs={
+        name: torch.zeros(2, 16, dtype=torch.long, device="meta") for name in ("input_ids", "labels")},
+        global_batch=1, seq=SEQ, precision="fp32", analysed=analysed, cp=4)
+    measured = MeasuredCosts(forward={0: 1.0}, backward={0: 1.0}, sync_seconds=0.0, step_seconds=2.0,
+                             num_micro_batches=with_cp.num_micro_batches)
+    with pytest.raises(XirangError) as refused:
+        xirang.reprice(with_cp, measured, analysed=analysed, seq=SEQ)
+    assert "cp=4" in refused.value.what and "cp=1" in refused.value.hint
+    # inside `xirang train` the report is skipped with a line, and the run goes on (no measurement is taken)
+    from types import SimpleNamespace
+    from xirang.reprice import RepriceAfter
+    shown = []
+    after = RepriceAfter(3, 0, SimpleNamespace(plan=with_cp), model=None, example_kwargs={}, pins={}, say=True,
+                         show=shown.append)
+    for done in (1, 2, 3):
+        after.after_step(done)  # would call compiled.measured_costs(), which this stand-in lacks
+    assert after.report is None and shown == ["re-pricing skipped: the plan has cp=4, which xirang.reprice does "
+                                              "not re-price yet"]

@@ -17,7 +17,7 @@ def test_the_tied_sum_is_in_the_step_of_every_pipelined_row_and_of_no_other():
     model = build_gpt("tiny", device="meta")
     batch = {name: torch.zeros(2, 16, dtype=torch.long, device="meta") for name in ("input_ids", "labels")}
     plan = xirang.plan(model, world=2, hardware="a100-80g", example_kwargs=batch, global_batch=2, seq=4096,
-                       precision="fp32", tp=1, micro_batch=1, schedule="1f1b")
+                       precision="fp32", tp=1, micro_batch=1, schedule="1f1b", cp=1)  # cp rows would fill the table
     rows = [plan.predicted, *plan.alternatives]
     meshes = [plan.mesh, *(row.mesh for row in plan.alternatives)]
     assert {mesh.pp for mesh in meshes} == {1, 2}  # both kinds are in the table

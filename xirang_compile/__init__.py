@@ -70,6 +70,11 @@ from xirang.check_api import CheckReport, check  # noqa: E402
 
 __all__ += ["check", "CheckReport"]
 
+# the plan chosen by measurement: the planner's best few run for a few steps on the ranks (xirang_compile/tune.py)
+from xirang.tune import TuneResult, tune  # noqa: E402
+
+__all__ += ["tune", "TuneResult"]
+
 
 _RENAMED = {"Shard": "PlanShard", "Replicate": "PlanReplicate", "Partial": "PlanPartial"}
 

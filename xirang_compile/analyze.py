@@ -6,6 +6,7 @@ import gc
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 
 from xirang.ir.facts import evaluate
 from xirang.ir.meta_keys import (BLOCK, BLOCK_GRAPH, BLOCK_KINDS, FLOPS, MODULE_PARAMS, MODULE_PATH,
@@ -48,6 +49,20 @@ class AnalysisReport:
     unpriced_ops: tuple[str, ...] = ()  # ops with no FLOP rule, counted as 0
     timings: list[PassTiming] = field(default_factory=list)
     graph_module: object = None
+    _run_dtypes: dict = field(default_factory=dict, repr=False, compare=False)  # by precision, made once
+
+    def run_dtypes(self, precision: str):
+        """The graph's dtypes at run time in ``precision`` (``saved_storages.RunDtypes``: the lowering's,
+        passes/lowering/compute_dtypes.py), derived once per precision for planning, the dry run and
+        lowering alike; None in fp32, where the traced dtypes hold."""
+        from xirang.passes.lowering.compute_dtypes import run_dtypes
+        from xirang.passes.lowering.precision import COMPUTE_DTYPES
+        dtype = COMPUTE_DTYPES.get(precision, torch.float32)
+        if dtype == torch.float32:
+            return None
+        if precision not in self._run_dtypes:
+            self._run_dtypes[precision] = run_dtypes(self.graph_module, dtype)
+        return self._run_dtypes[precision]
 
     def flops_at(self, **symbols: int) -> int:
         """Forward+backward FLOPs per step at other symbol values, e.g. ``flops_at(batch=8, seq=4096)``."""

@@ -23,9 +23,9 @@ from xirang.codegen.check.proofs import (ClassLog, Violation, prove_collectives,
                                          prove_no_deadlock, prove_sends)
 from xirang.codegen.check.gpu_semantics import fuse_attention
 from xirang.codegen.check.rank_step import run_rank
+from xirang.ir.context_method import a2a_degree, recorded_method
 from xirang.ir.errors import XirangError
 from xirang.ir.plan import Plan
-from xirang.passes.lowering.compute_dtypes import compute_dtypes
 from xirang.passes.lowering.precision import COMPUTE_DTYPES
 
 from .analyze import analyze
@@ -50,15 +50,25 @@ def fake_device(device_type: str) -> str:
 
 
 def rank_classes(plan: Plan, own: tuple = ()) -> dict:
-    """Representative rank -> member ranks, by (pipeline rank, micro-batches of the rank's dp share, and its
-    place on its node under a hierarchical dp all-reduce); ranks in ``own`` (mutated in tests) are classes of
-    their own."""
+    """Representative rank -> member ranks, by (pipeline rank, micro-batches of the rank's dp share, its
+    place on its node under a hierarchical dp all-reduce, its cp rank under USP attention, and its ep index
+    where ep groups are blocks of the dp x cp places); ranks in ``own`` (mutated in tests) are classes of their
+    own."""
     by_key: dict = {}
     on_node = _position_on_node(plan)
+    # USP's all-to-all and ring sub-groups of a cp group are not moved onto each other by a shift along cp
+    # (ir/context_method.py): each cp rank is then a class of its own (a shift along dp still maps them)
+    cp = plan.mesh.cp
+    own_cp = cp > 1 and 1 < a2a_degree(recorded_method(plan.collectives), cp) < cp
+    # an ep group is a block of ep consecutive dp x cp places (ir/mesh.py): a shift along dp by other than a
+    # multiple of ep moves it onto ranks of two groups (dp4 ep2: (0, 1) by one to (1, 2)), so ranks of one
+    # class share their ep index; then every shift is a whole number of blocks
+    by_ep = 1 < plan.mesh.ep < plan.mesh.dp * cp
     for rank in range(plan.mesh.size):
         coords = plan.mesh.coords(rank)
         key = ("own", rank) if rank in own else (coords["pp"], plan.micro_batches_per_dp_rank[coords["dp"]],
-                                                 on_node.get(rank))
+                                                 on_node.get(rank), coords["cp"] if own_cp else None,
+                                                 plan.mesh.index("ep", rank) if by_ep else None)
         by_key.setdefault(key, []).append(rank)
     return {members[0]: tuple(members) for members in by_key.values()}
 
@@ -166,9 +176,8 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
     inputs = _specs((name, value) for name, value in (example_kwargs or {}).items() if isinstance(value, torch.Tensor))
     mutate = dict(mutate or {})
     shared: dict = {}  # what every rank's lowering derives alike (the run-time dtypes), derived once, here
-    if plan.precision != "fp32":
-        dtype = COMPUTE_DTYPES[plan.precision]
-        shared[("run_dtypes", dtype)] = compute_dtypes(report.graph_module, dtype)
+    if plan.precision != "fp32":  # the same dtypes the planner priced the saved activations at
+        shared[("run_dtypes", COMPUTE_DTYPES[plan.precision])] = report.run_dtypes(plan.precision).of
 
     workers = workers if workers is not None else (os.cpu_count() or 1)
     # A rank's program depends on the rank only through its tp coordinate (the lowering passes read no other),
@@ -220,11 +229,10 @@ def check(plan: Plan, model, *, example_inputs=(), example_kwargs=None, device: 
             continue
         classes.append(ClassLog(log, members))
     seconds["lower (summed)"], seconds["run (summed)"] = lowering, running
-    symmetric = not plan.dp_shares and not mutate
     violations = failed + prove_devices(classes)
     for name, prove in (("collectives", lambda: prove_collectives(plan.mesh, classes)),
                         ("sends", lambda: prove_sends(plan.mesh, classes)),
-                        ("deadlock", lambda: prove_no_deadlock(plan.mesh, classes, symmetric_dp=symmetric,
+                        ("deadlock", lambda: prove_no_deadlock(plan.mesh, classes,
                                                                ordered_pairs=device == "cuda")),
                         ("memory", lambda: prove_memory(plan, classes, memory_bytes=memory_bytes))):
         began = time.perf_counter()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from xirang.codegen.runtime.state.weight_init import parameters_on_meta
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import PlanShard
+from xirang.ir.placement import PlanShard, shard_share
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -96,7 +96,7 @@ def local_piece(handle, name: str, shard, tp_rank: int, tp: int, dtype) -> torch
         return view[tuple(slice(None) for _ in shape)].to(dtype)
     dim = placement.dim
     piece = shape[dim] // placement.chunks
-    per_rank = -(-piece // tp)
+    per_rank = shard_share(piece, tp, placement.unit)
     parts = []
     for j in range(placement.chunks):
         start = j * piece + min(piece, tp_rank * per_rank)

@@ -26,7 +26,17 @@ class PlanChoices:
     "fp16" (default bf16 on GPUs, fp32 on "cpu"); ``sequence_parallel``: True offers the residual
     stream sharded along the sequence on tp (taken op by op where it costs less), False never;
     ``zero_stage``: 0, 1 or 3; ``tp_overlap``: 0 off, or the chunks the sequence-parallel tp
-    collectives are overlapped with their linears in."""
+    collectives are overlapped with their linears in; ``ep``: the expert-parallel degree (a model with
+    Mixture-of-Experts layers: a divisor of dp that divides the experts), searched where unset;
+    ``cp``: the context-parallel degree (ranks sharing each sequence) and ``context_method`` how its
+    attention runs, "ring", "all_to_all" or "usp:A" (all-to-all over A ranks x ring over cp / A;
+    ir/context_method.py), searched where unset (passes/planning/plan_search_space.py);
+    ``routing_imbalance``: not a choice but a planning input, the most-loaded expert-parallel rank's
+    routed rows over the mean (default 1.0: balanced; passes/planning/expert_costs.py); ``ep_overlap``:
+    price the expert all-to-alls as run under another micro-batch's compute, as Megatron-Core's
+    batch-level overlap runs them (default False: exposed, as Xirang's runtime runs them);
+    ``capacity_factor``: each expert computes at most ceil(rows / experts x factor) of the rows a rank
+    routes it per micro-batch and the rest are dropped (default None: dropless; codegen/ops/expert_capacity.py)."""
 
     tp: Optional[int] = None
     pp: Optional[int] = None
@@ -40,6 +50,12 @@ class PlanChoices:
     sequence_parallel: Optional[bool] = None
     zero_stage: Optional[int] = None
     tp_overlap: Optional[int] = None
+    ep: Optional[int] = None
+    cp: Optional[int] = None
+    context_method: Optional[str] = None
+    routing_imbalance: Optional[float] = None
+    ep_overlap: Optional[bool] = None
+    capacity_factor: Optional[float] = None
 
     def pinned(self) -> dict:
         """The choices given, by name (those left to the search omitted)."""

@@ -17,12 +17,15 @@ from xirang.passes.analysis.tensors import annotate_tensors
 from xirang.passes.analysis.trace import trace_model
 from xirang.passes.lowering.apply_plan import apply_plan
 from xirang.passes.lowering.compute_dtypes import plan_run_dtypes
+from xirang.passes.lowering.context_parallel import split_sequence
 from xirang.passes.lowering.offload import mark_offload
 from xirang.passes.lowering.overlap_tp import overlap_tp_collectives
 from xirang.passes.lowering.precision import insert_precision_casts
 from xirang.passes.lowering.random_streams import place_random_streams
 from xirang.passes.lowering.recompute import mark_recompute
 from xirang.passes.lowering.rewrite_tp import insert_collectives
+from xirang.passes.lowering.expert_capacity import drop_over_capacity
+from xirang.passes.lowering.expert_parallel import dispatch_experts
 from xirang.passes.lowering.shard_parameters import shard_parameters
 from xirang.passes.lowering.split_stages import assign_stages, split_stages
 
@@ -45,7 +48,10 @@ LOWERING_PASSES = [
     plan_run_dtypes,         # run-time dtype of every tensor in half precision
     shard_parameters,        # the shard of each parameter/buffer this rank binds
     insert_collectives,      # this tp rank's program: local shapes, collectives on the edges
+    drop_over_capacity,      # plan.capacity_factor: rows over each expert's capacity dropped (zero result)
+    dispatch_experts,        # ep > 1: rows to the ranks holding their experts and back (all-to-all)
     insert_precision_casts,  # fp32 master weights read in the compute dtype, fp32 loss
+    split_sequence,          # cp > 1: this rank's sequence chunks, ring/all-to-all attention, global positions, loss
     overlap_tp_collectives,  # plan.tp_overlap: sequence all-gather / reduce-scatter chunked against their linear
     place_random_streams,    # random ops draw on runtime-owned streams (tp-shared or per tp rank)
     assign_stages,           # pipeline stage of every node (pp = 1: one stage)

@@ -20,12 +20,17 @@ from xirang.ir.device import DEVICE_PRESETS, DeviceSpec
 from xirang.ir.plan import PRECISIONS, Plan
 from xirang.ir.world import World, parse_world
 from xirang.passes.analysis.trace import user_inputs
+from xirang.passes.analysis.expert_ops import expert_count
+from xirang.passes.planning.context_parallel_cost import NO_CONTEXT
 from xirang.passes.planning.cost_model import Efficiency
+from xirang.passes.planning.expert_costs import (DEFAULT_ROUTING_IMBALANCE, check_capacity_factor,
+                                                 check_routing_imbalance)
 from xirang.passes.planning.plan_search import cpu_seconds, search_plan
 from xirang.passes.planning.plan_search_space import check_global_batch
 from xirang.passes.planning.tp_overlap_cost import choose_tp_overlap
 
 from xirang.analyze import analyze, gc_paused
+from xirang.context_facts import context_facts
 from xirang.model_checks import batch_statistics_nodes, check_plan_batch_split, check_trainable
 from xirang.ir.errors import XirangError
 from xirang.ir.renamed import renamed_keywords
@@ -79,6 +84,14 @@ def plan(model, *, world: Union[int, str, World], global_batch: int, example_inp
                                                     choices.offload)
     precision, sequence_parallel = choices.precision, choices.sequence_parallel
     zero_stage, tp_overlap = choices.zero_stage, choices.tp_overlap
+    imbalance = check_routing_imbalance(DEFAULT_ROUTING_IMBALANCE if choices.routing_imbalance is None
+                                        else choices.routing_imbalance)
+    ep_overlap = bool(choices.ep_overlap)
+    if choices.ep_overlap is not None and not isinstance(choices.ep_overlap, bool):
+        raise XirangError(f"ep_overlap={choices.ep_overlap!r} must be True or False",
+                          where="xirang.plan(ep_overlap=...)",
+                          hint="True prices the expert all-to-alls as Megatron's batch-level overlap runs them")
+    capacity_factor = check_capacity_factor(choices.capacity_factor)
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise XirangError(f"sequence_parallel={sequence_parallel!r} must be True, False or None",
                           where="xirang.plan(sequence_parallel=...)",
@@ -99,7 +112,8 @@ def plan(model, *, world: Union[int, str, World], global_batch: int, example_inp
 
     from xirang.passes.planning.plan_splits import SplitPricer  # the tensor-split pricer (its own file)
     # efficiency=None: each device's own (DeviceSpec.efficiency: its generation's kernels and software)
-    pricer = SplitPricer(gm, world, efficiency=efficiency, precision=precision)
+    pricer = SplitPricer(gm, world, efficiency=efficiency, precision=precision,
+                         run_dtypes=report.run_dtypes(precision))  # saved activations at their dtypes
     solved = []
 
     def price(tp, tp_group, micro_batch, seq, *rest, sequence_parallel=False):  # once per split, 2 at once
@@ -117,7 +131,10 @@ def plan(model, *, world: Union[int, str, World], global_batch: int, example_inp
                              memory_fraction=MEMORY_FRACTION, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
                              schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, offload=offload,
                              zero_stage=zero_stage, sequence_parallel=sequence_parallel,
-                             batch_inputs=len(user_inputs(gm)))
+                             batch_inputs=len(user_inputs(gm)), ep=choices.ep, experts=expert_count(gm.graph),
+                             routing_imbalance=imbalance, cp=choices.cp, context_method=choices.context_method,
+                             context=NO_CONTEXT if choices.cp == 1 else context_facts(gm), ep_overlap=ep_overlap,
+                             capacity_factor=capacity_factor)
     except XirangError as error:
         if not whole_batch:
             raise
@@ -137,6 +154,8 @@ def plan(model, *, world: Union[int, str, World], global_batch: int, example_inp
                          memory_fraction=MEMORY_FRACTION)
     if sequence_parallel or result.best.candidate.sequence_parallel:  # pinned on keeps tp 1 plans as before
         made = dataclasses.replace(made, sequence_parallel=True)
+    made = dataclasses.replace(made, routing_imbalance=imbalance, ep_overlap=ep_overlap and made.mesh.ep > 1,
+                               capacity_factor=capacity_factor)
     made = choose_tp_overlap(gm, made, seq, pinned=tp_overlap)
     seconds = time.perf_counter() - start
     report_progress(PlanProgress("assemble", seconds, f"assembled the plan in {seconds:.2f} s",

@@ -16,10 +16,14 @@ from xirang.ir.plan import Alternative, CollectiveChoice, Plan, Prediction, Stag
 from xirang.ir.plan_explain import why_lost
 from xirang.ir.world import World
 from xirang.passes.planning.cost_collectives import ALGORITHMS, collective_cost, group_topology
+from xirang.passes.analysis.expert_ops import expert_calls
 from xirang.passes.analysis.fingerprint import graph_fingerprint, model_summary
+from xirang.passes.lowering.context_parallel import with_context_method
+from xirang.passes.planning.context_parallel_cost import layer_parts
 from xirang.passes.planning.dp_sync_costs import bucket_elements
 from xirang.passes.planning.plan_costs import CAUSES, GRAD_BYTES, Priced
 from xirang.passes.planning.plan_search import SearchResult
+from xirang.passes.planning.sharding_report import replicated_notes
 
 
 def _where(node) -> str:
@@ -40,8 +44,9 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                    for i, (a, b) in enumerate(best.bounds))
     buckets, bucket_sizes = gradient_buckets(gm, best, names, split.placements, precision)
     collectives = list(split.collectives)
-    if c.dp > 1:  # one all-reduce per bucket on the dp group of its pipeline rank (tp index 0 shown)
-        topology = {r: group_topology(mesh.group("dp", mesh.rank_of(dp=0, pp=r, tp=0)), world)
+    if c.dp > 1:  # one all-reduce per bucket on the dp group of its pipeline rank (tp index 0 shown; dp x cp under cp)
+        axis = "edp" if c.cp > 1 else "dp"
+        topology = {r: group_topology(mesh.group(axis, mesh.rank_of(dp=0, pp=r, tp=0, cp=0)), world)
                     for r in {rank for _, rank in bucket_sizes}}
         for k, (nbytes, rank) in enumerate(bucket_sizes):
             algorithm = _cheapest_all_reduce(nbytes, topology[rank])
@@ -50,8 +55,10 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                 nbytes = -(-nbytes // (per_node * item)) * per_node * item
             collectives.append(CollectiveChoice(f"bucket:{k}", "dp", "all_reduce", algorithm, int(nbytes)))
     collectives += tied_sums(gm, best, names, split.placements, world)
+    collectives += expert_exchanges(gm, split, c, world)
+    collectives += context_transfers(result.context_calls, c, split.seq, precision)
     for i, (_, stop) in enumerate(best.bounds[:-1]):
-        pair = (mesh.rank_of(dp=0, pp=i % c.pp, tp=0), mesh.rank_of(dp=0, pp=(i + 1) % c.pp, tp=0))
+        pair = (mesh.rank_of(dp=0, pp=i % c.pp, tp=0, cp=0), mesh.rank_of(dp=0, pp=(i + 1) % c.pp, tp=0, cp=0))
         nbytes = split.units[stop - 1].cut_bytes_after
         collectives.append(CollectiveChoice(names[stop - 1], "pp", "send",
                                             collective_cost("send", nbytes, pair, world).algorithm, int(round(nbytes))))
@@ -62,10 +69,13 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
         notes.append(f"{len(fallbacks)} op(s) have no sharding rule and run replicated: "
                      f"{', '.join(name + where[name] for name in fallbacks[:8])}"
                      + (", ..." if len(fallbacks) > 8 else ""))
+    notes += replicated_notes(gm, split.placements, c.tp)  # what tp keeps whole and why; a tp that splits nothing
     notes.append(f"the plan may use {memory_fraction:.0%} of device memory; the rest is headroom for "
                  f"CUDA context, NCCL buffers and fragmentation")
     notes.append(f"searched {result.candidates} configurations, priced {result.priced}, "
                  f"{result.splits_priced} tensor splits")
+    if result.context_reason:
+        notes.append(f"context parallelism: {result.context_reason}")
     if best.micro_batch_shares:  # a World of mixed device kinds: each dp replica's share follows its pace
         notes.append(f"dp shares follow device speed: micro-batches per dp rank "
                      f"{', '.join(map(str, best.micro_batch_shares))} of {c.micro_batch} samples")
@@ -82,6 +92,8 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
                 grad_reduce_dtype=precision, placements=split.placements, stages=stages, buckets=buckets,
                 fallbacks=fallbacks, collectives=tuple(collectives), predicted=predicted, alternatives=alternatives,
                 model_summary=model_summary(gm))
+    if c.cp > 1:  # the method, as the lowering reads it (a collective choice at node context:attention)
+        made = with_context_method(made, c.context_method)
     if best.micro_batch_shares:  # priced with these shares: the note with_dp_shares adds does not apply
         made = replace(made.with_dp_shares(tuple(m * c.micro_batch for m in best.micro_batch_shares)),
                        predicted=predicted)
@@ -91,6 +103,49 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
         predicted = replace(predicted, notes=predicted.notes + (zero3_note(best, c.dp),))
     # ZeRO-1 and 3: each bucket's all-reduce listed as the reduce-scatter and all-gather the runtime runs
     return replace(made.with_zero_stage(c.zero_stage), predicted=predicted)  # priced: no note
+
+
+def expert_exchanges(gm, split, c, world: World) -> list:
+    """Expert parallelism's all-to-alls (ep > 1), two per experts call: the rank's row buffer the dispatch
+    sends (named by the call's first expert_linear; its gradient comes back the same size) and the
+    buffer its combine takes back (by the last; its gradient goes out the same size), at the plan's
+    micro-batch and sequence; codegen/ops/expert_dispatch.py records each under that size."""
+    if c.ep == 1:
+        return []
+    by_unit = {u.name: u for u in split.units}
+    group = c.mesh.group("ep", 0)
+    found = []
+    for calls in expert_calls(gm.graph).values():
+        unit = by_unit.get(UNIT.get(calls[0], None))
+        if unit is None or not unit.expert_calls:
+            continue
+        sent = unit.expert_rows_bytes / unit.expert_calls
+        back = (unit.expert_combine_bytes or unit.expert_rows_bytes) / unit.expert_calls
+        for name, nbytes in ((f"{calls[0].name}.dispatch", sent), (f"{calls[-1].name}.combine", back)):
+            algorithm = collective_cost("all_to_all", nbytes, group, world).algorithm
+            found.append(CollectiveChoice(name, "ep", "all_to_all", algorithm, int(round(nbytes))))
+    return found
+
+
+def context_transfers(calls, c, local_seq: int, precision: str) -> list:
+    """Context parallelism's transfers (cp > 1), per attention call on axis cp one row per kind the method runs:
+    "send" (a ring's, node ``context:<k>:<unit>``) and "all_to_all" (node ``context:<k>:<unit>`` for the
+    all-to-all method, ``context:<k>:<unit>:all_to_all`` beside USP's ring), bytes what one rank's call moves
+    forward per micro-batch as the CommCounter records it (a ring's key/value blocks; the all-to-alls' four send
+    buffers), at the heads of one tp rank (context_parallel_cost.py ``layer_parts``; the backward moves about
+    twice the ring's, the same all-to-alls')."""
+    if c.cp == 1:
+        return []
+    algorithms = {"send": "direct", "all_to_all": "pairwise"}
+    found = []
+    for k, call in enumerate(calls):
+        parts = layer_parts(call, seq=local_seq * c.cp, batch=c.micro_batch, tp=c.tp, cp=c.cp,
+                            method=c.context_method, dtype_bytes=GRAD_BYTES[precision])
+        for kind, traffic in parts.items():
+            suffix = f":{kind}" if len(parts) > 1 and kind != "send" else ""
+            found.append(CollectiveChoice(f"context:{k}:{call.unit}{suffix}", "cp", kind, algorithms[kind],
+                                          int(round(traffic.forward))))
+    return found
 
 
 def zero3_note(best: Priced, dp: int) -> str:
@@ -118,7 +173,7 @@ def _row(p: Priced, tied_seconds: float = 0.0) -> Alternative:
                        step_seconds=step, tflops_per_device=tflops,
                        memory_bytes_per_device=tuple(int(math.ceil(b)) for b in p.memory_per_rank),
                        breakdown=breakdown, fits=p.fits, zero_stage=c.zero_stage,
-                       sequence_parallel=c.sequence_parallel)
+                       sequence_parallel=c.sequence_parallel, context_method=c.context_method)
 
 
 def memory_parts(p: Priced) -> tuple[dict[str, int], ...]:
@@ -200,7 +255,7 @@ def _tied_copies(gm, best: Priced, names: list[str], placements):
         if len(holders) < 2 or not REQUIRES_GRAD.get(node, True):
             continue
         nbytes = local_elements(node, placements, c.tp) * TENSOR.get(node).itemsize
-        yield node, nbytes, tuple(c.mesh.rank_of(dp=0, pp=r, tp=0) for r in holders)
+        yield node, nbytes, tuple(c.mesh.rank_of(dp=0, pp=r, tp=0, cp=0) for r in holders)
 
 
 def tied_sums(gm, best: Priced, names: list[str], placements, world: World) -> list:

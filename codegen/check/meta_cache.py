@@ -9,8 +9,9 @@ Formulation. A meta tensor has no data, so what a meta kernel returns is a funct
 arguments' metadata alone. For an ``aten`` op that mutates no argument, returns no alias of one (its schema
 has no alias annotation), draws no random numbers (not tagged ``nondeterministic_seeded``) and has outputs
 whose shapes do not depend on data (not tagged ``dynamic_output_shape`` or ``data_dependent_output``), and
-all of whose returns are tensors, the outputs are new storages whose (dtype, shape, stride, storage offset,
-storage bytes, which outputs share a storage) are that function of
+all of whose returns are tensors, the outputs (None where an output mask asks for none) are new storages
+whose (dtype, shape, stride, storage offset, storage bytes, which outputs share a storage) are that
+function of
     key = (op, for each argument: (dtype, shape, stride, storage offset, device) of a tensor, the value of
            anything else, lists and tuples element by element).
 ``MetaCache.run`` computes the outputs with the kernel the first time a key is met and remembers that
@@ -88,14 +89,19 @@ def _describe(out, args, kwargs):
     is not a meta tensor or shares an argument's storage (``_unsafe_view`` aliases its input without saying so
     in its schema): the kernel, a function of the key, does so for every call with this key."""
     outputs = out if isinstance(out, tuple) else (out,)
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outputs):
+    # an output may be None where an output mask asks for none (native_layer_norm_backward under a split backward)
+    if not all(t is None or isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outputs) \
+            or outputs[0] is None and len(outputs) == 1:
         return _UNCACHEABLE
     inputs = {id(t.untyped_storage()) for t in _tensors((args, tuple(kwargs.values())))}
-    if any(id(t.untyped_storage()) in inputs for t in outputs):
+    if any(t is not None and id(t.untyped_storage()) in inputs for t in outputs):
         return _UNCACHEABLE
     slots: dict = {}
     described = []
     for tensor in outputs:
+        if tensor is None:
+            described.append(None)
+            continue
         storage = tensor.untyped_storage()
         slot = slots.setdefault(id(storage), (len(slots), storage.nbytes()))[0]
         described.append((slot, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()))
@@ -113,6 +119,8 @@ def _tensors(value) -> list:
 def _make(described, slot_bytes, tuple_out: bool):
     """Fresh meta tensors with exactly the described metadata, each slot one new storage."""
     storages = [torch.empty((nbytes,), dtype=torch.uint8, device="meta").untyped_storage() for nbytes in slot_bytes]
-    made = tuple(torch.empty((0,), dtype=dtype, device="meta").set_(storages[slot], offset, shape, stride)
-                 for slot, dtype, shape, stride, offset in described)
+    made = tuple(None if output is None else
+                 torch.empty((0,), dtype=output[1], device="meta").set_(storages[output[0]], output[4], output[2],
+                                                                         output[3])
+                 for output in described)
     return made if tuple_out else made[0]

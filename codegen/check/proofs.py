@@ -9,18 +9,12 @@ Given the logs L(r) of the representatives:
     call for call (NCCL pairs calls by order alone);
 (b) sends: for every ordered pair (s, t), the sends s -> t in issue order equal the receives at t from s
     in issue order (shape, dtype, tag): NCCL matches a pair's messages in order, gloo by tag;
-(c) deadlock: nodes are call instances (the k-th call on group G; the k-th message s -> t). A call is
-    reached once the calls it waits behind on its rank completed, and completes once every party reached
-    it: behind the previous call on its channel where the backend runs a channel in order (NCCL: one
-    stream per communicator, so every group, and every pair of ranks' sends and receives, which NCCL
-    documents as blocking for the GPU unless fused in one group), and behind the rank's last call the
-    host waited for (a synchronous collective). Gloo posts sends and receives without ordering them
-    (matched by tag). Each such wait is an edge; a cycle is a deadlock. The graph is built on the ranks
-    of dp index 0 with every instance
-    taken up to a dp shift (the quotient by the dp translation, which every rank's program commutes
-    with when dp ranks share classes); a cycle exists in the quotient if and only if it exists in the
-    whole world (a quotient cycle lifts, repeated at most dp times, to a cycle). With uneven dp shares
-    the whole world's graph is built;
+(c) deadlock: nodes are call instances (the k-th call on group G; the k-th message s -> t), edges the
+    waits each backend's ordering makes (NCCL: each communicator's calls in order, sends and receives
+    included; gloo: messages matched by tag; a call the host waits for orders everything after it); a
+    cycle is a deadlock. Built once per orbit of the mesh translations every class is closed under (dp
+    and tp when dp ranks share classes), which has a cycle if and only if the world's graph does
+    (deadlock.py states the graph, the quotient and why it is exact);
 (d) memory: every class's measured peak fits its device at the plan's usable fraction.
 Every violation names the ranks, the group, the schedule action, the op and the source line.
 """
@@ -28,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
+import numpy as np
 
+from xirang.codegen.check.deadlock import call_graph, find_cycle
 from xirang.codegen.check.records import P2P_KINDS
 
 GiB = 1024 ** 3
@@ -63,6 +58,22 @@ def _short(ranks) -> str:
     return str(ranks) if len(ranks) <= 12 else f"{ranks[:6]} ... {ranks[-3:]} ({len(ranks)} ranks)"
 
 
+def _layout(mesh) -> tuple:
+    """(axis, size, stride) of every rank axis, outermost first: rank = sum of coordinate x stride (ir/mesh.py
+    ``rank_of``); the proofs move hundreds of thousands of ranks, so by arithmetic, not through coords dicts."""
+    found = _LAYOUTS.get(mesh)
+    if found is None:
+        strides, stride = [], 1
+        for axis in reversed(mesh.order):
+            strides.append((axis, getattr(mesh, axis), stride))
+            stride *= getattr(mesh, axis)
+        found = _LAYOUTS[mesh] = tuple(reversed(strides))
+    return found
+
+
+_LAYOUTS: dict = {}
+
+
 @dataclass
 class Move:
     """Global rank -> global rank: the coordinate shift taking a class's representative to one member."""
@@ -71,21 +82,32 @@ class Move:
     delta: dict
     memo: dict = field(default_factory=dict)
 
+    def __post_init__(self):  # a shift that names no cp (or any axis) leaves that index as it is
+        self._terms = tuple((size, stride, self.delta.get(axis, 0) % size) for axis, size, stride in _layout(self.mesh))
+
     def __call__(self, rank: int) -> int:
-        coords = self.mesh.coords(rank)  # a shift that names no cp (or any axis) leaves that index as it is
-        return self.mesh.rank_of(**{axis: (coords[axis] + self.delta.get(axis, 0)) % self.mesh.axis_size(axis)
-                                    for axis in coords})
+        moved = 0
+        for size, stride, shift in self._terms:
+            moved += (rank // stride + shift) % size * stride
+        return moved
 
     def group(self, group: tuple) -> tuple:
         found = self.memo.get(group)
         if found is None:
-            found = self.memo[group] = tuple(sorted(self(rank) for rank in group))
+            if len(group) > 64:  # a dp or world group: the same arithmetic on an array
+                ranks, moved = np.asarray(group), 0
+                for size, stride, shift in self._terms:
+                    moved = moved + (ranks // stride + shift) % size * stride
+                found = tuple(sorted(moved.tolist()))
+            else:
+                found = tuple(sorted(self(rank) for rank in group))
+            self.memo[group] = found
         return found
 
 
 def move_between(mesh, source: int, target: int) -> Move:
-    a, b = mesh.coords(source), mesh.coords(target)
-    return Move(mesh, {axis: b[axis] - a[axis] for axis in a})
+    return Move(mesh, {axis: target // stride % size - source // stride % size
+                       for axis, size, stride in _layout(mesh)})
 
 
 @dataclass
@@ -153,7 +175,12 @@ def prove_collectives(mesh, classes: list) -> list:
 def _spans(mesh, group: tuple, axis: str) -> bool:
     """Whether ``group`` holds a whole line of ``axis`` (then a shift along it maps the group onto itself)."""
     size = mesh.axis_size(axis)
-    return size > 1 and len({mesh.coords(rank)[axis] for rank in group}) == size
+    if size == 1:
+        return False
+    stride = next(stride for name, _, stride in _layout(mesh) if name == axis)
+    if len(group) > 64:
+        return np.unique(np.asarray(group) // stride % size).size == size
+    return len({rank // stride % size for rank in group}) == size
 
 
 def _compare_sequences(mesh, by_class: list, representatives: list, group, sequences: dict, cache: dict) -> list:
@@ -168,9 +195,12 @@ def _compare_sequences(mesh, by_class: list, representatives: list, group, seque
             if key not in cache:
                 cache[key] = (tuple(call.signature for call in calls), calls)
             return cache[key]
+        # a broadcast's root is the signature's one rank: moved alone (the whole call, group and all, only where
+        # it is described: a pipeline group's broadcasts are compared for each of a thousand groups)
         move = move_between(mesh, representatives[index], member)
-        translated = [call.translated(move) for call in calls]
-        return tuple(call.signature for call in translated), translated
+        signatures = tuple(call.signature if call.root is None else (*call.signature[:4], move(call.root))
+                           for call in calls)
+        return signatures, _Translated(calls, move)
 
     (first_key, first_members), *others = sequences.items()
     reference, reference_calls = moved(first_key, first_members[0])
@@ -191,6 +221,19 @@ def _compare_sequences(mesh, by_class: list, representatives: list, group, seque
                    f"rank {members[0]}: {b.describe() if b else 'no call'}"),
             hint="the ranks would pair different collectives (NCCL hangs or reduces the wrong buffers)"))
     return found
+
+
+class _Translated:
+    """A sequence of calls as another rank of the class issues them, each translated when it is read."""
+
+    def __init__(self, calls: list, move):
+        self.calls, self.move = calls, move
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __getitem__(self, k: int):
+        return self.calls[k].translated(self.move)
 
 
 def _messages(log) -> dict:
@@ -249,70 +292,22 @@ def _pair_problem(sends: list, recvs: list):
     return None
 
 
-def prove_no_deadlock(mesh, classes: list, *, symmetric_dp: bool, ordered_pairs: bool) -> list:
-    """(c): no cycle among the call instances (module docstring)."""
-    class_of = {member: index for index, klass in enumerate(classes) for member in klass.members}
-    ranks = [r for r in range(mesh.size) if not symmetric_dp or mesh.coords(r)["dp"] == 0]
-    dp = mesh.axis_size("dp")
-
-    def orbit(group: tuple) -> tuple:  # a group up to a dp shift (the whole group when dp is not quotiented)
-        if not symmetric_dp or dp == 1:
-            return group
-        shifted = [tuple(sorted(Move(mesh, {"dp": s, "pp": 0, "tp": 0})(r) for r in group)) for s in range(dp)] \
-            if not _spans(mesh, group, "dp") else [group]
-        return min(shifted)
-
-    def to_slice(rank: int) -> int:
-        return mesh.rank_of(dp=0, pp=mesh.coords(rank)["pp"], tp=mesh.coords(rank)["tp"]) if symmetric_dp else rank
-
-    graph = nx.DiGraph()
-    where: dict = {}
-    orbits: dict = {}
-    for rank in ranks:
-        if rank not in class_of:  # its class's step failed: that is reported apart
-            continue
-        klass = classes[class_of[rank]]
-        move = move_between(mesh, klass.log.rank, rank)
-        seen: dict = {}
-        on_channel: dict = {}  # channel -> the rank's last instance on it
-        waited = None  # the rank's last instance the host waited for
-        for call in klass.log.calls:
-            if call.kind in P2P_KINDS:
-                peer = move(call.peer)
-                pair = (rank, peer) if call.kind == "send" else (peer, rank)
-                shift = mesh.coords(pair[0])["dp"] if symmetric_dp else 0
-                pair = (to_slice(pair[0]), Move(mesh, {"dp": -shift, "pp": 0, "tp": 0})(pair[1]))
-                key = ("p2p", pair, call.channel)
-            else:
-                group = move.group(tuple(sorted(call.group)))
-                if group not in orbits:
-                    orbits[group] = orbit(group)
-                key = ("group", orbits[group], call.channel)
-            seen[key] = seen.get(key, 0) + 1
-            node = (*key, seen[key])
-            parties = where.setdefault(node, [])
-            if len(parties) < 2:
-                parties.append(f"rank {rank}: {call.describe()}")
-            graph.add_node(node)
-            channel = ("p2p", frozenset(key[1]), key[2]) if key[0] == "p2p" else key
-            behind = [waited]
-            if key[0] != "p2p" or ordered_pairs:
-                behind.append(on_channel.get(channel))
-                on_channel[channel] = node
-            for earlier in {b for b in behind if b is not None}:
-                graph.add_edge(earlier, node)
-            if call.blocking:
-                waited = node
-    try:
-        cycle = nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
+def prove_no_deadlock(mesh, classes: list, *, ordered_pairs: bool, quotient: bool = True) -> list:
+    """(c): no cycle among the call instances (module docstring; the graph and its quotient: deadlock.py).
+    ``quotient``: build it once per orbit of the translations every class is closed under (False: on every
+    rank, for tests that compare the two)."""
+    parties, sources, targets, _, _ = call_graph(mesh, classes, move_between, ordered_pairs=ordered_pairs,
+                                                 quotient=quotient)
+    cycle = find_cycle(len(parties), sources, targets)
+    if not cycle:
         return []
-    calls = tuple(party for edge in cycle[:6] for party in where[edge[0]])
+    calls = tuple(f"rank {rank}: {call.describe()}" for node in cycle[:6] for rank, call in parties[node])
+    ranks = tuple(sorted({rank for node in cycle[:6] for rank, _ in parties[node]}))
     return [Violation("deadlock", f"the calls wait on each other in a cycle of {len(cycle)} (each waits for a "
                                   f"party that is blocked in an earlier call of the cycle"
                                   + (", NCCL running each pair's sends and receives in order)" if ordered_pairs
                                      else ")"),
-                      ranks=tuple(sorted({int(c.split(':')[0].split()[1]) for c in calls})), calls=calls,
+                      ranks=ranks, calls=calls,
                       hint="reorder the calls so every rank reaches them in one order, or fuse sends and receives "
                            "that must progress together into one group (torch.distributed.batch_isend_irecv)")]
 

@@ -72,6 +72,13 @@ def _tensors(value) -> list:
 class Recorder(TorchDispatchMode):
     """Logs one rank's calls, host reads and storages (module docstring); ``device``: the rank's device."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says False (the pattern
+        # torch/utils/_python_dispatch.py documents); the runtime compiles nothing, and the wrapper's two extra
+        # Python frames per op were 0.35 s of a 6.4 s class under cProfile (GPT-3 175B width, 16 micro-batches)
+        return False
+
     def __init__(self, device: torch.device, executor_code=(), allocator=None):
         super().__init__()
         self.device = torch.device(device)

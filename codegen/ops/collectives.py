@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from xirang.codegen.ops.comm_counter import CommCounter, record_call
 from xirang.ir.errors import InvalidValue, XirangError
+from xirang.ir.placement import shard_share
 
 
 class Unattached:
@@ -72,9 +73,9 @@ def _pad_to_multiple(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-def _local_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _local_slice(full: torch.Tensor, dim: int, group, unit: int = 1) -> torch.Tensor:
     k = group_size(group)
-    padded = _pad_to_multiple(full, dim, k)
+    padded = _pad_to_multiple(full, dim, k * unit)  # whole units a rank (ir/placement.shard_share)
     return padded.chunk(k, dim=dim)[group_rank(group)].contiguous()
 
 
@@ -172,14 +173,14 @@ class GatherFromGroup(torch.autograd.Function):
     """Forward: all-gather along ``dim``, strip to ``full_size``. Backward: take the local slice."""
 
     @staticmethod
-    def forward(ctx, x, dim, full_size, group, counter):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, full_size, group, counter, unit):
+        ctx.dim, ctx.group, ctx.unit = dim, group, unit
         out = _all_gather(x, dim, group, counter, "gather_from_group.forward")
         return out.narrow(dim, 0, full_size) if full_size is not None else out
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_slice(grad, ctx.dim, ctx.group), None, None, None, None
+        return _local_slice(grad, ctx.dim, ctx.group, ctx.unit), None, None, None, None, None
 
 
 class GatherSummingGrad(torch.autograd.Function):
@@ -205,30 +206,30 @@ class ScatterToGroup(torch.autograd.Function):
     """Forward: pad and take the local slice of ``dim``. Backward: all-gather, strip padding."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, counter):
+    def forward(ctx, x, dim, group, counter, unit):
         ctx.dim, ctx.size, ctx.group, ctx.counter = dim, x.shape[dim], group, counter
-        return _local_slice(x, dim, group)
+        return _local_slice(x, dim, group, unit)
 
     @staticmethod
     def backward(ctx, grad):
         full = _all_gather(grad, ctx.dim, ctx.group, ctx.counter, "scatter_to_group.backward")
-        return full.narrow(ctx.dim, 0, ctx.size), None, None, None
+        return full.narrow(ctx.dim, 0, ctx.size), None, None, None, None
 
 
 class ReduceScatterToGroup(torch.autograd.Function):
     """Forward: pad ``dim``, reduce-scatter (sum). Backward: all-gather, strip padding."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, counter):
+    def forward(ctx, x, dim, group, counter, unit):
         ctx.dim, ctx.size, ctx.group, ctx.counter = dim, x.shape[dim], group, counter
-        padded = _pad_to_multiple(x, dim, group_size(group))
+        padded = _pad_to_multiple(x, dim, group_size(group) * unit)
         return _reduce_scatter(padded, dim, group, counter, "reduce_scatter_to_group.forward")
 
     @staticmethod
     def backward(ctx, grad):
         full = _all_gather(grad, ctx.dim, ctx.group, ctx.counter,
                            "reduce_scatter_to_group.backward")
-        return full.narrow(ctx.dim, 0, ctx.size), None, None, None
+        return full.narrow(ctx.dim, 0, ctx.size), None, None, None, None
 
 
 def _all_to_all(x, scatter_dim, gather_dim, gather_size, group, counter, label):
@@ -268,11 +269,14 @@ def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
     return dim % x.dim()
 
 
-def _check_full_size(x, dim, full_size, k, name) -> None:
-    """A dim of ``full_size`` on k ranks is held as ceil(full_size / k) per rank (local_shape)."""
-    if full_size is not None and -(-full_size // k) != x.shape[dim]:
+def _check_full_size(x, dim, full_size, k, name, unit: int = 1) -> None:
+    """A dim of ``full_size`` on k ranks is held as ceil(full_size / k) per rank (local_shape), in whole
+    units of ``unit`` elements where the split keeps units whole (ir/placement.shard_share)."""
+    if full_size is not None and shard_share(full_size, k, unit) != x.shape[dim]:
+        units = f" units of {unit}" if unit > 1 else ""
         raise InvalidValue(f"{name}: a dim of {full_size} elements on {k} ranks is held as "
-                         f"ceil({full_size}/{k}) = {-(-full_size // k)} per rank, but this "
+                         f"ceil({full_size}/{k}){units} = {shard_share(full_size, k, unit)} per rank, "
+                         f"but this "
                          f"rank's input has {x.shape[dim]} along dim {dim} (shape "
                          f"{tuple(x.shape)}); pass the true full size of that dim")
 
@@ -286,13 +290,14 @@ def reduce_from_group(x, group, *, counter: Optional[CommCounter] = None):
 
 
 def gather_from_group(x, group, dim: int, *, full_size: Optional[int] = None,
-                      counter: Optional[CommCounter] = None):
-    """All-gather ``x`` (this rank's padded shard of ``dim``); ``full_size`` strips padding."""
+                      counter: Optional[CommCounter] = None, unit: int = 1):
+    """All-gather ``x`` (this rank's padded shard of ``dim``, in whole units of ``unit`` elements);
+    ``full_size`` strips padding."""
     dim = _norm_dim(x, dim, "gather_from_group")
-    _check_full_size(x, dim, full_size, group_size(group), "gather_from_group")
+    _check_full_size(x, dim, full_size, group_size(group), "gather_from_group", unit)
     if group_size(group) == 1:
         return x  # one rank holds the whole dim: ceil(n / 1) = n, no padding to strip
-    return GatherFromGroup.apply(x, dim, full_size, group, counter)
+    return GatherFromGroup.apply(x, dim, full_size, group, counter, unit)
 
 
 def gather_summing_grad(x, group, dim: int, *, full_size: Optional[int] = None,
@@ -306,16 +311,17 @@ def gather_summing_grad(x, group, dim: int, *, full_size: Optional[int] = None,
     return GatherSummingGrad.apply(x, dim, full_size, group, counter)
 
 
-def scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None):
-    """This rank's slice of replicated ``x`` along ``dim`` (padded at the end if uneven)."""
+def scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None, unit: int = 1):
+    """This rank's slice of replicated ``x`` along ``dim`` (padded at the end if uneven, in whole units
+    of ``unit`` elements)."""
     dim = _norm_dim(x, dim, "scatter_to_group")
-    return x if group_size(group) == 1 else ScatterToGroup.apply(x, dim, group, counter)
+    return x if group_size(group) == 1 else ScatterToGroup.apply(x, dim, group, counter, unit)
 
 
-def reduce_scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None):
-    """Sum partial ``x`` over the group, keep this rank's (padded) slice of ``dim``."""
+def reduce_scatter_to_group(x, group, dim: int, *, counter: Optional[CommCounter] = None, unit: int = 1):
+    """Sum partial ``x`` over the group, keep this rank's (padded, in units of ``unit``) slice of ``dim``."""
     dim = _norm_dim(x, dim, "reduce_scatter_to_group")
-    return x if group_size(group) == 1 else ReduceScatterToGroup.apply(x, dim, group, counter)
+    return x if group_size(group) == 1 else ReduceScatterToGroup.apply(x, dim, group, counter, unit)
 
 
 def all_to_all(x, group, *, scatter_dim: int, gather_dim: int, gather_size: Optional[int] = None,

@@ -10,7 +10,8 @@ nccl-tests): the size of one rank's *full* buffer, i.e.
 - all_reduce: the buffer every rank reduces;
 - reduce_scatter: each rank's input (it keeps nbytes / group_size);
 - all_gather: each rank's output (it contributes nbytes / group_size);
-- all_to_all: each rank's send buffer (nbytes / group_size to each peer).
+- all_to_all: each rank's send buffer (nbytes / group_size to each peer);
+- send: one point-to-point message this rank sends (group_size: the group it travels in, e.g. the cp ring).
 Padding added for uneven dims is counted, because it is sent. So a test can compare a step's
 records with a plan's analytic count term by term, without modelling ring algorithms here.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 from xirang.ir.errors import InvalidValue
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 
 
 @dataclass(frozen=True)

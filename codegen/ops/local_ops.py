@@ -81,3 +81,11 @@ def unify_float_dtypes(tensors: tuple, dtype: torch.dtype) -> tuple:
     if len(floating) <= 1:
         return tuple(tensors)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
+def zero_padding(x: torch.Tensor, dim: int, real: int) -> torch.Tensor:
+    """``x`` with its elements past ``real`` along ``dim`` (a padded shard's padding) zeroed: a contraction
+    over the dim then adds nothing from them and sends them a zero gradient (sharding_rules_padded)."""
+    tail = list(x.shape)
+    tail[dim] -= real
+    return torch.cat([x.narrow(dim, 0, real), x.new_zeros(tail)], dim=dim)

@@ -13,6 +13,9 @@ collectives and send/recv). The vocabulary is the usual case: GPT-2's 50257 rows
 2019, sec. 3): the dim is ``chunks`` equal pieces, each split across the ranks, and a rank holds
 its slice of every piece, concatenated. Padding applies per piece, so an uneven piece keeps its
 padding next to its own rows instead of pushing the next piece's rows onto the wrong rank.
+
+``PlanShard(dim, unit=u)`` splits in whole units of u elements (heads): ``ir/placement.shard_share``
+elements a rank, rank r holding ``[r * share, (r + 1) * share)`` of the end-padded dim.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard, piece_blocks, shard_share
 
 
 def pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -55,9 +58,13 @@ def shard_of(full: torch.Tensor, placement: Placement, rank: int, size: int) -> 
             return torch.zeros_like(full)
         return full
     dim = _shard_dim(full, placement, "shard_of")
+    if placement.pieces:  # a fused projection's pieces: this rank's slice of each split one, each whole one
+        _check_sized(full.shape[dim], placement, size, f"shard_of(shape {tuple(full.shape)}, {placement})")
+        blocks = piece_blocks(placement, size, rank)
+        return torch.cat([full.narrow(dim, start, length) for start, length, _, _ in blocks], dim=dim)
     _check_pieces(full.shape[dim], placement, f"shard_of(shape {tuple(full.shape)}, {placement})")
     piece_size = full.shape[dim] // placement.chunks
-    per_rank = -(-piece_size // size)  # ceiling split of one piece, as local_shape does
+    per_rank = shard_share(piece_size, size, placement.unit)  # ceiling split of one piece, as local_shape does
     local = []
     for j in range(placement.chunks):  # this rank's rows of each piece, padded alone (never the whole piece)
         start, stop = (min(piece_size, r * per_rank) for r in (rank, rank + 1))
@@ -94,13 +101,19 @@ def unshard(locals_: Sequence[torch.Tensor], placement: Placement,
         raise XirangError(f"unshard: full_size must be the true length of dim {dim}, got "
                           f"{full_size!r}", where=where,
                           hint="pass the unpadded size of the sharded dim (e.g. the vocabulary)")
+    if placement.pieces:  # each split piece from every rank in rank order, each whole piece from rank 0
+        _check_sized(full_size, placement, size, where)
+        parts = []
+        for _, length, local, whole in piece_blocks(placement, size, 0):  # local offsets agree on every rank
+            parts += [t.narrow(dim, local, length) for t in (locals_[:1] if whole else locals_)]
+        return torch.cat(parts, dim=dim)
     _check_pieces(full_size, placement, where)
     piece_size = full_size // placement.chunks
-    per_rank = -(-piece_size // size)  # ceiling split of one piece, as local_shape does
+    per_rank = shard_share(piece_size, size, placement.unit)  # ceiling split of one piece, as local_shape does
     if first.shape[dim] != placement.chunks * per_rank:
         raise XirangError(
             f"unshard: a dim of {full_size} in {placement.chunks} piece(s) on {size} ranks is "
-            f"held as {placement.chunks} x ceil({piece_size}/{size}) = "
+            f"held as {placement.chunks} x ceil({piece_size}/{size}){_units(placement)} = "
             f"{placement.chunks * per_rank} per rank, but the locals have {first.shape[dim]} "
             f"along dim {dim}", where=where,
             hint="pass the full size of the sharded dim and every rank's local tensor")
@@ -109,6 +122,10 @@ def unshard(locals_: Sequence[torch.Tensor], placement: Placement,
     pieces = [torch.cat([parts[j] for parts in per_local], dim=dim).narrow(dim, 0, piece_size)
               for j in range(placement.chunks)]
     return torch.cat(pieces, dim=dim)
+
+
+def _units(placement: PlanShard) -> str:
+    return f" units of {placement.unit}" if placement.unit > 1 else ""
 
 
 def _reduce(tensors: list, op: str) -> torch.Tensor:
@@ -156,3 +173,12 @@ def _check_rank(rank: int, size: int, name: str) -> None:
         raise XirangError(f"{name}: rank {rank!r} is not in 0..{size - 1}", where=name,
                           hint="pass this rank's index along the mesh axis (axis_index), not its "
                                "global rank")
+
+
+def _check_sized(full_size: int, placement: PlanShard, size: int, where: str) -> None:
+    """A pieces layout covers the whole dim and splits each of its split pieces evenly (no padding)."""
+    split = [n for j, n in enumerate(placement.pieces) if j not in placement.whole]
+    if sum(placement.pieces) != full_size or any(n % size for n in split):
+        raise XirangError(f"{placement} does not lay out a dim of {full_size} on {size} ranks: its pieces sum to "
+                          f"{sum(placement.pieces)} and each split piece must be a multiple of {size}",
+                          where=where, hint="re-plan this model: the plan was made for another shape or tp")

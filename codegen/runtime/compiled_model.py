@@ -38,10 +38,13 @@ import torch
 import torch.distributed as dist
 
 from xirang.passes.lowering.precision import COMPUTE_DTYPES
-from xirang.codegen.emit import Program, attach, check_enacted_axes, program_source
+from xirang.codegen.emit import (Program, attach, check_context_parallel, check_context_parallel_program,
+                                 check_enacted_axes, check_expert_parallel, program_source)
+from xirang.codegen.runtime.data_parallel.expert_grads import StageBuckets
 from xirang.ir.errors import XirangError
 from xirang.codegen.ops.comm_counter import record_call
 from xirang.codegen.runtime.data.batch_checks import BatchChecks
+from xirang.codegen.runtime.data.sequence_cut import cut_sequences
 from xirang.codegen.runtime.data_parallel.grad_norm import clip_grad_norm
 from xirang.codegen.runtime.data_parallel.grad_sync import (DEFAULT_BUCKET_BYTES, GradientBuckets,
                                                             plan_bucket_algorithms, planned_buckets)
@@ -49,11 +52,13 @@ from xirang.codegen.runtime.memory.offload import attach_offload
 from xirang.codegen.runtime.data_parallel.param_shards import zero_shards
 from xirang.codegen.runtime.executor.pipeline_executor import LocalStage, PipelineExecutor, StepRecord
 from xirang.codegen.runtime.state.pipeline_state import bind_state, gather_full, load_full_state, tied_groups
-from xirang.codegen.runtime.launch.process_groups import build_mesh_groups, build_two_level_groups
+from xirang.codegen.runtime.launch.process_groups import (ContextGroups, build_context_groups, build_mesh_groups,
+                                                           build_two_level_groups)
 from xirang.codegen.runtime.state.optimizer_check import OptimizerCheck
 from xirang.codegen.runtime.state.rng_streams import make_rng
 from xirang.codegen.runtime.executor.schedule_check import check_schedule
 from xirang.codegen.runtime.state.state_dict_keys import refuse_mismatch, state_dict_keys
+from xirang.ir.context_method import a2a_degree, recorded_method
 from xirang.ir.schedules import Backward, BackwardWeight, build_schedule
 from xirang.passes.analysis.trace_inputs import bind_inputs
 
@@ -81,12 +86,15 @@ class CompiledModel:
                  source_of: Optional[Callable[[int], str]] = None, seed: Optional[int] = None,
                  rng: str = "streams", init: Optional[Callable] = None):
         check_enacted_axes(plan.mesh, "CompiledModel(plan=...)")  # a hand-made runtime too, before any group
+        check_expert_parallel(plan)
+        check_context_parallel(plan)
         self.groups = groups or build_mesh_groups(plan.mesh)
         self.rank = self.groups.rank
         self.tp, self.tp_rank = self.groups.axis_size("tp"), self.groups.axis_index("tp")
         # random ops draw on streams the runtime owns: one seed, the step and micro-batch it runs
         self.rng = make_rng(program, plan, seed=seed, mode=rng, dp_rank=self.groups.axis_index("dp"))
-        attach(program, tp_group=self.groups.tp, counter=counter, rng=self.rng)
+        attach(program, tp_group=self.groups.tp, ep_group=self.groups.ep, cp_group=self.groups.cp, counter=counter,
+               rng=self.rng, context_groups=self._context_groups(plan))
         # plan.offload: the program's offloaded blocks share one ActivationOffload (None: no block offloads)
         self.activation_offload = attach_offload(program, device)
         self._forward = inspect.signature(model.forward) if isinstance(model, torch.nn.Module) else None
@@ -110,9 +118,11 @@ class CompiledModel:
                                  seed=self.rng.seed, init=init)
         self._stages = stages = {i: LocalStage(self.programs[i], [self._state[fqn] for fqn in
                                                                  self.programs[i].parameter_names]) for i in local}
+        check_context_parallel_program(program, plan)  # before tied_groups, whose groups ignore cp
         self._tied = tied_groups(self.programs, plan.mesh, self.groups, self._trainable)
         self._counter, self._event_log = counter, event_log
-        buckets = self._grad_buckets(stages, bucket_bytes) if self.dp > 1 else None
+        self.cp = self.groups.axis_size("cp")
+        buckets = self._grad_buckets(stages, bucket_bytes) if self.dp * self.cp > 1 else None
         self.grad_buckets = buckets or {}  # local stage -> its dp GradientBuckets
         # ZeRO-1 and 3: the optimizer's shards (3: the parameters freed at rest, stages gated), or None
         self.zero, self._stages = zero_shards(plan, self.grad_buckets, self._state, stages=stages,
@@ -125,6 +135,14 @@ class CompiledModel:
         self._batch_checks = BatchChecks(plan, self.programs, self._inputs, self._batch_dims, self.symbols,
                                          rank=self.rank, dp_rank=self.dp_rank, device=self.device)
         self._weigh_share()
+
+    def _context_groups(self, plan) -> Optional[ContextGroups]:
+        """USP attention's all-to-all and ring sub-groups of the cp group (ir/context_method.py), made on every
+        rank at the same point; None for any other method."""
+        if plan.mesh.cp == 1:
+            return None
+        a2a = a2a_degree(recorded_method(plan.collectives), plan.mesh.cp)
+        return build_context_groups(plan.mesh, a2a, self.rank) if 1 < a2a < plan.mesh.cp else None
 
     def _build_schedule(self, plan):
         schedule = build_schedule(plan.schedule, self.pp, plan.micro_batches_per_dp_rank[self.dp_rank],
@@ -160,6 +178,8 @@ class CompiledModel:
         to the global batch; every rank must call it with the same shares). The program is unchanged:
         a rank runs more or fewer micro-batches, and the averages weigh each rank by its share."""
         plan = self.plan.with_dp_shares(shares)
+        check_expert_parallel(plan)  # an ep group's ranks must run as many micro-batches
+        check_context_parallel(plan)
         self.schedule = self._build_schedule(plan)
         self.plan = plan
         self.executor = self._build_executor()
@@ -190,15 +210,27 @@ class CompiledModel:
         if "hierarchical" in algorithms.values():  # the same on every rank: new_group is collective
             hierarchy = build_two_level_groups(self.plan.mesh, self.plan.world, "dp", self.rank)
         found = {}
+        shards = self.program.shards
         for index, stage in stages.items():
             names = [fqn for fqn in stage.program.parameter_names if owner[fqn] == index and fqn in self._trainable]
+            experts = [fqn for fqn in names if fqn in shards and shards[fqn].experts]
+            names = [fqn for fqn in names if fqn not in experts]
             planned = (planned_buckets(self.plan, stage.program.parameter_names, names, self._state, algorithms)
                        if follow_plan else None)
-            found[index] = GradientBuckets([self._state[fqn] for fqn in names], self.groups.dp,
+            # cp ranks hold the same parameters, each a share of the global mean's gradient (context_parallel.py):
+            # summed over dp x cp (the edp group at ep = 1), divided by dp
+            group, divisor = (self.groups.edp, self.dp) if self.cp > 1 else (self.groups.dp, None)
+            found[index] = GradientBuckets([self._state[fqn] for fqn in names], group, divisor=divisor,
                                            buckets=planned, hierarchy=hierarchy,
                                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
                                            reduce_dtype=reduce_dtype(self.plan.grad_reduce_dtype),
                                            event_log=self._event_log, counter=self._counter)
+            if experts:  # expert weights: summed over their edp group, averaged over dp (expert_grads.py)
+                found[index] = StageBuckets(found[index], GradientBuckets(
+                    [self._state[fqn] for fqn in experts], self.groups.edp,
+                    bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                    reduce_dtype=reduce_dtype(self.plan.grad_reduce_dtype), event_log=self._event_log,
+                    counter=self._counter, divisor=self.dp * self.groups.axis_size("cp")))
         return found
 
     # --- parameters ------------------------------------------------------------------------------
@@ -388,7 +420,7 @@ class CompiledModel:
 
     def _micro_batches(self, batch: dict, pre_sharded: bool) -> list:
         m, sizes = self.schedule.num_micro_batches, self.dp_shares
-        if m == 1 and (pre_sharded or self.dp == 1):  # the one micro-batch is the batch itself
+        if m == 1 and (pre_sharded or self.dp == 1) and self.cp == 1:  # the one micro-batch is the batch itself
             return [{name: batch[name] for name in self._inputs}]
         shares = {}
         start = sum(sizes[:self.dp_rank])
@@ -400,7 +432,8 @@ class CompiledModel:
             # views, never copies (at m = 1 the micro-batch is the share)
             share = value if pre_sharded or self.dp == 1 else value.narrow(batch_dim, start, sizes[self.dp_rank])
             shares[name] = [share] if m == 1 else list(share.chunk(m, dim=batch_dim))
-        return [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
+        micro_batches = [{name: shares[name][mb] for name in self._inputs} for mb in range(m)]
+        return cut_sequences(micro_batches, self._batch_dims, self.groups.cp) if self.cp > 1 else micro_batches
 
     def measured_costs(self):
         """The last step's measured stage and sync seconds, gathered from every rank (collective over the

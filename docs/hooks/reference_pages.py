@@ -5,6 +5,7 @@ A page holds a marker line that ``on_page_markdown`` replaces while the site is 
 - ``<!-- generated: cli -->``: every ``xirang`` subcommand, walked from the argparse parser
   ``xirang.cli.build_parser()`` builds (usage, description, each argument with its default and help);
 - ``<!-- generated: families -->``: the Hugging Face families of ``examples/hf_families.py`` (``FAMILIES``);
+- ``<!-- generated: moe-families -->``: the Mixture-of-Experts families of ``examples/hf_moe.py``;
 - ``<!-- generated: catalog -->``: the model factories of ``examples/catalog.py``.
 
 And ``::: xirang.NAME`` lines (mkdocstrings) become ``::: <folder>.<module>.NAME``, where the object
@@ -100,14 +101,14 @@ def _examples_module(name: str):
     return importlib.import_module(f"examples.{name}")
 
 
-def families_markdown() -> str:
-    """A row per family of examples/hf_families.py: name, what the factory builds, features covered."""
-    families = _examples_module("hf_families").FAMILIES
+def families_markdown(module: str = "hf_families") -> str:
+    """A row per family of examples/<module>.py: name, what the factory builds, features covered."""
+    families = _examples_module(module).FAMILIES
     lines = ["| family | model | features covered | try it |", "|---|---|---|---|"]
     for name, (factory, features) in families.items():
         doc = " ".join((inspect.getdoc(factory) or "").split("\n\n")[0].split())
         lines.append(f"| {name} | {_cell(doc.split(':')[0])} | {_cell(features)} | "
-                     f"`xirang verify examples/hf_families.py:{name} --world 8` |")
+                     f"`xirang verify examples/{module}.py:{name} --world 8` |")
     return "\n".join(lines) + "\n"
 
 
@@ -142,6 +143,7 @@ def _api_identifiers(markdown: str) -> str:
 
 
 GENERATORS = {"<!-- generated: cli -->": cli_markdown, "<!-- generated: families -->": families_markdown,
+              "<!-- generated: moe-families -->": lambda: families_markdown("hf_moe"),
               "<!-- generated: catalog -->": catalog_markdown}
 
 

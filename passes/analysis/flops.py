@@ -9,6 +9,8 @@ Conventions:
   for the contracted size K, plus one add per output element for a bias. Backward repeats the
   product once per operand that needs a gradient (dX = dY·Wᵀ, dW = Xᵀ·dY), plus one add per output
   element for a bias gradient (the reduction of dY).
+- Expert matmuls (``xirang.expert_linear``, passes/analysis/expert_ops.py): a product of each row
+  with its own expert's weight, so the same count as a linear of the rows.
 - Attention: QKᵀ and AV, 2·BH·Sq·Sk·(d + dv) — 4·B·heads·s²·d — with heads the *query* heads
   (grouped-query attention shares k/v heads but not the work). Causal attention is counted in full,
   as Megatron does; the softmax (≈5 FLOPs per score, under 2% at head dim ≥ 64) is left out, as is
@@ -36,6 +38,7 @@ from xirang.ir.meta_keys import FLOPS, REQUIRES_GRAD, TENSOR, UNPRICED_OPS
 from xirang.ir.pass_spec import compiler_pass
 from xirang.ir.run_log import once_per_run
 
+from xirang.passes.analysis import expert_ops  # noqa: F401  (registers torch.ops.xirang.expert_linear)
 from xirang.passes.analysis.saved_storages import ALIAS_OPS, arg, needs_grad, tensors
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 
@@ -148,6 +151,7 @@ PER_ELEMENT = {
     "arithmetic": 1,  # add, sub, mul, div, neg, comparisons, where, clamp, relu, exp, log, sqrt, ...
     "sigmoid": 4,  # neg, exp, add, divide
     "silu": 5,  # x · sigmoid(x)
+    "softplus": 4,  # log1p(exp(x)) with its threshold compare: exp, add, log, compare
     "gelu": 5,  # the erf form 0.5·x·(1 + erf(x/√2))
     "gelu_tanh": 9,  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
     "softmax": 5,  # max, subtract, exp, sum, divide (or log for log_softmax)
@@ -165,6 +169,7 @@ FLOP_RULES: dict[object, Callable[[Node], FlopCount]] = {
     aten.linear: _product(0, 1, bias=2),
     aten.mm: _PRODUCT, aten.bmm: _PRODUCT, aten.matmul: _PRODUCT,
     aten.addmm: _product(1, 2, bias=0), aten.baddbmm: _product(1, 2, bias=0),
+    torch.ops.xirang.expert_linear: _product(0, 2, bias=3),
     aten.conv1d: _convolution, aten.conv2d: _convolution, aten.conv3d: _convolution,
     aten.convolution: _convolution, aten.conv_transpose1d: _convolution,
     aten.conv_transpose2d: _convolution, aten.conv_transpose3d: _convolution,
@@ -178,6 +183,7 @@ FLOP_RULES: dict[object, Callable[[Node], FlopCount]] = {
     aten.native_layer_norm: _pointwise(PER_ELEMENT["layer_norm"]),
     aten.rms_norm: _pointwise(PER_ELEMENT["rms_norm"]),
     aten.gelu: _gelu, aten.silu: _pointwise(PER_ELEMENT["silu"]),
+    aten.softplus: _pointwise(PER_ELEMENT["softplus"]),
     aten.sigmoid: _pointwise(PER_ELEMENT["sigmoid"]),
     aten.softmax: _pointwise(PER_ELEMENT["softmax"]), aten._softmax: _pointwise(PER_ELEMENT["softmax"]),
     aten.log_softmax: _pointwise(PER_ELEMENT["softmax"]),

@@ -4,11 +4,13 @@ Tracing costs ~0.1-0.25 s per transformer layer, so an 80-layer model would spen
 time re-tracing the same Python 80 times. A run of structurally identical children of an
 nn.ModuleList / nn.Sequential (same class, parameter shapes, repr and plain attributes, up to an
 attribute that equals the layer's position such as ``layer_idx``) is temporarily cut to its first three
-layers. After tracing, the nodes of layer 2 are checked to relate to layer 1 exactly as layer 1's relate
-to layer 0 (same ops, same constants, inputs from the previous layer at the same positions, the same
-shared inputs); layers 3..n-1 are then stamped out from layer 2's nodes. If any check fails the
-caller traces the full model, so folding only ever changes speed, never the graph: the test suite
-compares folded and full traces node by node.
+layers. The run may start after a few layers that differ (DeepSeek-V3's three dense layers before 58 MoE
+ones): the run is then the list's longest alike tail, and the list is cut after the run's third layer.
+After tracing, the nodes of the run's layer 2 are checked to relate to its layer 1 exactly as layer 1's
+relate to layer 0 (same ops, same constants, inputs from the previous layer at the same positions, the
+same shared inputs); the run's later layers are then stamped out from layer 2's nodes. If any check
+fails the caller traces the full model, so folding only ever changes speed, never the graph: the test
+suite compares folded and full traces node by node.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class LayerRun:
     container: torch.nn.Module
     prefix: str  # FQN of the container, e.g. "model.layers"
     length: int
+    start: int = 0  # the run's first layer; the layers before it (traced whole) differ from it
 
 
 class CannotFold(Exception):
@@ -42,24 +45,30 @@ def find_layer_runs(model: torch.nn.Module) -> list[LayerRun]:
             continue
         if len(module) <= TRACED_LAYERS or any(prefix.startswith(r.prefix + ".") for r in runs):
             continue
-        if not _all_alike(list(module)):
+        start = _alike_tail(list(module))
+        if start is None:
             continue
         parent_name, _, attribute = prefix.rpartition(".")
-        runs.append(LayerRun(model.get_submodule(parent_name), attribute, module, prefix, len(module)))
+        runs.append(LayerRun(model.get_submodule(parent_name), attribute, module, prefix, len(module), start))
     return runs
 
 
-def _all_alike(layers: list[torch.nn.Module]) -> bool:
-    """Same class, tensors, repr and plain attributes; an attribute equal to the layer's position in
-    every layer (layer_idx) is a label, and the trace comparison checks it changes nothing."""
+def _alike_tail(layers: list[torch.nn.Module]) -> int | None:
+    """The first layer of the longest tail of more than three alike layers (None if there is none). Alike:
+    same class, tensors, repr and plain attributes; an attribute equal to the layer's position in every
+    layer of the tail (layer_idx) is a label, and the trace comparison checks it changes nothing."""
     texts: dict[int, str] = {}  # id(value) -> repr: the layers share objects (an HF config prints ~700 chars)
     attributes = [_plain_attributes(layer, texts) for layer in layers]
-    positional = {key for key in attributes[0]
-                  if all(attrs.get(key) == repr(i) for i, attrs in enumerate(attributes))}
-    signatures = {(type(layer), _tensors(layer), repr(layer),
-                   tuple(sorted((k, v) for k, v in attrs.items() if k not in positional)))
-                  for layer, attrs in zip(layers, attributes)}
-    return len(signatures) == 1
+    shapes = [(type(layer), _tensors(layer), repr(layer)) for layer in layers]
+    for start in range(len(layers) - TRACED_LAYERS):
+        tail = range(start, len(layers))
+        if any(shapes[i] != shapes[start] for i in tail):
+            continue
+        positional = {key for key in attributes[start] if all(attributes[i].get(key) == repr(i) for i in tail)}
+        signatures = {tuple(sorted((k, v) for k, v in attributes[i].items() if k not in positional)) for i in tail}
+        if len(signatures) == 1:
+            return start
+    return None
 
 
 def _tensors(layer: torch.nn.Module):
@@ -98,10 +107,11 @@ class Folding:
 
 @contextlib.contextmanager
 def folded_repeats(model: torch.nn.Module, enabled: bool = True):
-    """Within the block, every foldable run of layers in ``model`` holds only its first three."""
+    """Within the block, every foldable run of layers in ``model`` holds only its first three (and the
+    differing layers before it)."""
     runs = find_layer_runs(model) if enabled else []
     for run in runs:
-        first = list(run.container)[:TRACED_LAYERS]
+        first = list(run.container)[:run.start + TRACED_LAYERS]
         shortened = torch.nn.ModuleList(first) if isinstance(run.container, torch.nn.ModuleList) \
             else torch.nn.Sequential(*first)
         setattr(run.parent, run.attribute, shortened)
@@ -130,14 +140,28 @@ def _layer_of(node, prefix: str) -> int | None:
 def _expand_run(gm, run: LayerRun, aliases_of) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
-    layer_of = {node: _layer_of(node, run.prefix) for node in nodes}
+    template = run.start + TRACED_LAYERS - 1  # the traced layer stamped out (layer 2 of the run)
+
+    def run_layer(node):  # the layer's place in the run; the layers before the run are outside it
+        layer = _layer_of(node, run.prefix)
+        return layer - run.start if layer is not None and layer >= run.start else None
+    layer_of = {node: run_layer(node) for node in nodes}
+    # Export computes a size expression once (batch * seq in an experts call) and the later layers reuse
+    # it: it belongs to no layer, so it is outside the run wherever the first layer put it.
+    floating = set()
+    for node in nodes:
+        if layer_of[node] is not None and node.op == "call_function" and \
+                isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, int, float)) and \
+                all(layer_of[a] is None for a in node.all_input_nodes):
+            layer_of[node] = None
+            floating.add(node)
     ops = [[n for n in nodes if layer_of[n] == i and n.op != "placeholder"] for i in range(TRACED_LAYERS)]
     params = [[n for n in nodes if layer_of[n] == i and n.op == "placeholder"] for i in range(TRACED_LAYERS)]
     if len({len(o) for o in ops}) != 1 or len({len(p) for p in params}) != 1 or not ops[0]:
         raise CannotFold(f"{run.prefix}: traced layers differ in size")
     position = {n: (i, j) for i in range(TRACED_LAYERS) for j, n in enumerate(ops[i])}
     param_position = {n: (i, j) for i in range(TRACED_LAYERS) for j, n in enumerate(params[i])}
-    _check_contiguous(nodes, ops)
+    _check_contiguous([n for n in nodes if n not in floating], ops)
     for j, (middle, last) in enumerate(zip(ops[1], ops[2])):
         if middle.target != last.target or _pattern(middle, 1, position, param_position) != \
                 _pattern(last, 2, position, param_position):
@@ -148,30 +172,32 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
         if any(a in position and position[a][0] != 2 for a in node.all_input_nodes):
                 raise CannotFold(f"{run.prefix}: {node.name} reads a layer other than the last")
 
-    for template in params[2] if run.length > TRACED_LAYERS else ():  # each copy must name a model tensor
-        name = PARAM_NAME.get(template, None)
-        if name is None or aliases_of(_rename(name, run.prefix, TRACED_LAYERS)) is None:
-            raise CannotFold(f"{run.prefix}: layer 2 reads {name or template.name}, a tensor the model does not "
+    for read in params[2] if run.length > template + 1 else ():  # each copy must name a model tensor
+        name = PARAM_NAME.get(read, None)
+        if name is None or aliases_of(_rename(name, run.prefix, template, template + 1)) is None:
+            raise CannotFold(f"{run.prefix}: layer {template} reads {name or read.name}, a tensor the model does not "
                              f"hold per layer (made inside forward), so its copies in later layers have no name")
     previous_ops = ops[2]
-    anchor_op, anchor_param = ops[2][-1], params[2][-1] if params[2] else None
-    for index in range(TRACED_LAYERS, run.length):
+    anchor_op = ops[2][-1]
+    # export lists every parameter before every buffer: a layer's copies go after the template's last of each
+    anchor_param = {ROLE.get(n, None): n for n in params[2]}
+    for index in range(template + 1, run.length):
         renamed: dict[str, str] = {}  # a layer's nodes share most module-stack entries: rename each once
 
         def rename(text, _renamed=renamed, _index=index):
             if text not in _renamed:
-                _renamed[text] = _rename(text, run.prefix, _index)
+                _renamed[text] = _rename(text, run.prefix, template, _index)
             return _renamed[text]
         new_params = []
-        for template in params[2]:
-            fqn = _rename(PARAM_NAME.get(template), run.prefix, index)
-            with graph.inserting_after(anchor_param):
-                node = graph.placeholder("p_" + fqn.replace(".", "_") if ROLE.get(template) == "parameter"
+        for template_param in params[2]:
+            fqn = _rename(PARAM_NAME.get(template_param), run.prefix, template, index)
+            with graph.inserting_after(anchor_param[ROLE.get(template_param, None)]):
+                node = graph.placeholder("p_" + fqn.replace(".", "_") if ROLE.get(template_param) == "parameter"
                                          else "b_" + fqn.replace(".", "_"))
-            node.meta = dict(template.meta)
+            node.meta = dict(template_param.meta)
             PARAM_NAME.set(node, fqn)
             PARAM_ALIASES.set(node, tuple(aliases_of(fqn)))
-            anchor_param = node
+            anchor_param[ROLE.get(template_param, None)] = node
             new_params.append(node)
         new_ops: list = []
 
@@ -183,11 +209,11 @@ def _expand_run(gm, run: LayerRun, aliases_of) -> None:
                 return _new_params[param_position[arg][1]]
             return arg
 
-        for template in ops[2]:
+        for template_op in ops[2]:
             with graph.inserting_after(anchor_op):
-                node = _copy_node(graph, template, remap)
+                node = _copy_node(graph, template_op, remap)
             NN_MODULE_STACK.set(node, {rename(k): (rename(fqn), cls)
-                                       for k, (fqn, cls) in NN_MODULE_STACK.get(template).items()})
+                                       for k, (fqn, cls) in NN_MODULE_STACK.get(template_op).items()})
             anchor_op = node
             new_ops.append(node)
         previous_ops = new_ops
@@ -236,12 +262,12 @@ def _check_contiguous(nodes, ops) -> None:
         raise CannotFold("other ops run between the traced layers")
 
 
-def _rename(text: str, prefix: str, index: int) -> str:
-    """'model.layers.2.mlp' -> 'model.layers.<index>.mlp' (also inside torch's module-stack keys)."""
-    for lead in (prefix + ".2.", prefix.replace(".", "_") + "_2_"):
+def _rename(text: str, prefix: str, template: int, index: int) -> str:
+    """'model.layers.<template>.mlp' -> 'model.layers.<index>.mlp' (also inside torch's module-stack keys)."""
+    for dot, sep in ((prefix + ".", "."), (prefix.replace(".", "_") + "_", "_")):
+        lead = f"{dot}{template}{sep}"
         if lead in text:
-            return text.replace(lead, lead[:-2] + f"{index}" + lead[-1], 1)
-    for tail in (prefix + ".2", prefix.replace(".", "_") + "_2"):
-        if text.endswith(tail):
-            return text[: -1] + str(index)
+            return text.replace(lead, f"{dot}{index}{sep}", 1)
+        if text.endswith(f"{dot}{template}"):
+            return text[: len(text) - len(str(template))] + str(index)
     return text

@@ -63,7 +63,9 @@ def node_bytes(node: Node) -> ByteCount:
         return ByteCount(read=ZERO, written=ZERO, saved_for_backward=ZERO)
     read = sympy.Add(*(nbytes(i) for i in node.all_input_nodes))
     written = nbytes(node)
-    if rule is None:  # unknown op: assume every activation input is kept (see module docstring)
+    if rule is None and op_packet(node) in ALIAS_OPS:  # a view op that copies here (saved_storages._reshape_copies):
+        saved = ()  # its backward reshapes the gradient back and keeps nothing
+    elif rule is None:  # unknown op: assume every activation input is kept (see module docstring)
         saved = tuple(item for i in node.all_input_nodes for item in input_saved(node, i)) \
             if REQUIRES_GRAD.get(node, False) else ()
     else:

@@ -5,10 +5,17 @@ ILP's pricing read. Sizes are sympy expressions in the batch/seq symbols.
 - A view is followed to the tensor it views (``storage_of``): a saved view keeps the whole storage.
 - Parameters, buffers and constants are resident anyway: saving one costs nothing (``input_saved``).
 - ``live_saved_bytes``: the storages a set of nodes keeps, each once.
+
+Dtypes: the analysis holds the trace's, made in fp32. A half-precision program's run-time dtypes (node
+name -> dtype, passes/lowering/compute_dtypes.py) change which casts copy: a model's upcast to float32,
+an alias in the fp32 trace, copies a bf16 input at run time (Llama's RMSNorm keeps that fp32 copy for its
+backward), and a norm's cast back copies the other way. ``storage_of`` and ``is_alias`` take them as
+``run_dtypes`` (``RunDtypes.of``) where the caller has them.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -30,10 +37,25 @@ STAT_BYTES = 4  # mean/rstd/logsumexp statistics are kept in float32 (the accumu
 ALIAS_OPS = frozenset({
     operator.getitem, aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.t,
     aten.permute, aten.expand, aten.expand_as, aten.squeeze, aten.unsqueeze, aten.slice, aten.select,
-    aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.flatten, aten.unflatten,
+    aten.split, aten.split_with_sizes, aten.chunk, aten.tensor_split, aten.unbind, aten.flatten, aten.unflatten,
     aten.alias, aten.detach, aten.view_as, aten.narrow, aten.as_strided, aten.sym_size,
     aten.sym_numel, aten.sym_stride, aten.lift_fresh_copy,
 })
+
+
+@dataclass(frozen=True)
+class RunDtypes:
+    """A half-precision program's dtypes at run time, made by the lowering's own casts
+    (passes/lowering/compute_dtypes.py) for the planner to price saved storages at.
+
+    - ``of``: node name -> torch dtype of the tensor the node makes.
+    - ``read_as``: node name -> {position in ``node.all_input_nodes``: dtype} where the program casts that
+      input into a copy of its own for the op (an op that needs one dtype meeting mixed ones,
+      ``precision.unify_float_dtypes``): the op keeps the copy, not the input.
+    """
+
+    of: dict = field(default_factory=dict)
+    read_as: dict = field(default_factory=dict)
 
 
 # --- sizes of a node's tensors ----------------------------------------------------------------
@@ -90,13 +112,17 @@ def dropout_active(node) -> bool:
     return not (isinstance(p, (int, float)) and p == 0) and train is not False
 
 
-def _same_dtype(node) -> bool:
-    """aten.to to the dtype a tensor already has returns the tensor itself."""
-    source, result = tensors(node.args[0]), tensors(node)
+def _same_dtype(node, run_dtypes=None) -> bool:
+    """aten.to to the dtype a tensor already has returns the tensor itself (at run time where
+    ``run_dtypes`` knows both ends, else as traced)."""
+    source = node.args[0]
+    if run_dtypes is not None and isinstance(source, Node) and source.name in run_dtypes and node.name in run_dtypes:
+        return run_dtypes[source.name] == run_dtypes[node.name]
+    source, result = tensors(source), tensors(node)
     return bool(source and result) and source[0].dtype == result[0].dtype
 
 
-def _dropout_alias(node) -> bool:
+def _dropout_alias(node, run_dtypes=None) -> bool:
     return not dropout_active(node)  # p == 0 or eval: aten.dropout returns its input
 
 
@@ -124,22 +150,23 @@ def _reshape_copies(node: Node) -> bool:
     return False
 
 
-def is_alias(node: Node) -> bool:
-    """Does ``node``'s output share its input's storage (a view, or an op that returns its input)?"""
+def is_alias(node: Node, run_dtypes=None) -> bool:
+    """Does ``node``'s output share its input's storage (a view, or an op that returns its input)?
+    ``run_dtypes``: a half-precision program's dtypes at run time (module docstring), else the trace's."""
     packet = op_packet(node)
     if packet in ALIAS_OPS:
         return not (packet is aten.reshape and _reshape_copies(node))
     when = ALIAS_WHEN.get(packet)
-    return when is not None and when(node)
+    return when is not None and when(node, run_dtypes)
 
 
-def storage_of(value: Node) -> Node:
+def storage_of(value: Node, run_dtypes=None) -> Node:
     """The node whose output owns the storage ``value`` reads: views and aliases followed to the
     tensor they view. An element of a multi-output op that is not a view (a norm's output, mean, rstd)
-    owns its storage; the pieces of a split or chunk share their input's."""
+    owns its storage; the pieces of a split or chunk share their input's. ``run_dtypes``: as ``is_alias``."""
     while (isinstance(value, Node) and value.op == "call_function" and value.args
-           and isinstance(value.args[0], Node) and is_alias(value)):
-        if value.target is operator.getitem and not is_alias(value.args[0]):
+           and isinstance(value.args[0], Node) and is_alias(value, run_dtypes)):
+        if value.target is operator.getitem and not is_alias(value.args[0], run_dtypes):
             break  # an element of a real multi-output op
         value = value.args[0]
     return value

@@ -23,6 +23,7 @@ from xirang.ir.meta_keys import (CONSTANT_VALUE, MODULE_PATH, MODULE_TYPE, NN_MO
 from xirang.ir.facts import SourceLocation
 from xirang.ir.pass_spec import compiler_pass
 
+from xirang.passes.analysis.experts import captured_experts
 from xirang.passes.analysis.fold_repeats import CannotFold, folded_repeats
 from xirang.passes.analysis.trace_normalize import canonical_graph
 from xirang.passes.analysis.trace_errors import ModuleCallTracker, explain_trace_failure, quiet_torch_logs, user_frames
@@ -69,8 +70,10 @@ def _trace_folded(model, named, symbolic_dims, info, fold: bool):
     """Export with runs of identical layers folded to three, then stamp the rest out; if the traced
     layers do not repeat cleanly, export the whole model instead."""
     aliases_of = _aliases_by_name(model)
-    with folded_repeats(model, enabled=fold) as folding:
+    with folded_repeats(model, enabled=fold) as folding, captured_experts(model) as experts:
         exported = _export_with_fallbacks(model, named, symbolic_dims, info)
+    if experts:
+        info["experts"] = len(experts)  # modules traced through passes/analysis/experts.py
     gm = exported.graph_module
     _annotate_placeholders(gm, exported.graph_signature, aliases_of, exported.constants)
     if not folding.runs:

@@ -12,6 +12,10 @@ the graph's fingerprint. Two things made the same model trace differently per de
 - A tensor made inside forward (``torch.tensor(...)``, Falcon's attention) is lifted as a constant
   and, on real devices only, copied by ``aten.lift_fresh_copy`` before use. The copy protects the
   constant from in-place writes; where no user writes in place it changes nothing and is dropped.
+- ``torch.histc`` of integer values (the expert counts of Hugging Face's load-balancing loss) is
+  given float32 values on CPU and MPS, whose histc takes no integers, and int32 elsewhere
+  (``histc_float_inputs``). The histogram of integers below 2**24 is the same either way: the cast
+  becomes float32 on every device, which every device's histc takes.
 - ``x[:, 0] = 2`` (BART's and T5's shift of the labels) writes a Python number into a view: on CPU
   export records ``fill_`` from a lifted 0-dim constant, on meta (and CUDA) ``copy_`` from an expanded
   ``scalar_tensor``. Both become ``fill_(x, 2)`` (``scalar_fills``), which is what they compute.
@@ -107,6 +111,26 @@ def scalar_fills(gm: GraphModule) -> int:
     return rewritten
 
 
+def histc_float_inputs(gm: GraphModule) -> int:
+    """Make a cast of integer values that only ``histc`` reads a cast to float32; returns how many."""
+    rewritten = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.histc.default:
+            continue
+        cast = node.args[0]
+        if not (isinstance(cast, torch.fx.Node) and cast.target == torch.ops.aten.to.dtype
+                and len(cast.users) == 1 and cast.args[1] != torch.float32):
+            continue
+        source = cast.args[0].meta.get("val") if isinstance(cast.args[0], torch.fx.Node) else None
+        if source is None or source.dtype.is_floating_point or source.dtype == torch.bool:
+            continue
+        cast.args = (cast.args[0], torch.float32) + tuple(cast.args[2:])
+        cast.meta["val"] = cast.meta["val"].to(torch.float32)
+        node.meta["val"] = node.meta["val"].to(torch.float32)  # histc returns its input's dtype
+        rewritten += 1
+    return rewritten
+
+
 def canonical_names(graph: Graph) -> Graph:
     """``graph`` with its non-placeholder nodes renamed base, base_1, ... in graph order (placeholders keep
     their names: they are the user's inputs and parameters), in place, and returned. Names go through a
@@ -145,6 +169,7 @@ def canonical_graph(gm: GraphModule) -> GraphModule:
     never runs the analysed graph and lowering copies it, so the code (0.35 s of CPU for Llama-2-70B's
     6,000 nodes, 0.5 s for Llama-3-405B's) is written only for a dump, ``print`` or a call."""
     scalar_fills(gm)
+    histc_float_inputs(gm)
     drop_layout_copies(gm)
     renamed = _LazyGraphModule(gm, canonical_names(gm.graph))
     renamed.meta.update(gm.meta)

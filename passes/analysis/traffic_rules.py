@@ -17,6 +17,7 @@ from torch.fx import Node
 from xirang.ir.facts import SavedTensor
 from xirang.ir.meta_keys import REQUIRES_GRAD, TORCH_SYMBOLS, symbol
 
+from xirang.passes.analysis import expert_ops  # noqa: F401  (registers torch.ops.xirang.expert_linear)
 from xirang.passes.analysis.saved_storages import (STAT_BYTES, ZERO, arg, dropout_active, input_saved, is_persistent,
                                                     nbytes, needs_grad, own_saved, tensors)
 
@@ -49,6 +50,12 @@ def _saves_for_each_other(a: int, b: int) -> Callable:
         x, y = arg(node, a, ""), arg(node, b, "")
         return (input_saved(node, x) if needs_grad(y) else ()) + (input_saved(node, y) if needs_grad(x) else ())
     return saved
+
+
+def _expert_linear_saves(node):
+    """``xirang.expert_linear`` keeps its rows, their expert ids and the weight whenever its output
+    needs a gradient (passes/analysis/expert_ops.py ``_setup_context``)."""
+    return _saves_inputs(0, 1, 2)(node)
 
 
 def _at_point(size, names: dict, batch_one: bool) -> int:
@@ -224,6 +231,7 @@ TRAFFIC_RULES: dict[object, TrafficRule] = {
     # products
     aten.linear: _PRODUCT, aten.mm: _PRODUCT, aten.bmm: _PRODUCT, aten.matmul: TrafficRule(saved=_matmul_saves),
     aten.addmm: _BIASED_PRODUCT, aten.baddbmm: _BIASED_PRODUCT,
+    torch.ops.xirang.expert_linear: TrafficRule(saved=_expert_linear_saves),
     aten.conv1d: _PRODUCT, aten.conv2d: _PRODUCT, aten.conv3d: _PRODUCT, aten.convolution: _PRODUCT,
     aten.conv_transpose1d: _PRODUCT, aten.conv_transpose2d: _PRODUCT, aten.conv_transpose3d: _PRODUCT,
     aten.mul: _PRODUCT,
@@ -238,8 +246,8 @@ TRAFFIC_RULES: dict[object, TrafficRule] = {
     aten.native_layer_norm: TrafficRule(saved=_layer_norm_saves),
     aten.rms_norm: TrafficRule(saved=_rms_norm_saves),
     # activations that keep their input
-    aten.gelu: _INPUT, aten.silu: _INPUT, aten.log: _INPUT, aten.pow: _INPUT, aten.square: _INPUT,
-    aten.sin: _INPUT, aten.cos: _INPUT, aten.abs: _INPUT, aten.erf: _INPUT,
+    aten.gelu: _INPUT, aten.silu: _INPUT, aten.softplus: _INPUT, aten.log: _INPUT, aten.pow: _INPUT,
+    aten.square: _INPUT, aten.sin: _INPUT, aten.cos: _INPUT, aten.abs: _INPUT, aten.erf: _INPUT,
     aten.clamp: _INPUT, aten.hardtanh: _INPUT, aten.leaky_relu: _INPUT,
     # ... and those that keep their output
     aten.relu: _OUTPUT, aten.sigmoid: _OUTPUT, aten.tanh: _OUTPUT, aten.exp: _OUTPUT,

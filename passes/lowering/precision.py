@@ -36,6 +36,7 @@ from xirang.codegen.ops.local_ops import cast_like, unify_float_dtypes
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import INSERTED, MODULE_PATH, REQUIRES_GRAD, ROLE, TENSOR, UNIT
 from xirang.ir.pass_spec import compiler_pass
+from xirang.passes.analysis.expert_ops import expert_calls
 from xirang.passes.lowering.inserted import place_inserted
 
 aten = torch.ops.aten
@@ -55,6 +56,7 @@ def write_precision_casts(graph: Graph, dtype: torch.dtype, *, fp32_loss: bool =
         return
     _cast_parameters(graph, dtype)
     cast_back_to_input_dtype(graph)
+    cast_expert_sums_back(graph)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in ONE_DTYPE_OPS:
             _unify_inputs(graph, node, dtype)
@@ -109,6 +111,27 @@ def cast_back_to_input_dtype(graph: Graph) -> None:
                 user.replace_input_with(upcast, upcast.args[0])
 
 
+def cast_expert_sums_back(graph: Graph) -> None:
+    """An experts call (passes/analysis/experts.py) returns its weighted sum in the dtype of the hidden
+    states it read, which the fp32 trace recorded as a cast to float32: it casts like the rows the call's
+    first matmul reads (the hidden states, expanded per expert). The router's weights are fp32 on purpose
+    (a softmax or sigmoid in float), so without this the sum stayed fp32 and so did the residual stream
+    after the first MoE layer: twice the activations and rows, and fp32 rows into a bf16 expert matmul."""
+    for calls in expert_calls(graph).values():
+        first, last = calls[0], calls[-1]
+        module = MODULE_PATH.get(last, None)
+        seen, frontier = set(), list(last.users)
+        while frontier and len(seen) < _UPCAST_SEARCH:
+            node = frontier.pop(0)
+            if node in seen:
+                continue
+            seen.add(node)
+            if _casts_to_float32(node) and MODULE_PATH.get(node, None) == module:
+                node.target, node.args, node.kwargs = cast_like, (node.args[0], first.args[0]), {}
+                break
+            frontier.extend(node.users)
+
+
 def _traced_float32(value) -> bool:
     """Whether ``value`` was float32 in the trace: a cast of it to float32 was a no-op there (an integer
     made float, Llama's position ids for the rotary angles, is a real cast and no upcast)."""
@@ -161,6 +184,17 @@ def insert_precision_casts(gm, ctx):
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def unified_from(value):
+    """``value``, or where it has no shape facts (an item of a ``unify_float_dtypes`` call, below) the input it
+    was unified from, whose shape it keeps."""
+    while not TENSOR.has(value) and "val" not in value.meta and value.target is operator.getitem:
+        source, position = value.args
+        if not (isinstance(source, torch.fx.Node) and isinstance(source.args[0], (tuple, list))):
+            break
+        value = source.args[0][position]
+    return value
 
 
 def _describe_cast(node) -> None:

@@ -29,7 +29,6 @@ exact mode for such a program, naming the op).
 """
 from __future__ import annotations
 
-import operator
 
 import sympy
 import torch
@@ -41,6 +40,7 @@ from xirang.ir.meta_keys import LAYOUT, RANDOM, RANDOM_SITES, SYMBOLS, TENSOR, T
 from xirang.ir.pass_spec import compiler_pass
 from xirang.ir.placement import PlanReplicate, PlanShard
 from xirang.passes.analysis.tensors import SizeConverter
+from xirang.passes.lowering.precision import unified_from
 
 from xirang.codegen.ops import random_ops
 from xirang.codegen.ops.collectives import UNATTACHED
@@ -105,17 +105,6 @@ def _tensor_of(value) -> object:
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
-def _described(value: Node) -> Node:
-    """``value``, or where it has no shape facts (an item of a half-precision ``unify_float_dtypes``,
-    passes/lowering/precision.py) the input it was unified from."""
-    while not TENSOR.has(value) and "val" not in value.meta and value.target is operator.getitem:
-        source, position = value.args
-        if not (isinstance(source, Node) and isinstance(source.args[0], (tuple, list))):
-            break
-        value = source.args[0][position]
-    return value
-
-
 class _Sites:
     """Builds the RandomSite of each random node of one rank's program."""
 
@@ -158,7 +147,7 @@ class _Sites:
         out = self.sizes.tensor_info(_tensor_of(node.meta["val"])).shape
         if kind != "attention":
             return tuple(out)
-        key = _described(node.args[1])  # its sequence dim is never split (sharding_rules._attention)
+        key = unified_from(node.args[1])  # its sequence dim is never split (sharding_rules._attention)
         info = TENSOR.get(key, None)
         source = info.shape[-2] if isinstance(info, TensorInfo) else \
             self.sizes.size(_tensor_of(key.meta["val"]).shape[-2])

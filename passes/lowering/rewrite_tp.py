@@ -14,7 +14,8 @@ the node's output layout, in its run-time dtype); what changes, from the nodes' 
   All such consumers of one producer share one f, so the partial gradients are summed first and
   all-reduced once (the plan's ``<producer>.grad`` collective); consumers whose gradient is
   already R read the value directly, their full gradients added after the all-reduce;
-- sizes on sharded dims become local (``local_sizes``);
+- sizes on sharded dims become local (``local_sizes``); a row-parallel linear over a padded dim reads
+  its input with the padding zeroed (``padded_shards``);
 - vocabulary-parallel embedding and cross-entropy call ``codegen/ops/vocab_parallel``.
 
 Collectives are call_function nodes on the functions of ``collectives.py`` / ``local_ops.py``; the
@@ -41,7 +42,9 @@ from xirang.passes.lowering.inserted import place_inserted
 from xirang.passes.planning.sharding_rules import Strategy, gradient_placements
 
 from xirang.codegen.ops import collectives, local_ops
+from xirang.passes.lowering.fused_pieces import convert_pieces, pieces_call
 from xirang.passes.lowering.local_sizes import localise_sizes, output_placement
+from xirang.passes.lowering.padded_shards import zero_contracted_padding
 from xirang.passes.lowering.trace_device import on_device
 from xirang.passes.lowering.vocab_calls import VOCAB_PARALLEL_OPS, vocab_parallel_call
 
@@ -131,6 +134,10 @@ class TpRewriter:
         first = next((reads_p for v, reads_p in zip(node.all_input_nodes, strategy.inputs) if _is_tensor(v)), None)
         if node.target in VOCAB_PARALLEL_OPS and strategy.strategy == "vocab_parallel" and self.tp_size > 1:
             return vocab_parallel_call(self, node, args, kwargs)
+        picked = pieces_call(self, node, args, kwargs, strategy)  # a fused projection's pieces
+        if picked is not None:
+            return picked
+        args = zero_contracted_padding(self, node, args, strategy)  # a row-parallel linear over padding
         args = localise_sizes(node, args, output_placement(strategy.outputs),
                               first.tp if first is not None else None, self.tp_size, self._sym_local)
         new = self.graph.create_node("call_function", node.target, args, kwargs, name=node.name)
@@ -206,6 +213,8 @@ class TpRewriter:
         """``x`` (holding ``value`` as ``have``) converted to ``wanted``."""
         if have == wanted or self.tp_size == 1:
             return x
+        if any(isinstance(p, PlanShard) and p.pieces for p in (have, wanted)):
+            return convert_pieces(self, value, x, have, wanted)
         group = self.attr("tp_group")
         full = _full_shape(value)
         if isinstance(have, PlanPartial) and have.op != "sum" or isinstance(wanted, PlanPartial) and wanted.op != "sum":
@@ -218,14 +227,15 @@ class TpRewriter:
                 return self.call(local_ops.gather_chunks, (x, group, have.dim, have.chunks), self.comm())
             size = full[have.dim] if have.dim < len(full) and isinstance(full[have.dim], int) else None
             return self.call(collectives.gather_from_group, (x, group, have.dim),
-                             {"full_size": size, **self.comm()})
+                             {"full_size": size, **self.comm(), **_unit(have)})
         if have == R and isinstance(wanted, PlanShard):
             if wanted.chunks > 1:
                 return self.call(local_ops.scatter_chunks, (x, group, wanted.dim, wanted.chunks), self.comm())
-            return self.call(collectives.scatter_to_group, (x, group, wanted.dim), self.comm())
+            return self.call(collectives.scatter_to_group, (x, group, wanted.dim), {**self.comm(), **_unit(wanted)})
         if isinstance(have, PlanPartial) and isinstance(wanted, PlanShard) and wanted.chunks == 1:
-            return self.call(collectives.reduce_scatter_to_group, (x, group, wanted.dim), self.comm())
-        if isinstance(have, PlanShard) and isinstance(wanted, PlanShard) and have.chunks == wanted.chunks == 1:
+            return self.call(collectives.reduce_scatter_to_group, (x, group, wanted.dim),
+                             {**self.comm(), **_unit(wanted)})
+        if isinstance(have, PlanShard) and isinstance(wanted, PlanShard) and have.plain and wanted.plain:
             size = full[have.dim] if isinstance(full[have.dim], int) else None
             return self.call(collectives.all_to_all, (x, group),
                              {"scatter_dim": wanted.dim, "gather_dim": have.dim, "gather_size": size,
@@ -242,6 +252,12 @@ class TpRewriter:
         if key not in self.resharded:
             self.resharded[key] = self.call(local_ops.local_size, (self.env[size], self.tp_size))
         return self.resharded[key]
+
+
+def _unit(placement: PlanShard) -> dict:
+    """The ``unit`` argument of a collective on a shard split in whole units (heads), only where it is
+    not 1, so programs without such shards are emitted as before."""
+    return {"unit": placement.unit} if placement.unit > 1 else {}
 
 
 def _is_tensor(value) -> bool:

@@ -48,6 +48,9 @@ class DpSyncPricer:
 
     def __init__(self, pricer):
         self.pricer = pricer
+        # each kind of device once (a World of 256 nodes of one kind has one): the staging pass is priced
+        # at the slowest, and asked for every candidate's every pipeline rank
+        self._devices = tuple(dict.fromkeys(node.device for node in pricer.world.nodes))
 
     def rank_grads(self, c: Candidate, stages: Sequence[tuple[int, int]]) -> tuple[float, float]:
         p = self.pricer
@@ -57,12 +60,12 @@ class DpSyncPricer:
 
     def staging(self, c: Candidate, stages) -> float:
         """Seconds of the pass that divides the ``stages``' local gradients into their bucket slots (read
-        and written once), at the slowest device's memory bandwidth; 0 without dp."""
-        if c.dp == 1:
+        and written once), at the slowest device's memory bandwidth; 0 without dp (nor cp: its gradients
+        are summed over dp x cp)."""
+        if c.dp * c.cp == 1:
             return 0.0
         grads = self.rank_grads(c, stages)[0]
-        return max(compute_time(0.0, 2 * grads, node.device, "fp32", is_matmul=False)
-                   for node in self.pricer.world.nodes)
+        return max(compute_time(0.0, 2 * grads, device, "fp32", is_matmul=False) for device in self._devices)
 
     def estimate(self, c: Candidate, rank: int, stages) -> float:
         """Buckets of equal size filled at an even rate: the all-reduce queue ends either after the

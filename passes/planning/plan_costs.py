@@ -58,10 +58,12 @@ from typing import Mapping
 from xirang.ir.schedules import schedule_spec
 from xirang.ir.world import World
 
+from xirang.passes.planning.context_parallel_cost import NO_CONTEXT, ContextFacts, with_context_parallel
 from xirang.passes.planning.cost_collectives import collective_cost
-from xirang.passes.planning.cost_model import pipeline_step_time
+from xirang.passes.planning.cost_model import compute_time, pipeline_step_time
 from xirang.passes.planning.device_speeds import WorldSpeeds, mixed_kinds
 from xirang.passes.planning.dp_sync_costs import DpSyncPricer
+from xirang.passes.planning.expert_costs import DEFAULT_ROUTING_IMBALANCE, with_expert_parallel
 from xirang.passes.planning.plan_memory import STATE_BYTES_PER_PARAM, RankMemory
 from xirang.passes.planning.plan_partition import Bounds, UnitTable
 from xirang.passes.planning.plan_search_space import Candidate
@@ -70,7 +72,7 @@ from xirang.passes.planning.unit_costs import TensorSplit
 from xirang.ir.errors import InvalidValue
 
 GRAD_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # a gradient in the dtype dp reduces it in (plan.grad_reduce_dtype)
-CAUSES = ("compute", "tp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
+CAUSES = ("compute", "tp_comm", "ep_comm", "cp_comm", "pp_bubble", "pp_p2p", "dp_exposed", "offload", "step_sync")
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "working_set", "buffers")  # ir/plan_parts
 
 
@@ -103,6 +105,8 @@ class _Units:
     seconds: tuple[float, ...]
     compute: tuple[float, ...]  # local compute, recompute included
     tp_comm: tuple[float, ...]  # tensor-parallel collectives, recompute's included
+    ep_comm: tuple[float, ...]  # expert parallelism's all-to-alls, recompute's included (expert_costs.py)
+    cp_comm: tuple[float, ...]  # context parallelism's exposed transfers, recompute's included
     backward: tuple[float, ...]  # what the last micro-batch's backward takes, recompute included
     static: tuple[float, ...]
     activation: tuple[float, ...]  # per micro-batch in flight (0 for an offloaded block)
@@ -139,6 +143,12 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
                for u, mode, x in zip(units, modes, more)]
     tp_comm = [u.tp_comm_forward_seconds * (2 if mode == "full" else 1) + u.tp_comm_backward_seconds + a
                for u, mode, a in zip(units, modes, again)]
+    ep_comm = [u.ep_comm_forward_seconds * (2 if mode == "full" else 1) + u.ep_comm_backward_seconds
+               + (u.ep_comm_forward_seconds if split_extra is not None and mode == "full" else 0.0)
+               for u, mode in zip(units, modes)]
+    cp_comm = [u.cp_comm_forward_seconds * (2 if mode == "full" else 1) + u.cp_comm_backward_seconds
+               + (u.cp_comm_forward_seconds if split_extra is not None and mode == "full" else 0.0)
+               for u, mode in zip(units, modes)]
     kept = [u.activation_bytes(m) for u, m in zip(units, modes)]
     forward = [u.forward_seconds + u.tp_comm_forward_seconds for u in units]
     backward = [u.seconds(mode) - f + x + a for u, mode, f, x, a in zip(units, modes, forward, more, again)]
@@ -155,7 +165,8 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     return _Units(
         names=tuple(u.name for u in units),
         seconds=tuple(u.seconds(m) + o + b + x + a for u, m, o, b, x, a in zip(units, modes, out, back, more, again)),
-        compute=tuple(compute), tp_comm=tuple(tp_comm), backward=tuple(backward),
+        compute=tuple(compute), tp_comm=tuple(tp_comm), ep_comm=tuple(ep_comm), cp_comm=tuple(cp_comm),
+        backward=tuple(backward),
         static=tuple(u.params_local * STATE_BYTES_PER_PARAM + u.buffer_bytes for u in units),
         activation=tuple(0.0 if off else k for k, off in zip(kept, moved)),
         cut_bytes=tuple(u.cut_bytes_after for u in units[:-1]),
@@ -172,9 +183,19 @@ class CandidatePricer(RankMemory):
     """Prices candidates of one model on one World; caches everything shared between candidates."""
 
     def __init__(self, splits: Mapping[tuple[int, int], TensorSplit], world: World, *, global_batch: int,
-                 precision: str = "bf16", memory_fraction: float = 0.9, batch_inputs: int = 1):
-        """``batch_inputs``: tensors the step takes (the model's inputs), which size the batch agreement."""
+                 precision: str = "bf16", memory_fraction: float = 0.9, batch_inputs: int = 1,
+                 routing_imbalance: float = DEFAULT_ROUTING_IMBALANCE, context: ContextFacts = NO_CONTEXT,
+                 seq: int = 1, ep_overlap: bool = False, capacity_factor: float | None = None):
+        """``batch_inputs``: tensors the step takes (the model's inputs), which size the batch agreement;
+        ``routing_imbalance``: the most-loaded expert-parallel rank's rows over the mean (expert_costs.py);
+        ``ep_overlap``: the all-to-alls priced as run under another micro-batch's compute (expert_costs.py);
+        ``capacity_factor``: the experts' rows per micro-batch bounded (token dropping; None: dropless);
+        ``context``: the model's attention calls, which price cp > 1 at the whole sequence ``seq``
+        (``splits`` are then priced at seq / cp: context_parallel_cost.py)."""
         self.splits, self.world, self.global_batch = splits, world, global_batch
+        self.context, self.seq, self.precision = context, seq, precision
+        self.routing_imbalance, self.ep_overlap = routing_imbalance, ep_overlap
+        self.capacity_factor = capacity_factor
         self.batch_inputs = batch_inputs
         self.grad_bytes, self.memory_fraction = GRAD_BYTES[precision], memory_fraction
         # dp buckets in a half-precision reduce dtype are a copy beside the fp32 gradients (grad_sync.py)
@@ -194,12 +215,56 @@ class CandidatePricer(RankMemory):
     # --- cached pieces ---------------------------------------------------------------------------
     def _units_key(self, c: Candidate) -> tuple:
         split = self.split_extra if schedule_spec(c.schedule).split_backward else None
-        return c.tp, c.micro_batch, c.recompute, c.offload, split
+        experts = self.ep_group(c) if c.ep > 1 else None  # the ep group's ranks price its all-to-alls
+        context = (c.cp, c.context_method, self.cp_group(c)) if c.cp > 1 else None
+        return c.tp, c.micro_batch, c.recompute, c.offload, split, experts, context
+
+    def split_of(self, c: Candidate) -> TensorSplit:
+        """The tensor split of ``c``'s (tp, micro-batch), re-priced for its ep (expert_costs.py)."""
+        split = self.splits[(c.tp, c.micro_batch)]
+        if c.cp > 1:
+            return self._context_split(c, split)
+        if c.ep == 1:
+            return split
+        group = self.ep_group(c)
+        key = ("experts", c.tp, c.micro_batch, group)  # one re-pricing whatever the recompute, offload, schedule
+        if key not in self._pairs:
+            self._pairs[key] = with_expert_parallel(split, c.ep, lambda nbytes: self.cost("all_to_all", nbytes, group),
+                                                    self.routing_imbalance, overlap=self.ep_overlap,
+                                                    capacity_factor=self.capacity_factor)
+        return self._pairs[key]
+
+    def _context_split(self, c: Candidate, split: TensorSplit) -> TensorSplit:
+        """The split at seq / cp re-priced for one rank of ``c``'s cp group (context_parallel_cost.py)."""
+        group = self.cp_group(c)
+        key = ("context", c.tp, c.micro_batch, c.cp, c.context_method, group)
+        if key not in self._pairs:
+            self._pairs[key] = with_context_parallel(
+                split, cp=c.cp, method=c.context_method, calls=self.context.calls, seq=self.seq,
+                dtype_bytes=self.grad_bytes, group=group, cost=self.cost,
+                attention_seconds=lambda flops: compute_time(flops, 0.0, self.world.nodes[0].device,
+                                                             self.precision, is_attention=True))
+        return self._pairs[key]
+
+    def cp_group(self, c: Candidate) -> tuple[int, ...]:
+        """Rank 0's cp group, which prices every cp group's transfers (their shapes are alike)."""
+        key = ("cp", c.layout)
+        if key not in self._pairs:
+            self._pairs[key] = c.mesh.group("cp", 0)
+        return self._pairs[key]
+
+    def ep_group(self, c: Candidate) -> tuple[int, ...]:
+        """Rank 0's ep group, which prices every ep group's all-to-alls (in a World of one kind of node,
+        all have its shape); many meshes share it, and so their units' prices."""
+        key = ("ep", c.layout)
+        if key not in self._pairs:
+            self._pairs[key] = c.mesh.group("ep", 0)
+        return self._pairs[key]
 
     def units(self, c: Candidate) -> _Units:
         key = self._units_key(c)
         if key not in self._units:
-            self._units[key] = _unit_numbers(self.splits[key[:2]], c.recompute, c.offload, self.host_link, key[4])
+            self._units[key] = _unit_numbers(self.split_of(c), c.recompute, c.offload, self.host_link, key[4])
         return self._units[key]
 
     def table(self, c: Candidate) -> UnitTable:
@@ -229,7 +294,7 @@ class CandidatePricer(RankMemory):
         key = (c.layout, c.virtual_stages > 1)  # chunks wrap from the last rank to rank 0
         if key not in self._pairs:
             mesh = c.mesh
-            ranks = [mesh.rank_of(dp=0, pp=r, tp=0) for r in range(c.pp)]
+            ranks = [mesh.rank_of(dp=0, pp=r, tp=0, cp=0) for r in range(c.pp)]
             pairs = list(zip(ranks, ranks[1:])) + ([(ranks[-1], ranks[0])] if key[1] else [])
             crossing = [pair for pair in pairs if not self.world.same_node(*pair)]
             self._pairs[key] = (crossing or pairs or [(0,)])[0]
@@ -246,8 +311,8 @@ class CandidatePricer(RankMemory):
         pipeline rank's group has the same shape, so rank 0's stands for all."""
         rank = 0 if self.uniform else rank
         key = ("dp", c.layout, rank)
-        if key not in self._pairs:
-            self._pairs[key] = c.mesh.group("dp", c.mesh.rank_of(dp=0, pp=rank, tp=0))
+        if key not in self._pairs:  # under cp the gradients are summed over dp x cp: edp at ep 1 (ir/mesh.py)
+            self._pairs[key] = c.mesh.group("edp" if c.cp > 1 else "dp", c.mesh.rank_of(dp=0, pp=rank, tp=0, cp=0))
         return self._pairs[key]
 
     def step_sync(self, c: Candidate) -> float:
@@ -307,6 +372,8 @@ class CandidatePricer(RankMemory):
         worst = max(range(c.pp), key=rank_times.__getitem__)
         compute = math.fsum(math.fsum(n.compute[a:b]) for a, b in ranks[worst]) / speed[worst]
         tp_comm = math.fsum(math.fsum(n.tp_comm[a:b]) for a, b in ranks[worst])
+        ep_comm = math.fsum(math.fsum(n.ep_comm[a:b]) for a, b in ranks[worst])
+        cp_comm = math.fsum(math.fsum(n.cp_comm[a:b]) for a, b in ranks[worst])
         offload = math.fsum(math.fsum(n.offload[a:b]) for a, b in ranks[worst])
         send = math.fsum(table.cut_seconds[b - 1] for a, b in ranks[worst] if b < table.units)
         t_device = rank_times[worst]
@@ -317,17 +384,18 @@ class CandidatePricer(RankMemory):
             pipeline = max(work + self.waiting * max(0.0, pipeline - work), pipeline * self.shared)
             busy = min(1.0, pipeline / (m * t_device)) if t_device else 1.0
         sync = self.sync.exact if exact else self.sync.estimate
-        dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp > 1 else 0.0
+        dp_exposed = max(sync(c, r, stages) for r, stages in enumerate(ranks)) if c.dp * c.cp > 1 else 0.0
         staging = max(self.sync.staging(c, stages) for stages in ranks)  # gradients into their buckets, once
         breakdown = {"compute": busy * m * compute + staging, "tp_comm": busy * m * tp_comm,
+                     "ep_comm": busy * m * ep_comm, "cp_comm": busy * m * cp_comm,
                      "pp_bubble": max(0.0, pipeline - m * t_device), "pp_p2p": busy * m * send,
                      "dp_exposed": dp_exposed, "offload": busy * m * offload, "step_sync": self.step_sync(c)}
         step = pipeline + staging + dp_exposed + breakdown["step_sync"]
         in_flight = self.in_flight_by_rank(c, self._most_micro_batches(c))
         waiting = self.waiting_for_w(c)
-        parts = tuple(self._parts(c, stages, in_flight[r], waiting[r]) for r, stages in enumerate(ranks))
+        parts = tuple(self._parts(c, stages, in_flight[r], waiting[r], r) for r, stages in enumerate(ranks))
         memory = tuple(math.fsum(rank.values()) for rank in parts)  # the parts are the rank's whole peak
-        flops = n.flops * self.global_batch / c.micro_batch
+        flops = n.flops * self.global_batch / c.micro_batch * c.cp  # each rank of a cp group computes 1/cp of it
         return Priced(c, tuple(bounds), step, breakdown, memory, self.usable(c),
                       flops / step / self.world.size / 1e12 if step else 0.0, exact, tuple(notes),
                       parts,

@@ -6,16 +6,30 @@ The formulation (each part measured by name on the real program by ``xirang chec
   slice itself with its norm mask (5/dp). Where dp > 1 reduces in half precision, the buckets' copy of the
   gradients (2 bytes) is made after the last backward, when activations and working set are gone, so it
   adds only what it exceeds them by (``reduce_copy_excess``). Under interleaving each of the v chunks is
-  reduced after its own last backward, while the chunks after it still run theirs: (v-1)/v of the copy
-  is held beside them in full (the dry run of Llama-3-405B's interleaved v=4 plan held 4.4 of its 6.0 GiB
-  at the peak), the last chunk's share only by its excess.
+  reduced after its own last backward, while the chunks after it still run theirs: each chunk's copy is
+  counted from that moment on, beside what the other chunks then hold (``chunk_peaks``; the dry run of
+  Llama-3-405B's interleaved v=4 plan held 4.4 of its 6.0 GiB at the peak, while Llama-2-70B's planned
+  plan peaks in its steady state, before any chunk's last backward, and held none there).
 - Activations: each unit's saved bytes times the micro-batches in flight on that rank
-  (``in_flight_by_rank``, the schedule's closed form).
+  (``in_flight_by_rank``, the schedule's closed form). Under interleaving the rank's chunks do not hold
+  equal numbers at its peak (the last stage, head and loss, runs each backward right after its forward:
+  one micro-batch, while the rank's other chunks hold p each), so its activations are the most, over the
+  moments of its own actions (``chunk_peaks``), of each chunk's bytes times what that chunk holds then
+  (the closed form's total when the chunks keep equal bytes; the dry run of Llama-3-405B's planned
+  interleaved plan held 1.5 GiB of activations on its last rank where the closed form priced 10.5).
 - Working set: the largest unit's saved activations (its backward's gradients of the same size), the
   largest block that recompute rebuilds, offload's two blocks; and under a split backward the gradients
   of the weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and
   whose W has not, counted on the schedule's own actions (``waiting_for_w``: r + 1 on rank r of ZB-H1;
   none on the first stage, whose B makes no input gradient).
+- Half-precision weight gradients at the end of a whole backward: a half-precision program casts each
+  weight at the top of its stage (passes/lowering/precision.py), so the casts' backward nodes have the
+  stage's lowest autograd sequence numbers and the engine runs them last; until then every weight's
+  half-precision gradient of the stage is held (``cast_gradients``: ``grad_bytes`` per local parameter of
+  the chunk, measured by ``xirang check`` as the working set "backward" on GPT-3 175B's first stage). By
+  then the micro-batch's own activations of the chunk are freed, so only what the gradients exceed them
+  by counts. A split backward's W goes one weight at a time: only the first stage, whose W is its whole
+  backward, holds them.
 - Buffers: the model's, whole.
 ``RankMemory`` is a part of ``plan_costs.CandidatePricer`` (which gives it ``units``, ``_costs``,
 ``_usable``, ``world``, ``memory_fraction``, ``reduce_copy_bytes`` and ``_most_micro_batches``).
@@ -24,7 +38,7 @@ from __future__ import annotations
 
 import math
 
-from xirang.ir.schedules import BackwardInput, BackwardWeight, build_schedule, schedule_spec
+from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, Forward, build_schedule, schedule_spec
 from xirang.passes.planning.cost_model import runtime_state_bytes
 from xirang.passes.planning.plan_search_space import Candidate, in_flight_by_rank
 
@@ -46,6 +60,31 @@ def most_waiting_for_w(actions) -> int:
     return most
 
 
+def chunk_peaks(actions) -> tuple[tuple[int, ...], ...]:
+    """The moments of one rank's ``actions`` at which its memory can peak, over its v stages (in increasing
+    order): each a vector of the micro-batches in flight on each stage, then 1 for each stage whose last
+    backward has run (its gradients' reduce copy made), else 0. Taken after every forward and every
+    stage's last backward, keeping only the moments no other moment matches or exceeds everywhere: whatever
+    bytes each stage keeps per micro-batch and copies, the rank's peak is at one of them. A micro-batch is in
+    flight on a stage from its Forward until the action ending its backward (Backward, or W of a split one)."""
+    stages = sorted({action.stage for action in actions if isinstance(action, Forward)})
+    remaining = {stage: sum(1 for a in actions if isinstance(a, Forward) and a.stage == stage) for stage in stages}
+    live = dict.fromkeys(stages, 0)
+    moments = set()
+    for action in actions:
+        if isinstance(action, Forward):
+            live[action.stage] += 1
+        elif isinstance(action, (Backward, BackwardWeight)):
+            live[action.stage] -= 1
+            remaining[action.stage] -= 1
+            if remaining[action.stage]:
+                continue
+        else:
+            continue
+        moments.add(tuple(live[stage] for stage in stages) + tuple(int(not remaining[stage]) for stage in stages))
+    return tuple(sorted(v for v in moments if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in moments)))
+
+
 class RankMemory:
     """The memory half of ``CandidatePricer`` (module docstring)."""
 
@@ -60,15 +99,17 @@ class RankMemory:
         backwards (the dp buckets' copy of the gradients comes after them: ``reduce_copy_excess``)."""
         return runtime_state_bytes(params, dp=c.dp, zero_stage=c.zero_stage)
 
+    def reduce_copy(self, c: Candidate, params: float) -> float:
+        """Bytes of the dp buckets' half-precision copy of ``params`` local parameters' gradients (0 without
+        one: fp32 reduction, or no dp)."""
+        with_copy = runtime_state_bytes(params, reduce_copy_bytes=self.reduce_copy_bytes if c.dp * c.cp > 1 else 0.0)
+        return with_copy.grads - runtime_state_bytes(params).grads
+
     def reduce_copy_excess(self, c: Candidate, params: float, during: float) -> float:
-        """What the dp buckets' half-precision copy of the gradients adds to a rank's peak: a chunk's copy is
-        made once its last backward staged them; the last chunk's when the activations and working set
-        (``during``) are gone, so only what it exceeds them by; the other chunks' beside them (module
-        docstring)."""
-        copy = runtime_state_bytes(params, reduce_copy_bytes=self.reduce_copy_bytes if c.dp > 1 else 0.0).grads \
-            - runtime_state_bytes(params).grads
-        held = copy * (c.virtual_stages - 1) / c.virtual_stages
-        return held + max(0.0, copy - held - during)
+        """What the dp buckets' half-precision copy of one chunk's gradients adds to a rank's peak: it is made
+        once its last backward staged them, when the activations and working set (``during``) are gone, so
+        only what it exceeds them by (interleaved ranks: ``chunk_peaks``)."""
+        return max(0.0, self.reduce_copy(c, params) - during)
 
     def usable(self, c: Candidate) -> tuple[float, ...]:
         """Bytes the plan may use on the devices of each pipeline rank (the smallest of them)."""
@@ -78,8 +119,8 @@ class RankMemory:
                 least = [self.world.nodes[0].device.memory_bytes] * c.pp
             else:
                 mesh = c.mesh
-                least = [min(self.world.device_of(mesh.rank_of(dp=d, pp=r, tp=t)).memory_bytes
-                             for d in range(c.dp) for t in range(c.tp)) for r in range(c.pp)]
+                least = [min(self.world.device_of(mesh.rank_of(dp=d, pp=r, tp=t, cp=k)).memory_bytes
+                             for d in range(c.dp) for t in range(c.tp) for k in range(c.cp)) for r in range(c.pp)]
             self._usable[key] = tuple(self.memory_fraction * b for b in least)
         return self._usable[key]
 
@@ -106,11 +147,34 @@ class RankMemory:
             self._costs[key] = tuple(most_waiting_for_w(actions) for actions in schedule.ranks)
         return self._costs[key]
 
+    def chunk_peaks(self, c: Candidate) -> tuple:
+        """Per pipeline rank, ``chunk_peaks`` of its actions in the schedule of ``c`` (None without
+        interleaving, where the closed form is the schedule's figure)."""
+        if c.virtual_stages == 1:
+            return (None,) * c.pp
+        m = self._most_micro_batches(c)
+        key = ("chunk_peaks", c.schedule, c.pp, m, c.virtual_stages)
+        if key not in self._costs:
+            schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
+            self._costs[key] = tuple(chunk_peaks(actions) for actions in schedule.ranks)
+        return self._costs[key]
+
     def _w_gradients(self, c: Candidate, stages) -> float:
         """Bytes of weight-op output gradients one micro-batch keeps from B to W on a rank's ``stages`` (the
         first stage keeps none: its B has no input gradient to make, W is its whole backward)."""
         n = self.units(c)
         return math.fsum(math.fsum(n.weight_outputs[a:b]) for a, b in stages if a > 0)
+
+    def cast_gradients(self, c: Candidate, stages) -> float:
+        """What the half-precision weight gradients held at the end of a whole backward add to a rank's
+        working set: the most, over its chunks that run one, by which they exceed that chunk's activations of
+        one micro-batch (module docstring)."""
+        if self.grad_bytes >= 4:
+            return 0.0
+        n = self.units(c)
+        split = schedule_spec(c.schedule).split_backward
+        return max([self.grad_bytes * (n.grads[b] - n.grads[a]) - math.fsum(n.activation[a:b])
+                    for a, b in stages if not split or a == 0] + [0.0])
 
     def stage_caps(self, c: Candidate, per_chunk: bool) -> list[float]:
         """Memory caps of the pp·v stages: the rank's usable bytes less the recompute working set,
@@ -127,14 +191,28 @@ class RankMemory:
         static -= self.state_saving_per_param(c) * n.grads[-1]
         return (static + activation * fewest) / c.pp + n.transient
 
-    def _parts(self, c: Candidate, stages, in_flight: float, waiting: int = 0) -> dict[str, float]:
-        """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``)."""
+    def _parts(self, c: Candidate, stages, in_flight: float, waiting: int = 0,
+               rank: int | None = None) -> dict[str, float]:
+        """One pipeline rank's memory by ``MEMORY_PARTS`` (summing to its ``memory_per_rank``); ``rank``: its
+        pipeline rank, where interleaving prices each chunk at what it holds (module docstring)."""
         n = self.units(c)
         params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
         buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
-        activations = math.fsum(math.fsum(n.activation[a:b]) for a, b in stages) * in_flight
+        chunks = [math.fsum(n.activation[a:b]) for a, b in stages]
         state = self.state_bytes(params, c)
-        working = n.transient + waiting * self._w_gradients(c, stages)
-        gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
+        working = n.transient + waiting * self._w_gradients(c, stages) + self.cast_gradients(c, stages)
+        peaks = self.chunk_peaks(c)[rank] if rank is not None else None
+        if peaks and all(len(peak) == 2 * len(chunks) for peak in peaks):
+            # each chunk's activations at what it holds, its reduce copy from its last backward on (docstring)
+            copies = [self.reduce_copy(c, n.grads[b] - n.grads[a]) for a, b in stages]
+            v = len(chunks)
+            during = [m for m in peaks if not all(m[v:])] or peaks  # the end (every copy made) is the last term's
+            peak = max(during, key=lambda m: math.fsum(k * x for k, x in zip(m, chunks + copies)))
+            activations = math.fsum(k * x for k, x in zip(peak[:v], chunks))
+            held = math.fsum(k * x for k, x in zip(peak[v:], copies))
+            gradients = state.grads + held + max(0.0, math.fsum(copies) - held - activations - working)
+        else:
+            activations = math.fsum(chunks) * in_flight
+            gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
         return {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
                 "activations": activations, "working_set": working, "buffers": buffers}

@@ -32,6 +32,14 @@ the plan, do not depend on the order). Then, with no further solves:
    apart, often on one node; dp groups spread over nodes; on a mixed cluster, whole replicas on one
    kind of device, so uneven dp shares can follow the devices), fast then exact, and competes.
 
+6. context parallelism (``cp``, given the model's attention calls: ``context``): candidates with cp > 1
+   compete in steps 1-5 like any other mesh (each its split priced at seq / cp, re-priced for the
+   quadratic attention and the ring's or all-to-all's transfers: ``context_parallel_cost``). Since they
+   may fill the table, the cp = 1 candidates get a fast pass of their own; its best few are cut exactly
+   and seed step 4 too (sequence parallelism runs beside cp = 1 only), with cp = 1's step as the bar.
+   Where cp > 1 wins, the winner's other method, priced at its cuts, is shown beside it, and the plan
+   says why (``context_reason``: how much slower the best cp = 1 configuration is, or what it needs).
+
 Costs of each term are in ``plan_costs``; the candidate rules in ``plan_search_space``.
 """
 from __future__ import annotations
@@ -47,10 +55,12 @@ from typing import Callable, Optional
 from xirang.ir.errors import XirangError
 from xirang.ir.world import World
 
+from xirang.passes.planning.context_parallel_cost import NO_CONTEXT, ContextFacts, method_refusal
+from xirang.passes.planning.device_speeds import mixed_kinds
 from xirang.passes.planning.plan_costs import CandidatePricer, Priced
 from xirang.passes.planning.plan_partition import fastest_cuts, fit_stages, least_memory_cuts
-from xirang.passes.planning.plan_search_space import (ZERO_STAGES, Candidate, candidates, check_global_batch,
-                                                       tp_degrees)
+from xirang.passes.planning.plan_search_space import (ZERO_STAGES, Candidate, ContextSpace, candidates,
+                                                       check_global_batch, tp_degrees)
 from xirang.passes.planning.solve_stage_cuts import StageCutProblem, solve_stage_cuts
 from xirang.passes.planning.unit_costs import TensorSplit
 
@@ -75,11 +85,15 @@ class SearchResult:
     price_seconds: float  # wall time spent in the price callable
     search_seconds: float  # the rest of the search
     price_cpu_seconds: float = 0.0  # CPU time of the price calls (this process and its CBC processes)
+    context_reason: str = ""  # why the winner's cp (> 1), in words; "" at cp 1
+    context_calls: tuple = ()  # the model's attention calls (ContextFacts.calls), which list cp's transfers
 
 
 def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, precision: str = "bf16",
                 memory_fraction: float = 0.9, alternatives: int = 5, exact_top: int = 6,
-                sequence_parallel: Optional[bool] = False, batch_inputs: int = 1, **pins) -> SearchResult:
+                sequence_parallel: Optional[bool] = False, batch_inputs: int = 1, experts: int = 0,
+                routing_imbalance: float = 1.0, context: ContextFacts = NO_CONTEXT, ep_overlap: bool = False,
+                capacity_factor: Optional[float] = None, **pins) -> SearchResult:
     """The fastest candidate that fits, with ``alternatives`` others to compare (see module doc).
 
     ``pins`` (tp, pp, dp, micro_batch, schedule, virtual_stages, recompute, offload, zero_stage) fix a choice. Device
@@ -91,6 +105,13 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     of hand-made costs need not know them; True with them wherever tp > 1; None both (step 4),
     calling ``price(..., sequence_parallel=True)`` for the splits with them. ``batch_inputs``: tensors the
     step takes, which size the batch agreement each step runs (``step_sync_costs.agreement_bytes``).
+    ``experts``: how many experts every experts call can be split by (0: none; ``expert_ops.expert_count``):
+    ep is searched over the divisors of dp that divide it, each priced at ``routing_imbalance``
+    (``expert_costs``), its all-to-alls under another micro-batch's compute where ``ep_overlap``, its
+    most-loaded rank bounded by ``capacity_factor`` (None: dropless).
+    ``context``: the model's attention calls and what refuses cp (``ContextFacts``):
+    cp is searched over the divisors of world / (tp·pp) the rules allow (plan_search_space), each with
+    ``price(..., seq / cp)``.
     """
     check_global_batch(global_batch)
     if not 0 < memory_fraction <= 1:
@@ -100,15 +121,17 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     tp = _first_tp(world, pins.get("tp"))
     first = clock.split(tp, pins.get("micro_batch") or 1, bool(sequence_parallel) and tp > 1)
     has_blocks = any(u.name.startswith("block:") for u in first.units)
+    space = ContextSpace(context, seq, mixed_kinds(world))
     todo = candidates(world, len(first.units), global_batch, has_blocks=has_blocks,
-                      pins={**pins, "sequence_parallel": sequence_parallel})
+                      pins={**pins, "sequence_parallel": sequence_parallel}, experts=experts, context=space)
     clock.split_all([_split_key(c) for c in todo])
-    pricer = _ByLayout(*(CandidatePricer(clock.splits[sp], world, global_batch=global_batch, precision=precision,
-                                         memory_fraction=memory_fraction, batch_inputs=batch_inputs)
-                         for sp in (False, True)))
+    pricer = _ByLayout(lambda sp, cp: CandidatePricer(
+        clock.layout(sp, cp), world, global_batch=global_batch, precision=precision, memory_fraction=memory_fraction,
+        batch_inputs=batch_inputs, routing_imbalance=routing_imbalance, context=context, seq=seq,
+        ep_overlap=ep_overlap, capacity_factor=capacity_factor))
     fitting, failing, skipped, everything, priced = _fast_pass(pricer, todo, alternatives + 1)
     # step 4 still to do: tp must divide the sequence (the lowering refuses a sequence shard it does not)
-    shardable = [c for c in todo if c.tp > 1 and seq % c.tp == 0] if sequence_parallel is None else []
+    shardable = [c for c in todo if c.tp > 1 and c.cp == 1 and seq % c.tp == 0] if sequence_parallel is None else []
     both = bool(shardable)
     if not fitting and both:  # activations may fit only sharded along the sequence: price them all so
         both = False
@@ -122,8 +145,19 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     keyed = {p.candidate for p in fitting}
     extra = [p for p in everything if p.candidate not in keyed][:max(alternatives + 1 - len(fitting), 0)]
     top = sorted((_exact(pricer, p) for p in fitting[:max(exact_top, alternatives + 1)] + extra), key=_rank)
-    if both:
-        top = sorted(top + _sequence_parallel_twins(clock, pricer, top, failing, skipped, shardable), key=_rank)
+    # step 6: cp > 1 candidates may fill the table; the cp = 1 ones' own best few seed step 4 (sequence
+    # parallelism runs beside cp = 1 only) and say what cp gains (``context_reason``)
+    plain = [c for c in todo if c.cp == 1]
+    plain_top, plain_failing, plain_skipped = [], [], []
+    if len(plain) < len(todo):
+        plain_fitting, plain_failing, plain_skipped, _, more = _fast_pass(pricer, plain, alternatives + 1)
+        plain_top, priced = [_exact(pricer, p) for p in plain_fitting[:SP_SEEDS]], priced + more
+    if both:  # seeded by the best of all, and by the best cp = 1 (the same rule, with cp = 1's step)
+        twins = _sequence_parallel_twins(clock, pricer, top, failing, skipped, shardable)
+        if plain_top:
+            twins += _sequence_parallel_twins(clock, pricer, sorted(plain_top, key=_rank), plain_failing,
+                                              plain_skipped, shardable)
+        top = sorted({p.candidate: p for p in top + twins}.values(), key=_rank)
     top = sorted(top + _order_twins(pricer, top), key=_rank)
     best = top[0]
     shown_failing = _faster_but_too_big(pricer, failing, skipped, best.step_seconds)
@@ -131,9 +165,11 @@ def search_plan(price: PriceFn, world: World, *, global_batch: int, seq: int, pr
     # explain() says what each option saved and cost against the winner without it
     listed = {p.candidate for p in shown[:alternatives]}
     shown = [p for p in _option_counterparts(pricer, best) if p.candidate not in listed] + shown
-    return SearchResult(best, clock.splits[best.candidate.sequence_parallel][_split_key(best.candidate)[:2]],
+    reason = context_reason(pricer, best, [p for p in top + plain_top if p.candidate.cp == 1],
+                            plain) if best.candidate.cp > 1 else ""
+    return SearchResult(best, pricer.of(best.candidate).split_of(best.candidate),
                         tuple(shown[:alternatives]), len(todo), priced, clock.solved, clock.seconds,
-                        time.perf_counter() - started - clock.seconds, clock.cpu)
+                        time.perf_counter() - started - clock.seconds, clock.cpu, reason, context.calls)
 
 
 def cpu_seconds() -> float:
@@ -142,41 +178,44 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def _split_key(c: Candidate) -> tuple[int, int, bool]:
-    return c.tp, c.micro_batch, c.sequence_parallel
+def _split_key(c: Candidate) -> tuple[int, int, bool, int]:
+    return c.tp, c.micro_batch, c.sequence_parallel, c.cp
 
 
 class _Clock:
-    """Calls ``price`` once per (tp, micro-batch, sequence parallel), timing it (wall and CPU).
-    ``splits[sp]`` maps (tp, micro-batch) to the split of that layout."""
+    """Calls ``price`` once per (tp, micro-batch, sequence parallel, cp), timing it (wall and CPU), at seq / cp
+    tokens. ``layout(sp, cp)`` maps (tp, micro-batch) to the split of that layout."""
 
     def __init__(self, price: PriceFn, seq: int):
         self.price, self.seq, self.seconds, self.cpu = price, seq, 0.0, 0.0
-        self.splits: dict[bool, dict[tuple[int, int], TensorSplit]] = {False: {}, True: {}}
+        self.splits: dict[tuple[bool, int], dict[tuple[int, int], TensorSplit]] = {}
+
+    def layout(self, sequence_parallel: bool, cp: int = 1) -> dict[tuple[int, int], TensorSplit]:
+        return self.splits.setdefault((sequence_parallel, cp), {})
 
     @property
     def solved(self) -> int:
-        return len(self.splits[False]) + len(self.splits[True])
+        return sum(map(len, self.splits.values()))
 
     def split(self, tp: int, micro_batch: int, sequence_parallel: bool = False) -> TensorSplit:
-        self.split_all([(tp, micro_batch, sequence_parallel)])
-        return self.splits[sequence_parallel][(tp, micro_batch)]
+        self.split_all([(tp, micro_batch, sequence_parallel, 1)])
+        return self.layout(sequence_parallel)[(tp, micro_batch)]
 
     def split_all(self, keys) -> None:
-        """Price every (tp, micro-batch, sequence parallel) of ``keys`` not priced yet, ``SPLIT_WORKERS``
+        """Price every (tp, micro-batch, sequence parallel, cp) of ``keys`` not priced yet, ``SPLIT_WORKERS``
         at once; the first failure in ``keys`` order is raised, as one by one."""
-        fresh = [key for key in dict.fromkeys(keys) if key[:2] not in self.splits[key[2]]]
+        fresh = [key for key in dict.fromkeys(keys) if key[:2] not in self.layout(*key[2:])]
         if not fresh:
             return
         start, cpu_start = time.perf_counter(), cpu_seconds()
         with ThreadPoolExecutor(max_workers=min(SPLIT_WORKERS, len(fresh))) as pool:
             # only the splits with sequence-sharded rows pass the keyword: hand-made prices need not know it
-            solving = [pool.submit(self.price, tp, tuple(range(tp)), micro_batch, self.seq,
+            solving = [pool.submit(self.price, tp, tuple(range(tp)), micro_batch, self.seq // cp,
                                    **({"sequence_parallel": True} if sp else {}))
-                       for tp, micro_batch, sp in fresh]
+                       for tp, micro_batch, sp, cp in fresh]
             try:
-                for (tp, micro_batch, sp), future in zip(fresh, solving):
-                    self.splits[sp][(tp, micro_batch)] = future.result()
+                for (tp, micro_batch, sp, cp), future in zip(fresh, solving):
+                    self.layout(sp, cp)[(tp, micro_batch)] = future.result()
             finally:  # nothing else runs meanwhile: the time is the price calls'
                 for future in solving:
                     future.cancel()
@@ -185,23 +224,28 @@ class _Clock:
 
 
 class _ByLayout:
-    """The CandidatePricer of each candidate's split layout: ``off`` without sequence-sharded rows,
-    ``on`` with them. Every pricing method takes the candidate first and goes to its layout's."""
+    """The CandidatePricer of each candidate's split layout: (sequence-sharded rows or not, cp), each made
+    by ``make(sp, cp)`` when first asked for. Every pricing method takes the candidate first and goes to its
+    layout's."""
 
-    def __init__(self, off: CandidatePricer, on: CandidatePricer):
-        self.off, self.on = off, on
+    def __init__(self, make: Callable[[bool, int], CandidatePricer]):
+        self.make, self.pricers = make, {}
 
     def of(self, c: Candidate) -> CandidatePricer:
-        return self.on if c.sequence_parallel else self.off
+        key = (c.sequence_parallel, c.cp)
+        if key not in self.pricers:
+            self.pricers[key] = self.make(*key)
+        return self.pricers[key]
 
     def has_split(self, c: Candidate) -> bool:
         return (c.tp, c.micro_batch) in self.of(c).splits
 
     def __getattr__(self, name: str):
-        off, on = getattr(self.off, name), getattr(self.on, name)
+        if name in ("make", "pricers"):
+            raise AttributeError(name)
 
         def method(c, *args, **kwargs):
-            return (on if c.sequence_parallel else off)(c, *args, **kwargs)
+            return getattr(self.of(c), name)(c, *args, **kwargs)
         setattr(self, name, method)  # made once per name: the fast pass calls these ~10^5 times
         return method
 
@@ -305,12 +349,18 @@ def _fast_price(pricer: CandidatePricer, c: Candidate) -> Priced:
 
 
 def _option_counterparts(pricer: _ByLayout, best: Priced) -> list[Priced]:
-    """The winner with one option changed, at the winner's cuts: every other ZeRO stage (dp > 1) and
-    the other split layout (tp > 1, where that split was solved). explain() compares each with it."""
+    """The winner with one option changed, at the winner's cuts: every other ZeRO stage (dp > 1, ep 1),
+    the other split layout (tp > 1, where that split was solved) and, under expert parallelism, the
+    experts held whole (ep 1). explain() compares each with it."""
     c = best.candidate
-    others = [replace(c, zero_stage=stage) for stage in ZERO_STAGES if stage != c.zero_stage and c.dp > 1]
+    others = [replace(c, zero_stage=stage) for stage in ZERO_STAGES
+              if stage != c.zero_stage and c.dp > 1 and c.ep == 1 and c.cp == 1]  # cp runs beside no ZeRO
+    others += [replace(c, ep=1)] if c.ep > 1 else []
     flipped = replace(c, sequence_parallel=not c.sequence_parallel)
-    others += [flipped] if c.tp > 1 and pricer.has_split(flipped) else []
+    others += [flipped] if c.tp > 1 and c.cp == 1 and pricer.has_split(flipped) else []
+    # the winner's other context-parallel method, where the runtime runs it (context_parallel_cost.py)
+    space = ContextSpace(pricer.of(c).context)
+    others += [replace(c, context_method=method) for method in space.methods(c.tp, c.cp) if method != c.context_method]
     return [pricer.price(other, best.bounds, exact=True, notes=("the winner's cuts with one option changed",))
             for other in others]
 
@@ -368,7 +418,7 @@ def _exact(pricer: CandidatePricer, fast: Priced) -> Priced:
         activation_memory=table.activation_bytes, in_flight=pricer.in_flight(c),
         unit_names=pricer.units(c).names, speeds=pricer.cut_speeds(c))
     kept = pricer.price(c, fast.bounds, exact=True, notes=(
-        "stage cuts by bisection with a greedy check (fast path; the exact solver gave none faster)",))
+        "stage cuts by bisection with a greedy check (fast path; the exact solver gave none faster that fits)",))
     try:
         solution = solve_stage_cuts(problem)
     except ValueError:  # interleaved only: the per-chunk share rejects what per-device memory allows
@@ -377,12 +427,13 @@ def _exact(pricer: CandidatePricer, fast: Priced) -> Priced:
             "stricter than the per-device check the fast cuts passed",))
     exact = pricer.price(c, solution.bounds, exact=True,
                          notes=(f"stage cuts exact: solve_stage_cuts by {SOLVERS[solution.solver]}",))
-    return exact if exact.step_seconds <= kept.step_seconds else kept
+    # the cut problem's memory leaves out what the pricer adds (working sets): an exact cut that does not
+    # fit replaces a fast one only where that one does not fit either
+    return exact if exact.step_seconds <= kept.step_seconds and (exact.fits or not kept.fits) else kept
 
 
-def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
-                  memory_fraction: float) -> XirangError:
-    """The error when no candidate fits: the least memory any of them needs, and what was tried."""
+def _leanest(pricer: CandidatePricer, todo: list[Candidate]) -> tuple[Candidate, float, int]:
+    """(candidate, bytes, pipeline rank): the candidate of ``todo`` needing the least memory on its fullest rank."""
     leanest, need, rank = None, math.inf, 0
     # the least memory a candidate needs is at least its average rank's: stop once that is too much
     for floor, c in sorted((pricer.memory_lower_bound(c), c) for c in todo):
@@ -392,18 +443,49 @@ def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
         worst = max(range(c.pp), key=memory.__getitem__)
         if memory[worst] < need:
             leanest, need, rank = c, memory[worst], worst
-    device = world.device_of(leanest.mesh.rank_of(dp=0, pp=rank, tp=0))
+    return leanest, need, rank
+
+
+def _nothing_fits(pricer: CandidatePricer, todo: list[Candidate], world: World,
+                  memory_fraction: float) -> XirangError:
+    """The error when no candidate fits: the least memory any of them needs, and what was tried."""
+    leanest, need, rank = _leanest(pricer, todo)
+    device = world.device_of(leanest.mesh.rank_of(dp=0, pp=rank, tp=0, cp=0))
     tried = {name: sorted({getattr(c, name) for c in todo}, key=str)
              for name in ("micro_batch", "schedule", "recompute", "offload")}
-    meshes = sorted({(c.dp, c.pp, c.tp) for c in todo})
+    meshes = [f"({dp}, {pp}, {tp})" + (f" cp={cp}" if cp > 1 else "")
+              for dp, pp, tp, cp in sorted({(c.dp, c.pp, c.tp, c.cp) for c in todo})]
     return XirangError(
         f"no plan fits device memory: the leanest configuration tried, {leanest.label()}, needs "
         f"{need / GiB:.1f} GiB on a device of pipeline rank {rank} (model states: fp32 weights, gradients and "
         f"AdamW moments, activations in flight, working set), but a {device.name} has {device.memory_bytes / GiB:.1f} "
         f"GiB, of which the plan may use {memory_fraction:.0%} ({memory_fraction * device.memory_bytes / GiB:.1f} GiB)",
         where=f"{world.describe()}; tried {len(todo)} configurations: meshes (dp, pp, tp) "
-              f"{', '.join(map(str, meshes[:12]))}{', ...' if len(meshes) > 12 else ''}; micro-batches "
+              f"{', '.join(meshes[:12])}{', ...' if len(meshes) > 12 else ''}; micro-batches "
               f"{tried['micro_batch']}; schedules {tried['schedule']}; recompute {tried['recompute']}; "
               f"offload {tried['offload']}",
         hint=f"use devices with at least {need / memory_fraction / GiB:.1f} GiB each, more devices "
              f"(more pipeline or tensor parallelism), or a smaller model or sequence")
+
+
+def context_reason(pricer: _ByLayout, best: Priced, priced: list[Priced], plain: list[Candidate]) -> str:
+    """Why the winner's cp > 1, in words: the best cp = 1 configuration of ``priced`` (step 6's, and their
+    sequence-parallel twins) and how much slower it is, or, where none fits, the least memory a cp = 1
+    configuration needs (``plain``: the cp = 1 candidates)."""
+    c, own = best.candidate, pricer.of(best.candidate)
+    offered = ContextSpace(own.context).methods(c.tp, c.cp)
+    refused = [why for call in own.context.calls for why in [method_refusal(call, c.tp, c.cp, "all_to_all")] if why]
+    method = (f"; ring, as all-to-all is not offered here ({refused[0]})" if offered == ["ring"] else
+              f"; {c.context_method} priced fastest of {', '.join(offered)} (the others shown beside it)")
+    if not plain:
+        return f"cp={c.cp} was pinned{method}"
+    fitting = sorted((p for p in priced if p.fits), key=_rank)
+    if fitting:
+        other = fitting[0]
+        return (f"cp={c.cp} by {c.context_method} is faster: {best.step_seconds:.4g} s per step against "
+                f"{other.step_seconds:.4g} s for the best cp=1 configuration, {other.candidate.label()} (both before "
+                f"the tp overlap chosen for the winner after the search){method}")
+    lean, need, rank = _leanest(pricer, plain)
+    usable = pricer.usable(lean)[rank]
+    return (f"the activations do not fit at cp=1 at seq {own.seq}: the leanest cp=1 configuration, {lean.label()}, "
+            f"needs {need / 2**20:,.1f} MiB on pipeline rank {rank}, of {usable / 2**20:,.1f} MiB usable{method}")

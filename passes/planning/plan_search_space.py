@@ -19,6 +19,18 @@ chunks per device when interleaved) and recompute mode. The rules, so a reader c
   offered with recompute "none" or "selective" (full recompute keeps only block inputs already), on
   blocks only, and only where every device has a host link whose memory is not its own
   (``DeviceSpec.offload_frees_memory``: not on CPUs); it can be pinned anywhere it is priced.
+- Context parallelism (``cp``, issue 36): dp·cp·tp·pp = world size, cp ranks sharing a dp rank's
+  samples, each holding seq / cp tokens of every sequence. Offered only for a model whose attention the
+  lowering can split (``ContextFacts.offered``), at a cp with seq a multiple of 2·cp (the load-balanced
+  chunks) and, unless cp is pinned, at least ``MIN_CONTEXT_TOKENS`` tokens a rank (below that a ring
+  step's attention, (S/cp)², is too small to hide its key/value transfer, a sequence so short fits at
+  cp = 1 on the devices Xirang prices, and each cp is one more split ILP per (tp, micro-batch)),
+  beside nothing the runtime refuses (``context_parallel_conflicts``: ep 1, ZeRO 0, no sequence
+  parallelism, even dp shares, so not in a World of mixed device kinds), and at pp 1 where weights are
+  tied (their sums across pipeline ranks are not built per cp rank). Each cp > 1 is offered by ring, by
+  all-to-all where cp divides every attention's query heads per tp rank, and by USP ("usp:A", an
+  all-to-all over A ranks x a ring over cp / A) for each A dividing cp and those heads
+  (``context_method``, ir/context_method.py).
 - Sequence parallelism (``sequence_parallel``: the split ILP may shard the residual stream along the
   sequence, Korthikanti et al. 2022) means something only where tp > 1. The space lists it only when
   pinned on; unpinned, the search (``plan_search``) prices it for its few best tp > 1 candidates,
@@ -34,15 +46,18 @@ from dataclasses import dataclass
 from functools import lru_cache, reduce
 from typing import Iterator, Optional
 
+from xirang.ir.context_method import SPELLINGS, methods_at, usp_a2a
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import ORDERS, Mesh
 from xirang.ir.plan import OFFLOAD_MODES, RECOMPUTE_MODES
 from xirang.ir.schedules import SCHEDULES, schedule_spec
 from xirang.ir.world import World
+from xirang.passes.planning.context_parallel_cost import ContextFacts, context_parallel_conflicts, method_refusal
 
 MAX_MICRO_BATCH = 16
+MIN_CONTEXT_TOKENS = 1024  # tokens of each sequence a cp rank holds at least, unless cp is pinned
 PIN_NAMES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "recompute", "offload", "zero_stage",
-             "sequence_parallel")
+             "sequence_parallel", "ep", "cp", "context_method")
 # offered when dp > 1: 0 replicates the optimizer state over dp, 1 shards it, 3 shards the parameters too
 ZERO_STAGES = (0, 1, 3)
 # a Candidate's ``outermost`` -> its mesh's rank order: pp outermost (Megatron-Core's default) or dp outermost
@@ -66,15 +81,19 @@ class Candidate:
     zero_stage: int = 0  # 1: ZeRO-1, optimizer state sharded over dp; 3: parameters too (offered when dp > 1)
     sequence_parallel: bool = False  # the split with sequence-sharded rows (only where tp > 1)
     outermost: str = "pp"  # the rank axis laid out outermost (ir/mesh.py ORDERS): "pp" or "dp"
+    ep: int = 1  # expert parallelism folded over the dp ranks (a model with experts; ZeRO 0 beside it)
+    cp: int = 1  # context parallelism: ranks sharing each sequence, seq / cp tokens each
+    context_method: str = "ring"  # how cp > 1 attends: "ring", "all_to_all" or "usp:A" (ir/context_method.py)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, order=ORDER_BY_OUTERMOST[self.outermost])
+        return Mesh(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp,
+                    order=ORDER_BY_OUTERMOST[self.outermost])
 
     @property
     def layout(self) -> tuple:
         """What places the ranks: the mesh's sizes and its order (a key for what depends on them alone)."""
-        return (self.dp, self.pp, self.tp, self.outermost)
+        return (self.dp, self.pp, self.tp, self.outermost, self.ep, self.cp)
 
     @property
     def stages(self) -> int:
@@ -88,7 +107,9 @@ class Candidate:
         zero = f" zero={self.zero_stage}" if self.zero_stage else ""
         sp = " sp" if self.sequence_parallel else ""
         order = " dp-outermost" if self.outermost == "dp" else ""
-        return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.micro_batch} m={self.num_micro_batches} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        cp = f" cp={self.cp} {self.context_method}" if self.cp > 1 else ""
+        return (f"dp={self.dp} pp={self.pp}{cp} tp={self.tp}{ep} b={self.micro_batch} m={self.num_micro_batches} "
                 f"{self.schedule}{v} recompute={self.recompute}{offload}{zero}{sp}{order}")
 
 
@@ -149,8 +170,12 @@ def offload_offered(world: World) -> bool:
 
 
 def candidates(world: World, units: int, global_batch: int, *, has_blocks: bool = True,
-               pins: Optional[dict] = None) -> list[Candidate]:
+               pins: Optional[dict] = None, experts: int = 0,
+               context: Optional[ContextSpace] = None) -> list[Candidate]:
     """Every candidate satisfying the rules and the pins (``PIN_NAMES`` -> value, None = free).
+    ``experts``: how many experts every experts call of the model can be split by (0: no experts);
+    ep runs over the divisors of dp that divide it, with ZeRO 0 (the runtime runs ep beside no ZeRO).
+    ``context``: where cp > 1 may be offered (None: nowhere, cp = 1 only).
 
     Raises XirangError when a pin is malformed or no candidate satisfies all the pins at once.
     """
@@ -162,21 +187,72 @@ def candidates(world: World, units: int, global_batch: int, *, has_blocks: bool 
             raise XirangError(f"offload={pins['offload']!r} needs the host link of every device, and "
                               f"{', '.join(unlinked)} has none", where="offload=",
                               hint="give the DeviceSpec a host_link_bytes_per_s, or leave offload unset")
-    found = list(_space(world, units, global_batch, has_blocks, pins, offload_offered(world)))
+    if pins.get("ep", 1) > 1 and not experts:
+        raise XirangError(f"ep={pins['ep']} was pinned, but the model has no experts modules to spread",
+                          where="ep=", hint="leave ep unset (or 1) for a model without Mixture-of-Experts layers")
+    context = context or ContextSpace()
+    if pins.get("cp", 1) > 1 or pins.get("context_method", "ring") != "ring":
+        refusal = context.refusal()
+        if refusal:
+            name = "cp" if pins.get("cp", 1) > 1 else "context_method"
+            raise XirangError(f"{name}={pins[name]!r} was pinned, but {refusal}", where=f"{name}=",
+                              hint="leave cp and context_method unset (or cp=1) for this model or World")
+    found = list(_space(world, units, global_batch, has_blocks, pins, offload_offered(world), experts=experts,
+                        context=context))
     if not found:
-        raise _no_candidate_error(world, units, global_batch, has_blocks, pins)
+        raise _no_candidate_error(world, units, global_batch, has_blocks, pins, experts, context)
     return found
 
 
-def _meshes(world: World, units: int, pins: dict) -> Iterator[tuple[int, int, int]]:
-    """(tp, pp, dp) triples the world allows, before the batch is considered."""
+@dataclass(frozen=True)
+class ContextSpace:
+    """Where cp > 1 may be offered: the model's attention (``ContextFacts``), the sequence planned for and
+    whether the World mixes device kinds (dp shares may then be uneven, which cp does not run beside)."""
+
+    facts: ContextFacts = ContextFacts()
+    seq: int = 1
+    mixed: bool = False
+
+    def refusal(self) -> Optional[str]:
+        """Why no cp > 1 is offered at all, or None."""
+        if self.facts.refusal:
+            return self.facts.refusal
+        if not self.facts.calls:
+            return "the model has no scaled_dot_product_attention call for context parallelism to split"
+        if self.mixed:
+            return ("context parallelism does not run beside uneven dp shares, which a World of mixed device "
+                    "kinds deals")
+        return None
+
+    def degrees(self, ranks: int, pp: int, pinned: Optional[int] = None) -> list[int]:
+        """cp values for ``ranks`` = world / (tp·pp): 1, and the divisors with seq a multiple of 2·cp and
+        ``MIN_CONTEXT_TOKENS`` a rank (any cp when pinned; pp 1 only where weights are tied)."""
+        if self.refusal() or (self.facts.tied_weights and pp > 1):
+            return [1]
+        return [cp for cp in divisors(ranks) if cp == 1 or self.seq % (2 * cp) == 0
+                and (pinned == cp or self.seq // cp >= MIN_CONTEXT_TOKENS)]
+
+    def methods(self, tp: int, cp: int) -> list[str]:
+        """The attention methods offered at (tp, cp) (ir/context_method.py): ring always; all-to-all,
+        and USP's all-to-all over each A dividing cp x ring over cp / A, where every call's heads allow it."""
+        return [method for method in methods_at(cp)
+                if not any(method_refusal(call, tp, cp, method) for call in self.facts.calls)]
+
+
+def _meshes(world: World, units: int, pins: dict,
+            context: Optional[ContextSpace] = None) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, pp, dp, cp) the world allows, before the batch is considered."""
+    context = context or ContextSpace()
     for tp in tp_degrees(world):
         if world.size % tp or pins.get("tp", tp) != tp:
             continue
         for pp in divisors(world.size // tp):
-            dp = world.size // (tp * pp)
-            if pp <= units and pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
-                yield tp, pp, dp
+            if pp > units or pins.get("pp", pp) != pp:
+                continue
+            for cp in context.degrees(world.size // (tp * pp), pp, pins.get("cp")):
+                dp = world.size // (tp * pp * cp)
+                if pins.get("cp", cp) == cp and pins.get("dp", dp) == dp:
+                    yield tp, pp, dp, cp
 
 
 def _modes(has_blocks: bool, pins: dict, offload: bool) -> list[tuple[str, str]]:
@@ -194,14 +270,23 @@ def _modes(has_blocks: bool, pins: dict, offload: bool) -> list[tuple[str, str]]
     return pairs
 
 
+def expert_degrees(dp: int, experts: int, pinned: Optional[int] = None) -> list[int]:
+    """ep values for a dp degree: divisors of dp that divide the expert count (1 alone without experts)."""
+    found = [ep for ep in divisors(dp) if experts and experts % ep == 0] or [1]
+    return [ep for ep in found if pinned in (None, ep)]
+
+
 def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: dict,
-           offload: bool = False, cap_micro_batch: bool = True) -> Iterator[Candidate]:
+           offload: bool = False, cap_micro_batch: bool = True, experts: int = 0,
+           context: Optional[ContextSpace] = None) -> Iterator[Candidate]:
     pinned_b = pins.get("micro_batch")
     modes = _modes(has_blocks, pins, offload)
-    for tp, pp, dp in _meshes(world, units, pins):
+    context = context or ContextSpace()
+    for tp, pp, dp, cp in _meshes(world, units, pins, context):
         sp = bool(pins.get("sequence_parallel")) and tp > 1  # at tp 1 there is nothing to shard
         if global_batch % dp:
             continue
+        methods = [method for method in context.methods(tp, cp) if pins.get("context_method", method) == method]
         per_rank = global_batch // dp
         limit = per_rank if pinned_b is not None or not cap_micro_batch else MAX_MICRO_BATCH
         for b in divisors(per_rank):
@@ -210,9 +295,16 @@ def _space(world: World, units: int, global_batch: int, has_blocks: bool, pins: 
             m = per_rank // b
             for schedule, v in _schedules(pp, m, units, pins):
                 for recompute, offload_mode in modes:
-                    for zero in ZERO_STAGES if dp > 1 else (0,):
-                        if pins.get("zero_stage", zero) == zero:
-                            yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode, zero, sp)
+                    # cp > 1 runs beside ep 1 only: a pinned ep > 1 rules those meshes out, not the pin
+                    for ep in expert_degrees(dp, experts, pins.get("ep")) if cp == 1 else \
+                            [1] if pins.get("ep", 1) == 1 else []:
+                        for zero in ZERO_STAGES if dp > 1 and ep == 1 else (0,):
+                            if pins.get("zero_stage", zero) != zero or context_parallel_conflicts(
+                                    cp=cp, ep=ep, zero_stage=zero, sequence_parallel=sp):
+                                continue
+                            for method in methods:
+                                yield Candidate(tp, pp, dp, b, m, schedule, v, recompute, offload_mode, zero, sp,
+                                                ep=ep, cp=cp, context_method=method)
 
 
 def _schedules(pp: int, m: int, units: int, pins: dict) -> Iterator[tuple[str, int]]:
@@ -252,6 +344,16 @@ def _check_pin_values(pins: dict) -> None:
                 raise XirangError(f"zero_stage={value!r} is not a ZeRO stage Xirang runs", where="zero_stage=",
                                   hint="use 0 (optimizer state replicated over dp), 1 (sharded over dp) or 3 "
                                        "(parameters sharded too)")
+        elif name == "ep":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise XirangError(f"ep={value!r} must be a positive int (the expert-parallel degree, folded over dp)",
+                                  where="ep=", hint="pin a divisor of dp that divides the number of experts")
+        elif name == "context_method":
+            try:
+                usp_a2a(value)
+            except XirangError:
+                raise XirangError(f"context_method={value!r} is not a context-parallel attention method",
+                                  where="context_method=", hint=f"use {SPELLINGS}") from None
         elif name == "sequence_parallel":
             if not isinstance(value, bool):
                 raise XirangError(f"sequence_parallel={value!r} must be True or False", where="sequence_parallel=",
@@ -270,9 +372,9 @@ def _check_pin_values(pins: dict) -> None:
 
 
 def _no_candidate_error(world: World, units: int, global_batch: int, has_blocks: bool,
-                        pins: dict) -> XirangError:
+                        pins: dict, experts: int = 0, context: Optional[ContextSpace] = None) -> XirangError:
     """Name the pins no candidate satisfies, with the values each could take given the others."""
-    dps = sorted({dp for _, _, dp in _meshes(world, units, pins)})
+    dps = sorted({dp for _, _, dp, _ in _meshes(world, units, pins, context)})
     if dps and not any(global_batch % dp == 0 for dp in dps):
         return XirangError(
             f"global_batch {global_batch} is not divisible by any data-parallel degree this world allows: "
@@ -285,7 +387,8 @@ def _no_candidate_error(world: World, units: int, global_batch: int, has_blocks:
             continue  # it never excludes a candidate: at tp 1 it is simply off
         others = {k: v for k, v in pins.items() if k != name}
         valid = sorted({getattr(c, name) for c in _space(world, units, global_batch, has_blocks, others,
-                                                         offload_offered(world), cap_micro_batch=False)},
+                                                         offload_offered(world), cap_micro_batch=False,
+                                                         experts=experts, context=context)},
                        key=_order)
         if value not in valid:
             reasons.append(f"{name}={value!r}" + _why(name, value, world, units, global_batch))
@@ -311,6 +414,14 @@ def _why(name: str, value, world: World, units: int, global_batch: int) -> str:
         return f" (does not divide global_batch {global_batch})"
     if name == "micro_batch":
         return f" (must divide global_batch / dp = {global_batch} / dp)"
+    if name == "ep":
+        return " (ep must divide dp and the number of experts, and runs with zero_stage 0)"
+    if name == "cp":
+        return (" (cp must divide the devices over tp x pp, seq must be a multiple of 2·cp, and cp runs beside "
+                "ep 1, zero_stage 0, no sequence parallelism, pp 1 where weights are tied)")
+    if name == "context_method" and value != "ring":
+        return (" (all-to-all needs cp, and usp:A needs A, to divide every attention's query heads per tp rank; "
+                "usp:A needs A to divide cp, 1 < A < cp)")
     if name == "zero_stage" and value:
         return " (shards over dp: needs dp > 1)"
     if name == "virtual_stages":

@@ -57,10 +57,13 @@ class SplitPricer:
     ``device``: a DeviceSpec or preset name; default: the device of the tp group's first rank.
     ``precision``: the dtype activations, gradients and parameters are held and computed in.
     ``efficiency``: default, the priced device's own (``DeviceSpec.efficiency``, per generation).
+    ``run_dtypes``: the graph's dtypes at run time in ``precision`` (``saved_storages.RunDtypes``, the
+    lowering's: passes/lowering/compute_dtypes.py): saved activations are priced at these (plan_splits_costs);
+    without them every floating one at ``precision``.
     """
 
     def __init__(self, gm, world: World, *, device=None, efficiency: Efficiency | None = None,
-                 precision: str = "bf16"):
+                 precision: str = "bf16", run_dtypes=None):
         if not isinstance(world, World):
             raise InvalidValue(f"SplitPricer needs a World (xirang.ir.world), got {world!r}")
         self.precision = canonical_dtype(precision)
@@ -71,6 +74,7 @@ class SplitPricer:
         self.graph = SplitGraph(gm)
         self.table = ExprTable(self.graph.symbol_names)
         self.float_bytes = FLOAT_BYTES[self.precision]
+        self.run_dtypes = run_dtypes
         self.flops = self.graph.unit_flops(self.table)
         # (node, element count, bytes per element, whole): a tensor read in another place is whole there
         self.crossing = [(node, *self._tensor(node), self.graph.leaves_place(node), first, last)
@@ -123,7 +127,8 @@ class SplitPricer:
             seq_known = "seq" in self.graph.symbol_names
             for decision in problem.decisions:
                 if decision.node is not None and decision.node not in self._facts:
-                    self._facts[decision.node] = node_facts(decision.node, self.table, self.float_bytes, seq_known)
+                    self._facts[decision.node] = node_facts(decision.node, self.table, self.float_bytes, seq_known,
+                                                          self.run_dtypes)
             self._problems[key] = problem
         return self._problems[key]
 

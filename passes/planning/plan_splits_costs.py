@@ -23,14 +23,19 @@ costs, what each link's collectives cost, and the per-node facts both read.
   cross-entropy; ``OTHER_KIND_OPS``), at that kind's measured rate, with its own fixed cost; where the
   kind was timed at several sizes (``Calibration.other_kind_bands``), at the rate and fixed cost of the
   band holding its local FLOPs (these ops slow per element as their tensors outgrow the caches).
-- Bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
+- Traffic bytes scale from the traced itemsize (fp32 on meta) to the plan's precision for floating tensors.
 - Collectives: ``cost_collectives.collective_cost`` on the tp group (alpha-beta, cheapest algorithm).
 - Saved activations, by liveness: the storages the ops of a unit keep for the backward (each
-  ``SavedTensor`` of BYTES.saved), each storage once per unit however many ops keep it, in the
-  plan's precision (floating storages; masks, indices and float32 statistics keep their dtype), each
-  at its local share on one tp rank: a storage the op reads through an input at the layout it reads
-  it in (a column-parallel linear keeps its whole input, a row-parallel one its shard; Korthikanti et
-  al. 2022 count the same way), one it makes itself at its output's layout.
+  ``SavedTensor`` of BYTES.saved), each storage once per unit however many ops keep it, at its dtype at
+  run time: in a half-precision program the lowering's own run-time dtypes
+  (passes/lowering/compute_dtypes.py, handed in as ``run_dtypes``), so a model's fp32 islands (a norm's
+  upcast input, an fp32 router's products, the loss's upcast logits) are priced at 4 bytes, a storage
+  read through a cast that copies at run time is the cast's (``saved_storages.storage_of``), and an input
+  the program casts for the op that reads it (mixed dtypes into a matmul or attention) is that copy;
+  without them every floating storage at the plan's precision (masks, indices and float32 statistics
+  keep their dtype). Each at its local share on one tp rank: a storage the op reads through an input
+  at the layout it reads it in (a column-parallel linear keeps its whole input, a row-parallel one its
+  shard; Korthikanti et al. 2022 count the same way), one it makes itself at its output's layout.
 - Selective recompute (Korthikanti et al. 2022, sec. 5): the attention core is the ops whose output
   or saved tensors grow with seq² (an eager softmax(QKᵀ)·V, as BERT's eager attention); a fused
   ``scaled_dot_product_attention`` keeps no seq² tensor of its own, so there it changes nothing.
@@ -53,15 +58,19 @@ from xirang.ir.placement import PlanShard
 from xirang.passes.planning.cost_collectives import CollectiveCost, collective_cost
 from xirang.passes.planning.cost_model import Efficiency, compute_time
 from xirang.passes.analysis.attention_core import FUSED_ATTENTION, in_eager_core
-from xirang.passes.analysis.saved_storages import input_saved, storage_of, tensors
+from xirang.passes.analysis.saved_storages import (RunDtypes, input_saved, nbytes as saved_nbytes, storage_of,
+                                                   tensors)
 from xirang.passes.analysis.op_tables import op_packet
+from xirang.passes.analysis.expert_ops import EXPERT_LINEAR, is_expert_weight
 from xirang.passes.planning.plan_splits_graph import ExprTable, tensor_info
 from xirang.passes.planning.plan_splits_problem import Decision, Term
 
 aten = torch.ops.aten
 FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8, "fp8": 1}
+# the experts' grouped matmul is a matmul (priced at the matmul efficiency; its output's gradient waits for W)
 MATMUL_OPS = FUSED_ATTENTION | {aten.linear, aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul,
-                                aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d}
+                                aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d,
+                                EXPERT_LINEAR.overloadpacket}
 
 # the ops of each kind a calibration times apart (``ir/calibration.OTHER_KINDS``)
 OTHER_KIND_OPS = {aten.gelu: "gelu", aten.layer_norm: "layer_norm", aten.native_layer_norm: "layer_norm",
@@ -101,19 +110,40 @@ class NodeFacts:
     kind: str | None = None  # its kind where a calibration may time it apart (OTHER_KIND_OPS)
     query_length: int | None = None  # a fused attention's query length, ExprTable index (Calibration.attention_by_seq)
     weight_output: int | None = None  # a matmul reading a parameter: its output's bytes (traced itemsize)
+    expert: bool = False  # an experts matmul (xirang.expert_linear): its compute is the experts'
+    expert_rows: int | None = None  # the first expert_linear of an experts call: its rows' bytes (traced itemsize)
+    expert_out: int | None = None  # the last expert_linear of an experts call: its output's bytes (what combines)
+    expert_weight: bool = False  # a parameter placeholder an expert_linear reads as its weight or bias
 
 
-def _kept(node: Node, item, table: ExprTable, float_bytes: int) -> Kept:
+def _kept(node: Node, item, table: ExprTable, float_bytes: int, run: RunDtypes | None = None) -> Kept:
+    """One saved storage of ``node``, priced at its run-time dtype where ``run`` knows it (module
+    docstring), else a floating one at the plan's precision."""
     own = item.producer == node.name  # made here: its dtype is that of the node (or the input it is made from)
     source = node.all_input_nodes[item.input] if item.input is not None else node
-    source = source if own else storage_of(source)
+    storage, nbytes, run_dtype = item.storage, item.nbytes, None
+    copied = run.read_as.get(node.name, {}).get(item.input) if run is not None and not own else None
+    if copied is not None:  # the program casts this input into a copy of the op's own, which it keeps
+        storage, nbytes, run_dtype = f"{node.name}:input{item.input}", saved_nbytes(source), copied
+    elif not own:  # read through an input: the storage it views, which a run-time cast may own
+        source = storage_of(source, run.of if run is not None else None)
+        if run is not None:
+            storage, nbytes = source.name, saved_nbytes(source)
     found = tensors(source)
     itemsize = found[0].itemsize if found else 1
-    return Kept(item.storage, item.producer, table.index(item.nbytes),
-                float_bytes / itemsize if item.floating else 1.0, item.input)
+    if run is not None and run_dtype is None:
+        run_dtype = run.of.get(source.name)
+    if not item.floating:
+        scale = 1.0
+    elif run_dtype is not None:
+        scale = run_dtype.itemsize / itemsize
+    else:
+        scale = float_bytes / itemsize
+    return Kept(storage, storage.split(":", 1)[0], table.index(nbytes), scale, item.input)
 
 
-def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) -> NodeFacts:
+def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool,
+               run_dtypes: RunDtypes | None = None) -> NodeFacts:
     flops = FLOPS.get(node, None)
     traffic = BYTES.get(node, None)
     floats = [i for i in [tensor_info(node)] + [tensor_info(v) for v in node.all_input_nodes]
@@ -129,13 +159,35 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool) 
         matmul=op_packet(node) in MATMUL_OPS, needs_grad=bool(REQUIRES_GRAD.get(node, False)),
         core=in_eager_core(node, seq_known=seq_known),
         params=params, param_bytes=float(params * float_bytes),
-        saved=tuple(_kept(node, item, table, float_bytes) for item in items),
-        inputs=tuple(_kept(node, item, table, float_bytes) for item in reads),
+        saved=tuple(_kept(node, item, table, float_bytes, run_dtypes) for item in items),
+        inputs=tuple(_kept(node, item, table, float_bytes, run_dtypes) for item in reads),
         dispatched=node.op == "call_function" and node.target is not operator.getitem,
         grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
         attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)),
         weight_output=_weight_output(node, table) if op_packet(node) in MATMUL_OPS else None,
+        expert=node.op == "call_function" and node.target == EXPERT_LINEAR,
+        expert_rows=_expert_rows(node, table), expert_out=_expert_out(node, table),
+        expert_weight=node.op == "placeholder" and is_expert_weight(node),
         query_length=_query_length(node, table) if op_packet(node) in FUSED_ATTENTION else None)
+
+
+def _expert_rows(node: Node, table: ExprTable) -> int | None:
+    """ExprTable index of the bytes of the rows an experts call dispatches, on its first expert_linear
+    (the one its ids' users list first: canonical graphs keep users in graph order), else None."""
+    if node.op != "call_function" or node.target != EXPERT_LINEAR:
+        return None
+    first = next(user for user in node.args[1].users if user.op == "call_function" and user.target == EXPERT_LINEAR)
+    rows = tensor_info(node.args[0]) if first is node else None
+    return table.index(rows.numel * rows.itemsize) if rows is not None else None
+
+
+def _expert_out(node: Node, table: ExprTable) -> int | None:
+    """ExprTable index of the bytes an experts call's combine sends back: its last expert_linear's output."""
+    if node.op != "call_function" or node.target != EXPERT_LINEAR:
+        return None
+    last = [user for user in node.args[1].users if user.op == "call_function" and user.target == EXPERT_LINEAR][-1]
+    out = tensor_info(node) if last is node else None
+    return table.index(out.numel * out.itemsize) if out is not None else None
 
 
 def _query_length(node: Node, table: ExprTable) -> int | None:
@@ -283,6 +335,8 @@ class Pricing:
         seconds = self.compute(facts, strategy.compute_fraction)
         seconds += sum(cost.seconds for _, cost in self.op_collectives(strategy))
         memory = facts.param_bytes * local_fraction(strategy.output, self.tp)
+        if facts.params and isinstance(strategy.output, PlanShard) and not strategy.output.pieces:
+            memory = facts.param_bytes * strategy.compute_fraction  # a padded shard holds its padding too
         return seconds, memory
 
     def kept_bytes(self, kept: Kept, placement) -> float:

@@ -9,7 +9,8 @@ Resharding a tensor from layout ``src`` to ``dst`` on the tp axis (``transition`
                              keeping to the conversions above keeps the runtime's list short)
     P -> R                   all_reduce
     P -> S                   reduce_scatter
-    S(i) -> S(j)             all_to_all (also between a chunked and a plain shard of one dim)
+    S(i) -> S(j)             all_to_all (also between a chunked and a plain shard of one dim); all_gather
+                             where either is split in whole units (PlanShard.unit > 1): it goes through R
     P(op) -> P(other op)     not offered
 
 A link from producer p to consumer c prices the forward reshard of p's output into c's input, and the
@@ -57,7 +58,9 @@ def transition(src: Placement, dst: Placement | None) -> tuple[str, ...] | None:
     if isinstance(dst, PlanShard):
         if isinstance(src, PlanReplicate):
             return ()
-        return ("all_to_all",) if isinstance(src, PlanShard) else ("reduce_scatter",)
+        if isinstance(src, PlanShard):  # between shards in whole units (heads), through R as the lowering runs it
+            return ("all_to_all",) if src.unit == dst.unit == 1 else ("all_gather",)
+        return ("reduce_scatter",)
     if dst.op == "sum" and not isinstance(src, PlanPartial):
         return () if isinstance(src, PlanReplicate) else ("all_gather",)
     return None

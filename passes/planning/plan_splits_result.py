@@ -45,6 +45,11 @@ class _Sums:
     recompute: float = 0.0
     saved_tensors: int = 0  # tensors the unit's ops save for the backward (a checkpoint hooks each)
     weight_outputs: float = 0.0  # bytes on one rank of the outputs of matmuls reading a parameter
+    expert_params: int = 0  # elements of expert weights (of ``params``)
+    expert_rows: float = 0.0  # bytes of the rows its experts calls dispatch, in the plan's precision
+    expert_out: float = 0.0  # bytes the combines send back (the last matmul's output as this rank holds it)
+    expert_calls: int = 0
+    expert_seconds: float = 0.0  # compute of the experts' matmuls, forward + backward
 
 
 class Assembly:
@@ -119,6 +124,15 @@ class Assembly:
             share = pricing.forward_share(facts)
             unit.forward += seconds * share
             unit.backward += seconds * (1 - share)
+            if facts.expert:
+                unit.expert_seconds += seconds
+            if facts.expert_rows is not None:  # the rows as this rank holds them (tp may split their hidden dim)
+                held = local_fraction(strategy.inputs[0], tp) if strategy.inputs else 1.0
+                unit.expert_rows += pricing.values[facts.expert_rows] * facts.byte_scale * held
+                unit.expert_calls += 1
+            if facts.expert_out is not None:
+                output = element(strategy.output, 0) if isinstance(strategy.output, tuple) else strategy.output
+                unit.expert_out += pricing.values[facts.expert_out] * facts.byte_scale * local_fraction(output, tp)
             for kind, cost in pricing.op_collectives(strategy):
                 unit.comm_forward += cost.seconds
                 if cost.algorithm != "none":
@@ -141,7 +155,12 @@ class Assembly:
                     if producers.get(kept.producer) not in core:
                         _keep(unit.selective, kept.storage, self.kept_bytes(decision.node, kept, strategy))
             if facts.params:
-                unit.params += facts.params // tp if isinstance(strategy.output, PlanShard) else facts.params
+                held = facts.params // tp if isinstance(strategy.output, PlanShard) else facts.params
+                if isinstance(strategy.output, PlanShard) and not strategy.output.pieces:
+                    held = round(facts.params * strategy.compute_fraction)  # a padded shard holds its padding
+                unit.params += held
+                if facts.expert_weight:
+                    unit.expert_params += held
                 if facts.needs_grad:  # a trainable one: its AccumulateGrad node, every micro-batch
                     unit.backward += pricing.backward_op_s
         for (rows, cols), link in self.problem.links.items():
@@ -201,7 +220,10 @@ class Assembly:
                 input_bytes=sum(self.local_bytes(*tensor) for tensor in entering.get(unit, ())),
                 cut_bytes_after=cut[i] if i < len(graph.units) - 1 else 0.0,
                 model_flops=values[total_flops], model_forward_flops=values[forward_flops],
-                buffer_bytes=buffers.get(unit, 0.0), weight_output_bytes=own.weight_outputs))
+                buffer_bytes=buffers.get(unit, 0.0), weight_output_bytes=own.weight_outputs,
+                expert_params=own.expert_params, expert_rows_bytes=own.expert_rows, expert_calls=own.expert_calls,
+                expert_combine_bytes=own.expert_out,
+                expert_seconds=own.expert_seconds))
         return found
 
 

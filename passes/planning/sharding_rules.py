@@ -24,7 +24,12 @@ Choices, so a reader can argue with them:
   except along the vocabulary chain (a vocabulary of 50257 on tp=8): the embedding table's rows, the
   LM head's out-features when they reach a cross-entropy's class dim, the views between, and the
   vocabulary-parallel cross-entropy take an end-padded shard (``padded``), whose padding they never
-  read as data (see sharding_rules_fused). Its compute fraction is ceil(n/tp)/n.
+  read as data (see sharding_rules_fused). Its compute fraction is ceil(n/tp)/n. Heads, kv heads and an
+  MLP's width take padded shards too, in whole heads (``PlanShard(dim, unit=head width)``), through the
+  ops whose padding no real element reads (see sharding_rules_padded).
+- Never offered: a shard of the rows dim of an experts call's routed rows (its matmuls and the gate
+  between, ``expert_ops.routed_rows``). Traced, that dim is tokens x top_k, which tp divides; under
+  expert parallelism a rank holds as many rows as were routed to it, which tp need not divide.
 - A column-parallel output that is later split into k equal pieces (a fused [q | k | v]) is also
   offered as ``PlanShard(last, chunks=k)``, which the split turns into a per-head shard of each piece;
   parameters read that way are offered the chunked shard too (see sharding_rules_fused).
@@ -49,11 +54,17 @@ from torch.fx import Node
 
 from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
 
+from xirang.passes.analysis.expert_ops import routed_rows  # (and registers torch.ops.xirang.expert_linear)
 from xirang.passes.analysis.saved_storages import STAT_BYTES, arg
 from xirang.passes.analysis.op_tables import in_any, op_packet, ops_missing_from
 from xirang.passes.planning.sharding_rules_fused import (chunked_follows, fused_chunks, padded_follows,
                                                          reaches_vocab_loss, split_follows)
+from xirang.passes.planning.sharding_rules_indexing import INDEXING_RULES
+from xirang.passes.planning.sharding_rules_padded import padded_heads, uneven_follows, uneven_linear
+from xirang.passes.planning.sharding_rules_pieces import asked_pieces, pieces_follows, product_pieces
+from xirang.passes.planning.sharding_rules_pieces import fraction as pieces_fraction
 from xirang.passes.planning.sharding_rules_sequence import sequence_follows
+from xirang.passes.planning.sharding_rules_state_space import STATE_SPACE_RULES
 from xirang.passes.planning.sharding_rules_views import (FOLLOW_RULES, R, SUM, Follow, broadcast_input, divides,
                                                          floating, info, is_tensor, padded, remembered, same,
                                                          shape, shard_fraction, shardable)
@@ -143,11 +154,38 @@ def _linear(node, tp):
                          shard_fraction(tp, out_features)))
     rows += [make(node, f"column ({k} chunks)", pairs(R, PlanShard(0, k), PlanShard(0, k)), PlanShard(last, k), 1 / tp)
              for k in fused_chunks(node, last, tp) if divides(tp * k, out_features)]  # fused [q | k | v]
+    for fused in product_pieces(node, tp):  # fused [q | k | v] of unequal or unsplittable pieces
+        on = PlanShard(0, pieces=fused.pieces, whole=fused.whole)
+        rows.append(make(node, "column (pieces)", pairs(R, on, on), fused, pieces_fraction(fused, tp)))
     if divides(tp, in_features):
         rows.append(make(node, "row", pairs(PlanShard(last), PlanShard(1), SUM), SUM, 1 / tp))
     rows += [make(node, f"rows S({d})", pairs(PlanShard(d), R, R), PlanShard(d), 1 / tp)
              for d in shardable(shape(x)[:-1], tp)]
-    return rows
+    return rows + [make(node, *row) for row in uneven_linear(node, tp)]  # padded where tp does not divide
+
+
+def _expert_linear(node, tp):
+    """expert_linear(rows[S, in], ids[S], w[E, out, in] (transposed: [E, in, out]), b[E, out]): each row
+    times its expert's weight (passes/analysis/expert_ops.py), split over tp as a linear is, every
+    expert alike (expert tensor parallelism at the tp degree): column = w's out dim S -> out S(last)
+    (with the fused pieces a later split asks for: gate | up); row = rows S(last), w's in dim S ->
+    Partial. The ids are read whole; expert parallelism splits the experts dim apart (ep)."""
+    rows, ids, w, b = node.args[0], node.args[1], node.args[2], arg(node, 3, "bias")
+    transposed = bool(node.args[4]) if len(node.args) > 4 else False
+    bias = b if is_tensor(b) else None
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    out_features, in_features = shape(w)[out_dim], shape(w)[in_dim]
+
+    def pairs(prows, pw, pb):
+        return [(rows, prows), (ids, R), (w, pw)] + ([(bias, pb)] if bias is not None else [])
+    found = []
+    if divides(tp, out_features):
+        found.append(make(node, "column", pairs(R, PlanShard(out_dim), PlanShard(1)), PlanShard(1), 1 / tp))
+    found += [make(node, f"column ({k} chunks)", pairs(R, PlanShard(out_dim, k), PlanShard(1, k)), PlanShard(1, k),
+                   1 / tp) for k in fused_chunks(node, 1, tp) if divides(tp * k, out_features)]
+    if divides(tp, in_features):
+        found.append(make(node, "row", pairs(PlanShard(1), PlanShard(in_dim), SUM), SUM, 1 / tp))
+    return found
 
 
 def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
@@ -158,6 +196,9 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
         bias = node.args[bias_index] if bias_index is not None and is_tensor(node.args[bias_index]) else None
         sa, sb, out = shape(a), shape(b), shape(node)
         batched = len(sb) > 2
+        if len(sa) == 2 and batched and bias is None and divides(tp, sa[0]) and sa[0] != 1:
+            # W[n, k] @ X[..., k, m] (Mamba's dt_proj): W's rows split the output's rows, X whole
+            return [make(node, "column (left)", [(a, PlanShard(0)), (b, R)], PlanShard(len(out) - 2), 1 / tp)]
         if len(sa) < 2 or len(sb) < 2 or (batched and (len(sa) != len(sb) or
                                                        not all(map(same, sa[:-2], sb[:-2])))):
             return []  # vectors and broadcast batch dims: keep it replicated
@@ -173,6 +214,11 @@ def _contraction(a_index: int, b_index: int, bias_index: int | None = None):
                                  shard_fraction(tp, sb[-1])))
         rows += [strategy(f"column ({k} chunks)", R, PlanShard(len(sb) - 1, k), PlanShard(len(out) - 1, k))
                  for k in fused_chunks(node, len(out) - 1, tp) if divides(tp * k, sb[-1])]
+        for fused in product_pieces(node, tp) if bias is None or len(shape(bias)) == 1 else ():
+            on = PlanShard(len(sb) - 1, pieces=fused.pieces, whole=fused.whole)
+            pairs = [(a, R), (b, on)] + ([(bias, PlanShard(0, pieces=fused.pieces, whole=fused.whole))]
+                                         if bias is not None else [])
+            rows.append(make(node, "column (pieces)", pairs, fused, pieces_fraction(fused, tp)))
         if divides(tp, sa[-1]):
             rows.append(strategy("row", PlanShard(len(sa) - 1), PlanShard(len(sb) - 2), SUM))
         for d in shardable(sa[:-1], tp):
@@ -210,20 +256,28 @@ def _embedding(node, tp):
 def _attention(node, tp):
     """Scaled dot-product attention split by heads (Shoeybi et al. 2019, sec. 3) or by batch: every
     head is independent. Grouped-query attention needs tp to divide both head counts; then query
-    heads of rank r use exactly the kv heads of rank r. The mask follows by broadcasting."""
+    heads of rank r use exactly the kv heads of rank r. Multi-query attention whose one kv head is
+    broadcast (k and v of 1 head, as Falcon-7B calls it) splits the query heads and reads k and v
+    whole: each rank's heads broadcast against the same kv head. The mask follows by broadcasting."""
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     mask = mask if is_tensor(mask) else None
     scores = shape(q)[:-1] + (shape(k)[-2],)
+
+    def kv_read(t, d):
+        if divides(tp, shape(t)[d]) and shape(t)[d] != 1:
+            return PlanShard(d)
+        return R if shape(t)[d] == 1 else None  # a broadcast dim of 1 is read whole
     rows = []
     for d in range(len(shape(q)) - 2):
-        if all(divides(tp, shape(t)[d]) and shape(t)[d] != 1 for t in (q, k, v)):
-            pairs = [(q, PlanShard(d)), (k, PlanShard(d)), (v, PlanShard(d))]
+        reads = (kv_read(k, d), kv_read(v, d))
+        if divides(tp, shape(q)[d]) and shape(q)[d] != 1 and None not in reads:
+            pairs = [(q, PlanShard(d)), (k, reads[0]), (v, reads[1])]
             if mask is not None:
                 pairs.append((mask, broadcast_input(mask, scores, PlanShard(d))))
             name = "heads" if d == len(shape(q)) - 3 else f"batch S({d})"
             rows.append(make(node, name, pairs, PlanShard(d), 1 / tp))
-    return rows
+    return rows + [make(node, *row) for row in padded_heads(node, tp)]  # heads tp does not divide
 
 
 def _cross_entropy(node, tp):
@@ -254,6 +308,7 @@ def _cross_entropy(node, tp):
 COMPUTE_RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
     # products
     aten.linear: _linear,
+    torch.ops.xirang.expert_linear: _expert_linear,
     aten.mm: _contraction(0, 1), aten.bmm: _contraction(0, 1), aten.matmul: _contraction(0, 1),
     aten.addmm: _contraction(1, 2, bias_index=0),
     # embedding, attention, loss
@@ -269,7 +324,8 @@ def _from_follow(rule: Callable[[Node, int], list[Follow]]):
     through costs a whole op per rank."""
     def strategies(node, tp):
         found, rows = [], rule(node, tp)
-        extra = chunked_follows(node, tp, rows) + split_follows(node, tp) + padded_follows(node, tp)
+        extra = chunked_follows(node, tp, rows) + split_follows(node, tp) + padded_follows(node, tp) + \
+            pieces_follows(node, tp) + asked_pieces(node, tp, _asked_pieces_of) + uneven_follows(node, tp)
         for follow in rows + extra:
             placements = [p for _, p in follow.inputs] + list(_outputs(follow.output))
             split = any(isinstance(p, PlanShard) for p in placements)
@@ -277,14 +333,16 @@ def _from_follow(rule: Callable[[Node, int], list[Follow]]):
             out = follow.output
             fraction = 1 / tp if split else 1.0
             if isinstance(out, PlanShard):  # ceil(n/tp)/n on a padded dim, 1/tp on an even one
-                fraction = shard_fraction(tp, shape(node)[out.dim])
+                fraction = pieces_fraction(out, tp) if out.pieces else \
+                    shard_fraction(tp, shape(node)[out.dim], out.unit)
             found.append(make(node, name, follow.inputs, follow.output, fraction))
         return found
     return strategies
 
 
 RULES: dict[object, Callable[[Node, int], list[Strategy | None]]] = {
-    **COMPUTE_RULES, **{op: _from_follow(rule) for op, rule in FOLLOW_RULES.items()}}
+    **COMPUTE_RULES,
+    **{op: _from_follow(rule) for op, rule in {**FOLLOW_RULES, **INDEXING_RULES, **STATE_SPACE_RULES}.items()}}
 
 
 def strategies_for(node: Node, tp: int, sequence_parallel: bool = False) -> list[Strategy]:
@@ -305,7 +363,7 @@ def _strategies(node: Node, tp: int, sequence_parallel: bool) -> list[Strategy]:
         if tp == 1:
             return [Strategy("replicate", (), R, 1.0)]
         return [Strategy("replicate", (), R, 1.0)] + \
-            [Strategy(str(p), (), p, shard_fraction(tp, shape(node)[p.dim]))
+            [Strategy(str(p), (), p, shard_fraction(tp, shape(node)[p.dim], p.unit))
              for p in [PlanShard(d) for d in shardable(shape(node), tp)] + _asked_reads(node, tp)]
     found = [replicated(node)]
     if tp == 1:  # one rank: every placement is the whole tensor
@@ -316,9 +374,24 @@ def _strategies(node: Node, tp: int, sequence_parallel: bool) -> list[Strategy]:
         candidates += [make(node, "seq " + ", ".join(str(p) for _, p in f.inputs) + " -> " + str(f.output),
                             f.inputs, f.output, 1 / tp) for f in sequence_follows(node, tp)]
     for strategy in candidates:
-        if strategy is not None and all((s.inputs, s.output) != (strategy.inputs, strategy.output) for s in found):
+        if strategy is not None and all((s.inputs, s.output) != (strategy.inputs, strategy.output) for s in found) \
+                and not _splits_routed_rows(node, strategy):
             found.append(strategy)
     return found
+
+
+def _splits_routed_rows(node: Node, strategy: Strategy) -> bool:
+    """Whether ``strategy`` of a node of an experts call's routed rows (expert_ops.routed_rows) shards
+    their rows dim (dim 0), in its output or in what it reads of another such node: under ep > 1 a rank
+    holds a data-dependent count of those rows, which tp need not divide, so a reduce-scatter or a slice
+    over them would lose rows."""
+    def rows(p):
+        return isinstance(p, PlanShard) and p.dim == 0
+    if not any(rows(p) for p in _outputs(strategy.output) + strategy.inputs):
+        return False  # the common case: the graph's walk is not needed
+    routed = remembered(("routed rows", node.graph), lambda: routed_rows(node.graph))
+    reads = [p for value, p in zip(node.all_input_nodes, strategy.inputs) if value in routed]
+    return node in routed and any(rows(p) for p in _outputs(strategy.output) + tuple(reads))
 
 
 def _asked_reads(node: Node, tp: int) -> list[PlanShard]:
@@ -326,11 +399,23 @@ def _asked_reads(node: Node, tp: int) -> list[PlanShard]:
     divide) that readers of a parameter ask of it, so it can be held that way rather than replicated
     and sliced. Padded shards are offered only when asked: only vocabulary-chain rules ask them."""
     def asked(p):
-        return isinstance(p, PlanShard) and (p.chunks > 1 or padded(tp, shape(node)[p.dim]))
+        return isinstance(p, PlanShard) and (p.chunks > 1 or bool(p.pieces) or p.unit > 1 or
+                                             padded(tp, shape(node)[p.dim]))
     wanted = {p for user in node.users if user.op == "call_function" and is_tensor(user)
               for s in strategies_for(user, tp) for value, p in zip(user.all_input_nodes, s.inputs)
               if value is node and asked(p)}
     return sorted(wanted, key=lambda p: (p.dim, p.chunks))
+
+
+def _asked_pieces_of(node: Node, tp: int) -> list[PlanShard]:
+    """The pieces shards the products reading ``node`` ask of it (a weight read through ``W.T``)."""
+    wanted = set()
+    for user in node.users:
+        if user.op == "call_function" and is_tensor(user) and op_packet(user) in COMPUTE_RULES:
+            for s in strategies_for(user, tp):
+                wanted |= {p for value, p in zip(user.all_input_nodes, s.inputs)
+                           if value is node and isinstance(p, PlanShard) and p.pieces}
+    return sorted(wanted, key=str)
 
 
 def ops_without_sharding_rule(gm) -> dict[str, list[str]]:

@@ -42,7 +42,7 @@ from torch.fx import Node
 
 from xirang.ir.facts import TensorInfo
 from xirang.ir.meta_keys import TENSOR
-from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard
+from xirang.ir.placement import PlanPartial, Placement, PlanReplicate, PlanShard, shard_share
 
 from xirang.passes.analysis.saved_storages import arg
 
@@ -114,18 +114,20 @@ def divides(tp: int, size) -> bool:
 
 def padded(tp: int, size) -> bool:
     """True when ``size`` is a known int (> 1) that ``tp`` does not divide: a shard of it holds
-    ceil(size / tp) per rank, end-padded (ir/placement.local_shape). Only the vocabulary chain
-    offers such shards (sharding_rules_fused.padded_follows); every other rule asks ``divides``."""
+    ceil(size / tp) per rank, end-padded (ir/placement.local_shape). The vocabulary chain offers such
+    shards (sharding_rules_fused.padded_follows), and sharding_rules_padded on dims whose padding no real
+    element reads (heads, an MLP's width); every other rule asks ``divides``."""
     size = sympy.sympify(size)
     return size.is_Integer is True and int(size) > 1 and int(size) % tp != 0
 
 
-def shard_fraction(tp: int, size) -> float:
+def shard_fraction(tp: int, size, unit: int = 1) -> float:
     """A rank's share of a dim of ``size`` split over tp: 1/tp, or ceil(n/tp)/n when it is padded
-    (the last rank computes on padding, so every rank does the largest rank's work)."""
-    if padded(tp, size):
+    (the last rank computes on padding, so every rank does the largest rank's work); in whole units
+    of ``unit`` elements, ceil(n / (unit tp)) unit / n (ir/placement.shard_share)."""
+    if padded(tp, size) or unit > 1:
         n = int(sympy.sympify(size))
-        return -(-n // tp) / n
+        return shard_share(n, tp, unit) / n
     return 1 / tp
 
 
@@ -219,13 +221,13 @@ def permutation_of(node) -> list[int]:
     if packet is aten.transpose:
         d0, d1 = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
         perm[d0], perm[d1] = perm[d1], perm[d0]
-    else:  # aten.t
+    else:  # aten.t, aten.numpy_T
         perm.reverse()
     return perm
 
 
 def _permute(node, tp):
-    """transpose / t / permute: a shard moves with its dim (transpose(1, 2) maps S(2) to S(1))."""
+    """transpose / t / permute / numpy_T: a shard moves with its dim (transpose(1, 2) maps S(2) to S(1))."""
     x = first_tensor(node)
     perm = permutation_of(node)
     rows = [Follow(((x, PlanShard(perm[k])),), PlanShard(k)) for k in range(len(perm))
@@ -348,14 +350,14 @@ _POINTWISE = _elementwise()
 # Op groups, named so sharding_rules_fused can tell which ops carry a shard of a dim unchanged.
 RESHAPE_OPS = (aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.unflatten, aten.unsqueeze,
                aten.squeeze)
-PERMUTE_OPS = (aten.transpose, aten.t, aten.permute)
+PERMUTE_OPS = (aten.transpose, aten.t, aten.permute, aten.numpy_T)  # numpy_T: x.T, all dims reversed (FalconLinear)
 SPLIT_OPS = (aten.split, aten.split_with_sizes, aten.chunk)
 COPY_OPS = (aten.contiguous, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.to, aten._to_copy,
             aten.dropout)
 LINEAR_ELEMENTWISE = {aten.add: "additive", aten.sub: "additive", aten.mul: "scaling", aten.div: "dividend",
                       aten.neg: "negation"}
 POINTWISE_OPS = (
-    aten.gelu, aten.silu, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
+    aten.gelu, aten.silu, aten.softplus, aten.relu, aten.sigmoid, aten.tanh, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
     aten.pow, aten.square, aten.reciprocal, aten.sin, aten.cos, aten.erf, aten.abs, aten.clamp,
     aten.hardtanh, aten.leaky_relu, aten.rsub, aten.maximum, aten.minimum, aten.where, aten.masked_fill,
     aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.__and__, aten.__or__, aten.bitwise_and,
@@ -364,9 +366,11 @@ POINTWISE_OPS = (
 FOLLOW_RULES: dict[object, Callable[[Node, int], list[Follow]]] = {
     **{op: _reshape for op in RESHAPE_OPS},
     **{op: _permute for op in PERMUTE_OPS},
-    aten.expand: _expand,
+    aten.expand: _expand, aten.broadcast_to: _expand,
     aten.slice: _slice,
     **{op: _split for op in SPLIT_OPS},
+    aten.tensor_split: _split,  # split at indices (Mamba's scan, transformers >= 5.25); not a SPLIT_OPS: its
+    # indices are positions, which local_sizes does not localise, so only dims other than the split dim shard
     operator.getitem: _getitem,
     aten.cat: _cat,
     **{op: _identity(partial_ok=True) for op in COPY_OPS if op is not aten.dropout},

@@ -40,7 +40,7 @@ def step_sync_seconds(c: Candidate, batch_inputs: int, cost: Callable[[str, floa
     if c.mesh.size == 1:
         return 0.0
     seconds = cost("all_reduce", agreement_bytes(batch_inputs), tuple(range(c.mesh.size)))
-    last = c.mesh.rank_of(dp=0, pp=c.pp - 1, tp=0)  # it reduces the loss over dp, then broadcasts it
+    last = c.mesh.rank_of(dp=0, pp=c.pp - 1, tp=0, cp=0)  # it reduces the loss over dp, then broadcasts it
     if c.dp > 1:
         seconds += cost("all_reduce", LOSS_BYTES, c.mesh.group("dp", last))
     if c.pp > 1:

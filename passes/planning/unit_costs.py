@@ -42,6 +42,17 @@ class UnitCost:
       backward keeps their gradients from B until W.
     - ``buffer_bytes``: the model buffers (non-trainable state: rotary tables, masks) the unit holds
       on one rank, resident like the parameters.
+    - Experts (``xirang.expert_linear``, passes/analysis/experts.py): ``expert_params`` of
+      ``params_local`` are expert weights (split by ep, not by tp); ``expert_rows_bytes`` the rows one
+      rank's experts calls send per micro-batch (tokens x top_k x hidden, every call of the unit),
+      ``expert_combine_bytes`` what their combines send back (the same unless tp splits them apart);
+      ``expert_calls`` how many calls; ``expert_seconds`` the forward + backward compute of the
+      experts' matmuls (what routing imbalance makes the most-loaded rank do more of);
+      ``ep_comm_forward_seconds`` / ``ep_comm_backward_seconds``: the all-to-alls of expert
+      parallelism, set by ``passes/planning/expert_costs.py`` for a candidate with ep > 1 (0 here).
+    - ``cp_comm_forward_seconds`` / ``cp_comm_backward_seconds``: context parallelism's attention transfers
+      left exposed (the ring's sends not hidden by attention, or the all-to-alls), set by
+      ``passes/planning/context_parallel_cost.py`` for a candidate with cp > 1 (0 here).
     """
 
     name: str
@@ -61,6 +72,15 @@ class UnitCost:
     buffer_bytes: float = 0.0
     full_recompute_seconds: float | None = None  # None: one more forward (its compute)
     weight_output_bytes: float = 0.0  # outputs of matmuls reading a parameter: their gradients wait for W
+    expert_params: int = 0
+    expert_rows_bytes: float = 0.0
+    expert_combine_bytes: float = 0.0
+    expert_calls: int = 0
+    expert_seconds: float = 0.0
+    ep_comm_forward_seconds: float = 0.0
+    ep_comm_backward_seconds: float = 0.0
+    cp_comm_forward_seconds: float = 0.0
+    cp_comm_backward_seconds: float = 0.0
 
     def __post_init__(self):
         if self.full_recompute_seconds is None:
@@ -68,14 +88,17 @@ class UnitCost:
         for name in ("forward_seconds", "backward_seconds", "tp_comm_forward_seconds",
                      "tp_comm_backward_seconds", "saved_bytes", "selective_saved_bytes",
                      "selective_recompute_seconds", "input_bytes", "cut_bytes_after", "model_flops",
-                     "model_forward_flops", "buffer_bytes", "full_recompute_seconds", "weight_output_bytes"):
+                     "model_forward_flops", "buffer_bytes", "full_recompute_seconds", "weight_output_bytes",
+                     "expert_rows_bytes", "expert_combine_bytes", "expert_seconds", "ep_comm_forward_seconds",
+                     "ep_comm_backward_seconds", "cp_comm_forward_seconds", "cp_comm_backward_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidValue(f"UnitCost {self.name!r}: {name} must be a non-negative number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if isinstance(self.params_local, bool) or not isinstance(self.params_local, int) or self.params_local < 0:
-            raise InvalidValue(f"UnitCost {self.name!r}: params_local must be a non-negative int, "
-                             f"got {self.params_local!r}")
+        for name in ("params_local", "expert_params", "expert_calls"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidValue(f"UnitCost {self.name!r}: {name} must be a non-negative int, got {value!r}")
 
     def activation_bytes(self, recompute: str) -> float:
         """Bytes kept for the backward under recompute mode none / selective / full."""
@@ -90,10 +113,13 @@ class UnitCost:
 
     def seconds(self, recompute: str) -> float:
         """Forward + backward of one micro-batch, communication included, with the recompute the
-        mode adds (full: the forward and its collectives once more before the backward)."""
-        forward = self.forward_seconds + self.tp_comm_forward_seconds
-        backward = self.backward_seconds + self.tp_comm_backward_seconds
-        comm = self.tp_comm_forward_seconds if recompute == "full" else 0.0
+        mode adds (full: the forward and its collectives once more before the backward, expert
+        parallelism's all-to-alls and context parallelism's transfers among them)."""
+        comm_forward = self.tp_comm_forward_seconds + self.ep_comm_forward_seconds + self.cp_comm_forward_seconds
+        forward = self.forward_seconds + comm_forward
+        backward = (self.backward_seconds + self.tp_comm_backward_seconds + self.ep_comm_backward_seconds
+                    + self.cp_comm_backward_seconds)
+        comm = comm_forward if recompute == "full" else 0.0
         return forward + backward + self.recompute_seconds(recompute) + comm
 
 

@@ -52,3 +52,19 @@ def test_aliases_random_draws_and_mutations_always_run_their_kernel():
     assert not cacheable(aten.bernoulli.p) and not cacheable(aten.native_dropout.default)
     assert not cacheable(aten.add_.Tensor) and not cacheable(aten.view.default)
     assert cacheable(aten.mm.default) and cacheable(aten._to_copy.default)
+
+
+def test_outputs_an_output_mask_leaves_out_are_remembered_as_none():
+    """A split backward asks native_layer_norm_backward for the input's gradient only (B) or the weight's only
+    (W): its kernel returns None for the rest, and the remembered answer does too."""
+    cache = MetaCache()
+    x, grad, weight = _meta(4, 6), _meta(4, 6), _meta(6)
+    mean, rstd = _meta(4, 1), _meta(4, 1)
+    for mask in ([True, False, False], [False, True, True]):
+        args = (grad, x, [6], mean, rstd, weight, weight, mask)
+        first, second = (cache.run(aten.native_layer_norm_backward.default, args, {}) for _ in range(2))
+        kernel = aten.native_layer_norm_backward.default(*args)
+        for a, b, c in zip(first, second, kernel):
+            assert (a is None) == (b is None) == (c is None)
+            assert c is None or _same_metadata(b, c) and _same_metadata(a, c)
+    assert (cache.misses, cache.hits) == (2, 2)

@@ -17,10 +17,23 @@ import torch
 from xirang.cli.verify import loss_of  # a tensor, a tuple's first element or HF `.loss`
 
 
-def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False, rng=None) -> dict:
+def _micro_batch_loss(model, inputs: dict, micro_batch: int):
+    """The mean of the model's loss over micro-batches of ``micro_batch`` samples (gradient
+    accumulation on one device): what a parallel run computes for a loss that is not a mean over
+    samples, such as a Mixture-of-Experts' auxiliary load-balancing loss, whose expert fractions are
+    taken over the tokens of one forward."""
+    total = next(iter(inputs.values())).shape[0]
+    losses = [loss_of(model(**{k: v[start:start + micro_batch] for k, v in inputs.items()}))
+              for start in range(0, total, micro_batch)]
+    return torch.stack(losses).mean()
+
+
+def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False, rng=None,
+                      micro_batch=None) -> dict:
     """{"steps": [(loss, {name: grad})...], "params": {name: tensor}} for ``steps`` AdamW steps on
     ``batch(step)``; ``keep_duplicates`` lists a tied parameter under every name; ``rng``: an
-    ``ExactReference`` the forward of step k draws under (``rng.forward(k)``)."""
+    ``ExactReference`` the forward of step k draws under (``rng.forward(k)``); ``micro_batch``: the
+    loss is the mean over micro-batches of that many samples (``_micro_batch_loss``)."""
     def named():
         return model.named_parameters(remove_duplicate=not keep_duplicates)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
@@ -28,7 +41,8 @@ def single_device_run(model, batch, steps: int, *, keep_duplicates: bool = False
     for step in range(steps):
         inputs = batch(step)
         with rng.forward(step) if rng is not None else nullcontext():
-            loss = loss_of(model(**inputs))
+            loss = (loss_of(model(**inputs)) if micro_batch is None
+                    else _micro_batch_loss(model, inputs, micro_batch))
         loss.backward()
         found.append((loss.item(), {n: p.grad.clone() for n, p in named()}))
         optimizer.step()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from tests.docs.doc_blocks import REPO
 
 
@@ -39,3 +41,35 @@ def test_a_script_without_a_result_is_listed_as_not_yet_recorded(tmp_path, monke
     page = make_docs.render()
     assert page.count("Not yet recorded") == len(make_docs.benchmark_scripts())
     assert "```text\npython benchmarks/plan_speed.py" in page  # the command to record it
+
+
+def test_pages_show_the_recorded_output_make_docs_writes_there():
+    make_docs = _make_docs()
+    pages = make_docs.pages_with_recorded_output()
+    assert REPO / "docs" / "guides" / "explain.md" in pages  # the explain guide's example is a recorded run
+    for page in pages:
+        assert page.read_text() == make_docs.fill_recorded(page, page.read_text()), \
+            f"{page.relative_to(REPO)} differs from what benchmarks/make_docs.py writes: run benchmarks/make_docs.py"
+
+
+def test_a_recorded_region_is_rewritten_from_its_result_file(tmp_path):
+    make_docs = _make_docs()
+    run = {"script": "toy.py", "command": "python benchmarks/toy.py --fast", "date": "2026-01-02 03:04 UTC",
+           "machine": {"cpu": "Some CPU", "cores": 2, "torch": "2.13.0"}, "load_average_before": "1.5 1.0 0.5",
+           "exit_status": 0, "stdout": "step 1.25 s\n"}
+    (tmp_path / "toy__fast.json").write_text(json.dumps(run))
+    page = REPO / "docs" / "guides" / "made_up.md"
+    stale = "# A page\n\n<!-- recorded: toy__fast -->\n```text\nstep 9.99 s\n```\n<!-- end recorded -->\nAfter.\n"
+    filled = make_docs.fill_recorded(page, stale, tmp_path)
+    assert "step 9.99 s" not in filled and "```text\nstep 1.25 s\n```" in filled
+    assert "`python benchmarks/make_docs.py record toy --fast` on 2026-01-02 03:04 UTC (Some CPU, 2 cores, load 1.5" \
+        in filled and "(../benchmarks.md#toy)" in filled
+    assert filled.endswith("<!-- end recorded -->\nAfter.\n")
+    assert make_docs.fill_recorded(page, filled, tmp_path) == filled  # writing twice changes nothing
+    with pytest.raises(SystemExit, match="has no '<!-- end recorded -->'"):
+        make_docs.fill_recorded(page, "<!-- recorded: toy__fast -->\n```text\n```\n", tmp_path)
+    with pytest.raises(SystemExit, match="not recorded"):
+        make_docs.fill_recorded(page, "<!-- recorded: other -->\n<!-- end recorded -->\n", tmp_path)
+    (tmp_path / "toy__fast.json").write_text(json.dumps({**run, "exit_status": 1}))
+    with pytest.raises(SystemExit, match="failed"):
+        make_docs.fill_recorded(page, stale, tmp_path)

@@ -63,6 +63,8 @@ def test_generated_model_tables_list_every_family_and_factory():
     families = importlib.import_module("examples.hf_families").FAMILIES
     table = hook.families_markdown()
     assert all(f"| {name} |" in table for name in families)
+    moe = importlib.import_module("examples.hf_moe").FAMILIES
+    assert all(f"| {name} |" in hook.families_markdown("hf_moe") for name in moe)
     assert "`examples/catalog.py:gpt_tiny`" in hook.catalog_markdown()
 
 

@@ -15,7 +15,7 @@ TINY = DeviceSpec("tiny", {"fp32": 1e9}, memory_bytes=1024, memory_bandwidth=1e9
 # --- devices ------------------------------------------------------------------------------------
 
 def test_presets_present():
-    assert set(DEVICE_PRESETS) == {"a100-80g", "h100-80g", "h200", "cpu"}
+    assert set(DEVICE_PRESETS) == {"a100-80g", "h100-80g", "h200", "b200", "cpu"}
     for name, spec in DEVICE_PRESETS.items():
         assert spec.name == name
 
@@ -29,6 +29,11 @@ def test_preset_figures():
     assert h100.memory_bandwidth == 3.35e12
     assert h200.peak_flops == h100.peak_flops
     assert h200.memory_bandwidth == 4.8e12 and h200.memory_bytes > h100.memory_bytes
+    # B200 (HGX B200 8-GPU totals / 8, dense: half the sparse headline): 36 PF / 8 / 2 bf16, 72 / 8 / 2 fp8;
+    # DGX B200: 64 TB/s of HBM3e / 8
+    b200 = DEVICE_PRESETS["b200"]
+    assert b200.peak("bf16") == 2250e12 and b200.peak("fp8") == 4500e12 and b200.peak("tf32") == 1125e12
+    assert b200.memory_bandwidth == 8e12 and b200.memory_bytes == 179 * 1024**3
 
 
 def test_device_spec_lookup():
@@ -267,6 +272,9 @@ def test_links_follow_the_device_kind():
     assert h100.intra_node == LinkSpec(450e9 * 230 / 300, 5e-6) == INTRA_NODE_NVLINK4
     assert h100.inter_node == LinkSpec(400e9, 1e-5) == INTER_NODE_NDR
     assert (h200.intra_node, h200.inter_node) == (h100.intra_node, h100.inter_node)
+    # DGX B200: NVLink5 900 GB/s a direction (twice NVLink4) at the same bus fraction, the same NICs
+    b200 = World.uniform(2, 8, "b200")
+    assert b200.intra_node == LinkSpec(900e9 * 230 / 300, 5e-6) and b200.inter_node == INTER_NODE_NDR
     assert parse_world("4x8", "h100") == h100.__class__.uniform(4, 8, "h100")
     assert parse_world(16, "h100").inter_node == INTER_NODE_NDR
     assert World((NodeSpec(8, "h100"),)).intra_node == INTRA_NODE_NVLINK4  # a World built directly too
@@ -286,6 +294,7 @@ def test_presets_carry_their_generations_efficiency():
     a100, h100, h200 = (DEVICE_PRESETS[n] for n in ("a100-80g", "h100-80g", "h200"))
     assert a100.efficiency == Efficiency(0.7, 0.1, 0.35) == Efficiency()  # fitted to 2021 A100 runs
     assert h100.efficiency == h200.efficiency == Efficiency(0.7, 0.1, 0.8)  # fused 2023-24 kernels
+    assert DEVICE_PRESETS["b200"].efficiency == h100.efficiency  # kept, not fitted to a B200 run
     assert TINY.efficiency == Efficiency()
     with pytest.raises(ValueError, match="efficiency must be an Efficiency"):
         DeviceSpec("x", {"fp32": 1e9}, 1024, 1e9, efficiency=0.5)

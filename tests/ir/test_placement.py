@@ -119,3 +119,21 @@ def test_chunked_shard_rejects_bad_chunks(chunks):
         PlanShard(1, chunks=chunks)
     with pytest.raises(ValueError, match="chunks must be a positive int"):
         placement_from_json({"shard": 1, "chunks": chunks})
+
+
+def test_shard_in_whole_units_holds_whole_heads_and_round_trips():
+    """6 heads of 16 (a dim of 96) on 4 ranks in units of 16: 2 heads a rank, the last rank all padding,
+    where unit 1 would give 24 elements (a head and a half); shard_of and unshard agree with it."""
+    import torch
+    from xirang.codegen.ops.padding import shard_of, unshard
+    from xirang.ir.placement import local_shape, real_share, shard_share
+    heads = PlanShard(0, unit=16)
+    assert str(heads) == "S(0, units of 16)" and placement_from_json(heads.to_json()) == heads
+    assert local_shape((96, 8), heads, 4) == (32, 8) and local_shape((96, 8), PlanShard(0), 4) == (24, 8)
+    assert [real_share(96, 4, r, 16) for r in range(4)] == [32, 32, 32, 0] and shard_share(110, 4) == 28
+    full = torch.arange(96 * 2.0).reshape(96, 2)
+    locals_ = [shard_of(full, heads, r, 4) for r in range(4)]
+    assert torch.equal(locals_[1], full[32:64]) and not locals_[3].any()
+    assert torch.equal(unshard(locals_, heads, 96), full)
+    with pytest.raises(ValueError):
+        PlanShard(0, chunks=3, unit=16)  # units on a fused layout: not offered

@@ -127,6 +127,19 @@ def test_ops_without_a_rule_count_zero_and_are_listed():
     assert flops_of(gm, "cumprod").total == 0
 
 
+def test_size_arithmetic_needs_no_rule_and_softplus_has_one():
+    class SizeMath(nn.Module):  # Mamba's scan (transformers 5.25): min(0, seq), seq - it, softplus
+        def forward(self, x):
+            keep = min(0, x.shape[1])
+            return F.softplus(x[:, :x.shape[1] - keep])
+
+    gm = analysed(SizeMath(), {"x": {1: "seq"}}, x=torch.randn(3, 5))
+    assert [n for n in gm.graph.nodes if not isinstance(n.meta.get("val"), torch.Tensor)
+            and n.op == "call_function"]  # the size arithmetic is in the graph ...
+    assert ops_without_flop_rule(gm) == {}  # ... and needs no row
+    assert flops_of(gm, "softplus").total != 0
+
+
 def test_gpt_matches_megatron_formula():
     """72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)): forward + backward, no recompute (Narayanan et al.
     2021), for the paper's 1.7B shape (h 2304, 24 heads, 24 layers, V 51200, s 2048)."""

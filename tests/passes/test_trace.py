@@ -92,6 +92,23 @@ def test_folded_trace_equals_full_trace(build):
     assert _structure(folded) == _structure(full)
 
 
+def test_a_run_after_layers_that_differ_is_folded_and_equals_the_full_trace():
+    """DeepSeek-V3 opens with dense layers before its MoE ones: the list was not alike as a whole, so all 61
+    layers were traced (55 s of a 60 s plan). The alike tail is folded now; the graph is the full trace's."""
+    import transformers
+    from examples.hf_families import build_from_config
+    model = build_from_config(
+        transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, "meta", num_hidden_layers=7,
+        first_k_dense_replace=2, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, vocab_size=64,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, head_dim=8, use_cache=False)
+    inputs = token_batch()
+    folded, full = traced(model, **inputs), traced(model, fold=False, **inputs)
+    assert TRACE_INFO.get(folded)["folded"] == {"model.layers": 7}
+    assert _structure(folded) == _structure(full)
+
+
 class ScaledLayer(torch.nn.Module):
     """Each layer scales by its position: the traced layers differ, so folding must give up."""
 

@@ -51,7 +51,10 @@ def test_zero1_is_picked_when_zero0_does_not_fit_and_holds_the_runtimes_bytes():
     best = result.best
     assert best.candidate.zero_stage == 1 and best.fits
     parts = best.memory_parts[0]
-    assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == pytest.approx((5.25 * P, 6 * P, 2 * P))
+    # the bf16 weight gradients held at the end of the backward (working set, 2 B each) and the dp buckets' bf16
+    # copy made after it (gradients) are not held at once: the peak holds the larger, here both 2 B per parameter
+    assert (parts["parameters"], parts["gradients"], parts["optimizer"], parts["working_set"]) == \
+        pytest.approx((5.25 * P, 4 * P, 2 * P, 2 * P))
     assert best.memory_per_rank[0] == pytest.approx(13.25 * P)
     zero0 = [a for a in result.alternatives if a.candidate.zero_stage == 0]
     assert zero0 and not zero0[0].fits and zero0[0].memory_per_rank[0] == pytest.approx(18 * P)

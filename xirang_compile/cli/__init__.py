@@ -46,7 +46,9 @@ def cmd_plan(args) -> int:
         check_output_file(args.out, "--out")  # before planning, so the plan is not lost at the end
     model, example_kwargs = build(load_factory(args.model), args.batch, args.seq, strict=True)
     pins = {name: getattr(args, name) for name in ("tp", "pp", "dp", "micro_batch", "schedule",
-                                                   "virtual_stages", "recompute", "offload", "precision")}
+                                                   "virtual_stages", "recompute", "offload", "precision", "ep", "cp",
+                                                   "context_method", "routing_imbalance", "ep_overlap",
+                                                   "capacity_factor")}
     from xirang.cli.progress import PlanProgressDisplay
     with PlanProgressDisplay() as progress:  # a live bar on a terminal, a line per step elsewhere
         world = args.world.world()
@@ -131,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world", type=world_arg, default=world_arg("1x8"),
                       help="devices: N, or NODESxDEVICES_PER_NODE such as 128x8 (default 1x8)")
     plan.add_argument("--hardware", default=None, help="the device preset the planner prices (a100-80g, h100-80g, "
-                                                       "h200, cpu; default a100-80g)")
+                                                       "h200, b200, cpu; default a100-80g)")
     add_renamed_flag(plan, "--device", "--hardware")
     plan.add_argument("--world-file", metavar="JSON", help="a World JSON (written by `xirang calibrate`) instead "
                                                           "of --world/--hardware")
@@ -145,8 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
                              ("virtual-stages", positive_int, "model chunks per pipeline rank (interleaved)"),
                              ("recompute", str, "none, selective or full"),
                              ("offload", str, "activation offload: none, or blocks (to host memory)"),
-                             ("precision", str, "fp32, bf16 or fp16")):
+                             ("precision", str, "fp32, bf16 or fp16"),
+                             ("ep", positive_int, "expert-parallel degree (ranks sharing each layer's experts)"),
+                             ("cp", positive_int, "context-parallel degree (ranks sharing each sequence)"),
+                             ("context-method", str, "context-parallel attention: ring, all_to_all, or usp:A "
+                                                     "(all-to-all over A ranks x ring over cp/A)")):
         plan.add_argument(f"--{name}", type=kind, help=f"pin the {text} (default: searched)")
+    plan.add_argument("--routing-imbalance", type=positive_float, metavar="RATIO",
+                      help="the most-loaded expert-parallel rank's rows over the mean, which the plan prices "
+                           "(default 1.0: balanced routing)")
+    plan.add_argument("--ep-overlap", action="store_true", default=None,
+                      help="price the expert all-to-alls as run under another micro-batch's compute (Megatron-Core's "
+                           "batch-level overlap; Xirang's runtime runs them exposed)")
+    plan.add_argument("--capacity-factor", type=positive_float, metavar="F",
+                      help="each expert computes at most ceil(rows / experts x F) of the rows a rank routes it per "
+                           "micro-batch, the rest dropped (default: dropless)")
     plan.add_argument("-o", "--out", metavar="FILE", help="save the plan as JSON to FILE (replaced if it exists; "
                                                           "its folder must exist)")
     add_renamed_flag(plan, "--json", "--out",
@@ -244,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_parser(commands)
     from xirang.cli.train import add_train_parser
     add_train_parser(commands)
+    from xirang.cli.tune import add_tune_parser
+    add_tune_parser(commands)
     return parser
 
 

@@ -34,7 +34,8 @@ After step N of the run (``--reprice-after N``; by default 3 when ``--steps`` is
 hands in what its steps since the first measured (``compiled.measured_costs()``) and rank 0 prints
 ``xirang.reprice``'s report once: the plan's step predicted, measured and re-priced, and whether another
 plan would now win (xirang_compile/reprice.py). ``--world-file`` plans on a World that ``xirang calibrate``
-wrote instead of the default CPU ranks.
+wrote instead of the default CPU ranks. ``--tune`` chooses the plan by trial runs on the ranks first
+(``xirang tune``, cli/tune.py: the planner's best few, each a few steps, the measured fastest trained).
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def check_train_args(args) -> None:
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise XirangError("--checkpoint-every and --resume need --checkpoint-dir", where="--checkpoint-dir",
                           hint="name the folder checkpoints go to (and are resumed from)")
+    if args.tune and (args.plan or args.torchrun):
+        raise XirangError("--tune runs trials on local ranks and chooses the plan itself", where="--tune",
+                          hint="drop --plan (or tune first: xirang tune ... -o plan.json, then --plan plan.json); "
+                               "under torchrun, tune on one host and pass the tuned plan")
     if args.world_file and args.plan:
         raise XirangError("--world-file and --plan both say what the plan runs on", where="--world-file",
                           hint="drop --world-file: the plan carries its World")
@@ -266,7 +271,13 @@ def cmd_train(args) -> int:
             print(f"loss curve: {write_loss_picture(args.loss_picture, losses, f'{args.model}: {plan.mesh}')}")
         return 0
     world, calibrated_by = planning_world(args)
-    plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world)
+    if args.tune:  # the plan chosen by trial runs on these ranks (cli/tune.py, xirang_compile/tune.py)
+        from xirang.cli.tune import tuned_plan
+        plan = tuned_plan(args.model, args.world, args.global_batch, world, pins=pins, top_k=args.tune_top_k,
+                          steps=args.tune_steps).plan
+        global_batch = plan.global_batch
+    else:
+        plan, global_batch = prepare(args.model, args.world, args.global_batch, args.plan, pins, world)
     check_before_ranks(args, model, example, global_batch)  # every input, before a rank starts (train_prechecks.py)
     print(f"plan: {plan.mesh}, micro-batch {plan.micro_batch} x {plan.num_micro_batches}, {plan.schedule}; "
           f"global batch {global_batch}; predicted step {plan.predicted.step_seconds * 1e3:.3g} ms "
@@ -309,6 +320,11 @@ def add_train_arguments(train) -> None:
     for axis, text in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree")):
         train.add_argument(f"--{axis}", type=positive_int, help=f"pin the {text} when planning (default: searched)")
     train.add_argument("--plan", help="plan.json to use (default: planned here)")
+    train.add_argument("--tune", action="store_true", help="first run the planner's best few plans for a few steps "
+                                                            "on these ranks and train the measured fastest (xirang "
+                                                            "tune)")
+    from xirang.cli.tune import add_tune_options
+    add_tune_options(train, prefix="tune-")
     train.add_argument("--world-file", metavar="JSON", help="plan on this World (written by `xirang calibrate`) "
                                                            "instead of --world CPU ranks")
     train.add_argument("--reprice-after", type=nonnegative_int, metavar="N",

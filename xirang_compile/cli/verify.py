@@ -4,7 +4,7 @@ compiled program against single-device training of the same model.
 Both plan once in this process (or load ``--plan``) and send the plan to the ranks, so the ranks
 do not each search the same configurations again. Every rank and the single-device reference
 build the model under the same seed and train on the same batches: random data shaped like the
-factory's example inputs (integers below the model's smallest vocabulary, see ``_int_bound``).
+factory's example inputs (integers below the model's smallest vocabulary, see ``int_bound``).
 
 Randomness: ``verify`` compiles with ``rng="exact"`` and ``seed=VERIFY_SEED``, and the single-device
 reference runs under ``ExactReference(VERIFY_SEED)`` (codegen/ops/random_ops.py), so a model with
@@ -29,14 +29,14 @@ MODEL_SEED, LR, VERIFY_SEED = 0, 1e-3, 0
 ADAM_EPS = 1e-3
 
 
-def _build(spec: str, batch):
+def build_seeded(spec: str, batch):
     """The factory's model under a fixed seed (every rank and the reference get the same weights)."""
     from xirang.cli.model_files import build, load_factory
     torch.manual_seed(MODEL_SEED)
     return build(load_factory(spec), batch, None)
 
 
-def _int_bound(model) -> int:
+def int_bound(model) -> int:
     """Exclusive bound of random integer inputs: the smallest embedding table or output layer, so
     token ids and class labels are valid for every model in examples/ (GPT: vocab; MLP: classes)."""
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
@@ -64,7 +64,7 @@ def random_batch(example_kwargs: dict, bound: int, step: int, global_batch: int)
     return batch
 
 
-def _global_batch(example_kwargs: dict, given) -> int:
+def global_batch_of(example_kwargs: dict, given) -> int:
     if given is not None:
         return given
     sizes = [v.shape[0] for v in example_kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -99,15 +99,15 @@ def prepare(spec: str, world: int, global_batch, plan_path, pins: dict | None = 
         # every rank would refuse a plan for another model (or one it cannot run): say so once, here
         from xirang.compile_api import check_plan_for_graph
         from xirang.model_checks import check_trainable
-        model, example_kwargs = _build(spec, global_batch)
-        example = random_batch(example_kwargs, _int_bound(model), 0, global_batch)
+        model, example_kwargs = build_seeded(spec, global_batch)
+        example = random_batch(example_kwargs, int_bound(model), 0, global_batch)
         gm = xirang.analyze(model, example_kwargs=example).graph_module
         check_trainable(gm)
         check_plan_for_graph(plan, gm, plan.world)
         return plan, global_batch
-    model, example_kwargs = _build(spec, global_batch)
-    global_batch = _global_batch(example_kwargs, global_batch)
-    example = random_batch(example_kwargs, _int_bound(model), 0, global_batch)
+    model, example_kwargs = build_seeded(spec, global_batch)
+    global_batch = global_batch_of(example_kwargs, global_batch)
+    example = random_batch(example_kwargs, int_bound(model), 0, global_batch)
     spelt = world.world() if isinstance(world, WorldArg) else world  # "2x4": nodes the plan prices
     plan = xirang.plan(model, world=world_spec or spelt, hardware=None if world_spec else "cpu", example_kwargs=example,
                        global_batch=global_batch, **pins)
@@ -124,8 +124,8 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
     from xirang.codegen.runtime.memory.memory_probe import measure_step
     import xirang
     from xirang.codegen.viz.chrome_trace import with_rank
-    model, example_kwargs = _build(spec, global_batch)
-    bound = _int_bound(model)
+    model, example_kwargs = build_seeded(spec, global_batch)
+    bound = int_bound(model)
     compiled = xirang.compile(model, world=plan.world, plan=plan,
                               example_kwargs=random_batch(example_kwargs, bound, 0, global_batch),
                               runtime=xirang.RuntimeOptions(rng=rng, seed=VERIFY_SEED if rng == "exact" else None))
@@ -156,8 +156,8 @@ def _train_rank(rank: int, world: int, spec: str, plan, global_batch: int, steps
 def _train_single(spec: str, global_batch: int, steps: int, reference=None) -> dict:
     """The model on one device; ``reference`` (an ``ExactReference``) draws its random numbers."""
     from contextlib import nullcontext
-    model, example_kwargs = _build(spec, global_batch)
-    bound = _int_bound(model)
+    model, example_kwargs = build_seeded(spec, global_batch)
+    bound = int_bound(model)
     optimizer, losses, grads = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS), [], {}
     for step in range(steps):
         inputs = random_batch(example_kwargs, bound, step, global_batch)

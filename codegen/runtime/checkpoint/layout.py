@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import PlanReplicate, PlanShard
+from xirang.ir.placement import PlanReplicate, PlanShard, piece_blocks, shard_share
 
 MODEL, OPTIM_STATE, PARAM_GROUPS = "model.", "optim.state.", "optim.param_groups"
 STEP, EXTRA, RNG, TORCH_RNG, LAYOUT = "xirang.step", "xirang.extra", "xirang.rng", "xirang.torch_rng", "xirang.layout"
@@ -88,8 +88,14 @@ def pieces_of(local: torch.Tensor, placement, full_shape: tuple, tp_rank: int, t
                               where=f"checkpoint of {name}", hint="this is a bug in xirang: report it")
         return TensorPieces(local, full_shape, (Piece((0,) * local.dim(), (0,) * local.dim(), full_shape),))
     dim, chunks = placement.dim, placement.chunks
+    if placement.pieces:  # a fused projection's pieces: each block this rank holds (whole ones on every rank)
+        return TensorPieces(local, full_shape, tuple(
+            Piece(tuple(at if d == dim else 0 for d in range(local.dim())),
+                  tuple(start if d == dim else 0 for d in range(local.dim())),
+                  tuple(length if d == dim else full_shape[d] for d in range(local.dim())))
+            for start, length, at, _ in piece_blocks(placement, tp, tp_rank)))
     piece_size = full_shape[dim] // chunks
-    per_rank = -(-piece_size // tp)  # ceil, as codegen/ops/padding.shard_of cuts each piece
+    per_rank = shard_share(piece_size, tp, placement.unit)  # as codegen/ops/padding.shard_of cuts each piece
     if local.shape[dim] != chunks * per_rank:
         raise XirangError(f"{name}: local dim {dim} has {local.shape[dim]} elements, {placement} of {full_shape} "
                           f"on {tp} tp ranks holds {chunks} x {per_rank}", where=f"checkpoint of {name}",
@@ -121,9 +127,22 @@ def held_by_compiled(compiled) -> list:
     for name, param in compiled.named_model_parameters():
         shard = shards.get(name)
         placement, full_shape = (shard.placement, shard.full_shape) if shard else (PlanReplicate(), tuple(param.shape))
-        held.append(HeldParameter(name, tuple(aliases.get(name, (name,))),
-                                  pieces_of(param, placement, full_shape, compiled.tp_rank, compiled.tp, name)))
+        if shard is not None and shard.experts:
+            pieces = expert_pieces(param, shard, compiled.tp_rank, compiled.tp, name)
+        else:
+            pieces = pieces_of(param, placement, full_shape, compiled.tp_rank, compiled.tp, name)
+        held.append(HeldParameter(name, tuple(aliases.get(name, (name,))), pieces))
     return held
+
+
+def expert_pieces(local: torch.Tensor, shard, tp_rank: int, tp: int, name: str) -> TensorPieces:
+    """The blocks of an expert weight this ep rank holds: its experts ``first .. first + count - 1`` (dim 0),
+    tp-sharded as any tensor, so a checkpoint saved at one ep loads at another (DCP reshards by block)."""
+    first, count = shard.experts
+    mine = pieces_of(local, shard.placement, (count,) + tuple(shard.full_shape[1:]), tp_rank, tp, name)
+    moved = tuple(Piece(p.local_offsets, (p.global_offsets[0] + first,) + tuple(p.global_offsets[1:]), p.sizes)
+                  for p in mine.pieces)
+    return TensorPieces(local, tuple(shard.full_shape), moved)
 
 
 def held_by_module(model: torch.nn.Module) -> list:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from xirang.ir.errors import XirangError
-from xirang.ir.placement import PlanShard
+from xirang.ir.placement import PlanShard, piece_blocks, shard_share
 
 LOG = logging.getLogger("xirang.grad_norm")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: max_norm / (total + 1e-6)
@@ -51,8 +51,11 @@ def real_elements(local: torch.Tensor, shard, tp_rank: int, tp: int) -> torch.Te
     if not isinstance(placement, PlanShard) or tp == 1:
         return local
     dim = placement.dim
+    if placement.pieces:  # a whole piece is on every tp rank: tp rank 0 counts it
+        return torch.cat([local.narrow(dim, at, length) for _, length, at, whole in piece_blocks(placement, tp, tp_rank)
+                          if tp_rank == 0 or not whole], dim=dim)
     piece = shard.full_shape[dim] // placement.chunks
-    per_rank = -(-piece // tp)
+    per_rank = shard_share(piece, tp, placement.unit)
     real = max(0, min(per_rank, piece - tp_rank * per_rank))
     if real == per_rank:
         return local
@@ -124,8 +127,15 @@ def clip_grad_norm(named_parameters, max_norm: float, norm_type: float = 2.0, *,
             raise XirangError(f"{name} must be a positive number, got {value!r}", where=where,
                               hint="pass e.g. clip_grad_norm_(1.0) or norm_type=float('inf')")
     named_parameters = list(named_parameters)
-    owned = owned_gradients(named_parameters, shards=shards, tied=tied, groups=groups)
+    experts = [(fqn, param) for fqn, param in named_parameters if fqn in shards and shards[fqn].experts]
+    dense = [(fqn, param) for fqn, param in named_parameters if not (fqn in shards and shards[fqn].experts)]
+    owned = owned_gradients(dense, shards=shards, tied=tied, groups=groups)
     total = global_grad_norm(owned, float(norm_type), groups, device)
+    if groups.axis_size("ep") > 1:  # each ep rank owns other experts: their part is summed over ep too
+        held = owned_gradients(experts, shards=shards, tied=tied, groups=groups)
+        part = global_grad_norm(held, float(norm_type), groups, device, axes=("tp", "pp", "ep"))
+        total = torch.maximum(total, part) if math.isinf(norm_type) else \
+            (total.pow(norm_type) + part.pow(norm_type)).pow(1.0 / norm_type)
     if not torch.isfinite(total):
         if not math.isinf(max_norm):  # the norm alone was asked for: the caller's guard reports it
             LOG.warning(UNCLIPPED, groups.rank, total.item())

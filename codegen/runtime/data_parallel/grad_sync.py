@@ -116,7 +116,8 @@ class GradientBuckets:
     a single dp rank (the bucket machinery still runs, without the collective). ``reduce_dtype``:
     reduce in e.g. ``torch.bfloat16`` and cast back to the gradient dtype (half the bytes, at the
     cost of rounding; each rank's gradient is divided by the group size before the reduction, so
-    the half-precision sum stays in range). ``event_log``: a list that receives
+    the half-precision sum stays in range). ``divisor``: divide by this instead of the group size.
+    ``event_log``: a list that receives
     ``("launch" | "wait" | "backward_done", bucket index or None, time.perf_counter())``.
     ``buckets``: the plan's ``PlannedBucket``s, in launch order, covering every parameter exactly once
     (else buckets of ``bucket_bytes`` are made here, all "flat"); ``hierarchy``: the
@@ -128,7 +129,7 @@ class GradientBuckets:
     def __init__(self, params_in_order, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  buckets: Optional[Sequence[PlannedBucket]] = None, hierarchy=None,
                  reduce_dtype: Optional[torch.dtype] = None, event_log: Optional[list] = None,
-                 counter: Optional[CommCounter] = None):
+                 counter: Optional[CommCounter] = None, divisor: Optional[int] = None):
         if bucket_bytes <= 0:
             raise InvalidValue(f"GradientBuckets: bucket_bytes must be positive, got {bucket_bytes}")
         params, self._position = [], {}  # position in params_in_order, for error messages
@@ -138,6 +139,9 @@ class GradientBuckets:
                 params.append(param)
         self.group, self.reduce_dtype, self.hierarchy = group, reduce_dtype, hierarchy
         self._world = group_size(group)  # asked once: the hook runs once per parameter per step
+        # what the sum is divided by: the group size (an average), or given: expert weights are summed over
+        # their expert-data-parallel group but averaged over every data-parallel rank (expert_grads.py)
+        self._divide_by = divisor or self._world
         self.event_log, self.counter = event_log, counter
         if buckets is None:
             self.buckets = [_Bucket(i, [params[j] for j in members], label=f"grad bucket {i}")
@@ -249,7 +253,7 @@ class GradientBuckets:
             held = bucket.storage = torch.zeros(size, dtype=dtype, device=first.device)  # padding stays 0
             views = held[:sum(numels)].split(numels)  # back to back, in the bucket's (gradient-ready) order
             bucket.slots = {id(p): (v.view(p.shape), element_key(v)) for p, v in zip(bucket.params, views)}
-            bucket.divisor = group_divisor(self._world, dtype)
+            bucket.divisor = group_divisor(self._divide_by, dtype)
         return held
 
     def _stage_gradient(self, bucket: _Bucket, param: torch.Tensor) -> None:

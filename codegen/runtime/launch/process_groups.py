@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from xirang.ir.context_method import context_subgroups
 from xirang.ir.errors import XirangError
 from xirang.ir.mesh import AXES, Mesh
 
@@ -118,6 +119,33 @@ def build_mesh_groups(mesh: Mesh, rank: Optional[int] = None) -> MeshGroups:
     members = {f"{axis}_ranks": mesh.group(axis, rank) for axis in AXES}
     return MeshGroups(mesh=mesh, rank=rank, coords=coords, **members,
                       **{axis: handles.get(axis) for axis in AXES}, pp_down=handles.get("pp_down"))
+
+
+@dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity
+class ContextGroups:
+    """The sub-groups of this rank's cp group that USP attention runs on (ir/context_method.py):
+    ``a2a``, its all-to-all group (``a2a`` consecutive cp members), and ``ring``, its ring group (every
+    a2a-th member); each of two ranks or more (1 < a2a < cp)."""
+
+    a2a: Optional[object]
+    ring: Optional[object]
+
+
+def build_context_groups(mesh: Mesh, a2a: int, rank: Optional[int] = None) -> ContextGroups:
+    """This rank's ``ContextGroups`` at all-to-all degree ``a2a`` (1 < a2a < cp, dividing it). Collective over
+    the whole world like ``build_mesh_groups``: every rank creates every cp group's all-to-all groups, then
+    their ring groups, in ``Mesh.groups("cp")`` order, keeping the handles of its own."""
+    if rank is None:
+        rank = dist.get_rank()
+    split = [context_subgroups(members, a2a) for members in mesh.groups("cp")]
+    mine = {}
+    for kind, index in (("a2a", 0), ("ring", 1)):
+        for layout in split:
+            for members in layout[index]:
+                group = dist.new_group(list(members), group_desc=f"cp_{kind}")
+                if rank in members:
+                    mine[kind] = group
+    return ContextGroups(a2a=mine["a2a"], ring=mine["ring"])
 
 
 @dataclass(frozen=True, eq=False)  # holds live group handles: compare by identity

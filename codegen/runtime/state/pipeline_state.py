@@ -22,8 +22,7 @@ import torch.distributed as dist
 from xirang.ir.errors import XirangError
 from xirang.ir.placement import PlanReplicate
 
-from xirang.codegen.ops.padding import shard_of
-from xirang.codegen.runtime.state.shard_params import full_tensor, load_local
+from xirang.codegen.runtime.state.shard_params import full_tensor, load_local, local_of
 from xirang.codegen.runtime.state.weight_init import TensorInit, has_meta_tensors
 from xirang.ir.facts import ParamShard
 from torch._subclasses.fake_tensor import FakeTensor
@@ -80,7 +79,7 @@ def bind_state(model, programs, trainable: frozenset, device, *, shards: dict, t
                                        "or from a module built on meta (initialised from scratch, given a seed)")
             made = _valueless(held)  # made here from scratch: no one else holds it, so no copy is needed
             full = initial(fqn) if made else held.detach()
-            local = shard_of(full, shards[fqn].placement, tp_rank, tp) if fqn in shards else full
+            local = local_of(full, shards[fqn], tp_rank, tp) if fqn in shards else full
             copy = local.to(device) if made else local.to(device).clone()
             del full, local  # the next tensor's full value is made without this one's: one at a time
             trains = held.requires_grad if from_module else True
@@ -112,7 +111,7 @@ def gather_full(local: dict, *, shards: dict, groups, aliases: dict) -> dict:
     """FQN -> full tensor from every rank's ``local`` (FQN -> this rank's tensor), under every tied
     alias. Collective over the tp group, then the pp group."""
     # tp first: every tp rank of this stage holds the same FQNs in the same order.
-    mine = {fqn: (full_tensor(tensor, shards[fqn], groups.tp) if fqn in shards else tensor.detach().clone())
+    mine = {fqn: (full_tensor(tensor, shards[fqn], groups.tp, groups.ep) if fqn in shards else tensor.detach().clone())
             for fqn, tensor in local.items()}
     pieces = [mine]
     if groups.pp is not None:

@@ -3,7 +3,8 @@
 Each tp rank holds a parameter as ``shard_of(full, placement, tp_rank, tp)`` (codegen/ops/padding:
 a slice of every fused piece, padded at the end where a dim does not divide). ``ParamShard``
 (ir/facts.py, written by the lowering pass ``shard_parameters``) keeps what undoing that needs:
-the placement and the full shape.
+the placement and the full shape. Under expert parallelism an expert weight is first cut to this ep
+rank's experts (``ParamShard.experts``, dim 0), then tp-sharded like any tensor (``local_of``).
 """
 from __future__ import annotations
 
@@ -18,14 +19,34 @@ from xirang.codegen.ops.collectives import group_size
 from xirang.codegen.ops.padding import shard_of, unshard
 
 
-def full_tensor(local: torch.Tensor, shard: ParamShard, tp_group) -> torch.Tensor:
-    """The full tensor from every tp rank's ``local`` (collective over ``tp_group`` when sharded)."""
+def expert_piece(full: torch.Tensor, shard: ParamShard) -> torch.Tensor:
+    """This ep rank's experts of ``full`` (dim 0), or ``full`` for a tensor not cut by experts."""
+    if not shard.experts:
+        return full
+    first, count = shard.experts
+    return full.narrow(0, first, count)
+
+
+def local_of(full: torch.Tensor, shard: ParamShard, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's piece of ``full``: its experts (expert parallelism), then its tp shard."""
+    return shard_of(expert_piece(full, shard), shard.placement, tp_rank, tp)
+
+
+def full_tensor(local: torch.Tensor, shard: ParamShard, tp_group, ep_group=None) -> torch.Tensor:
+    """The full tensor from every tp rank's ``local`` (collective over ``tp_group`` when sharded), and
+    for an expert weight from every ep rank's experts (collective over ``ep_group``)."""
     tp = group_size(tp_group)
     if not isinstance(shard.placement, PlanShard) or tp == 1:
-        return local.detach().clone()
-    parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
-    return unshard(parts, shard.placement, shard.full_shape[shard.placement.dim])
+        mine = local.detach().clone()
+    else:
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
+        mine = unshard(parts, shard.placement, shard.full_shape[shard.placement.dim])
+    if not shard.experts or group_size(ep_group) == 1:
+        return mine
+    experts = [torch.empty_like(mine) for _ in range(group_size(ep_group))]
+    dist.all_gather(experts, mine.contiguous(), group=ep_group)
+    return torch.cat(experts, dim=0)
 
 
 def load_local(local: torch.Tensor, full: torch.Tensor, shard: ParamShard, *, tp_rank: int, tp: int) -> None:
@@ -35,4 +56,4 @@ def load_local(local: torch.Tensor, full: torch.Tensor, shard: ParamShard, *, tp
                           f"{shard.full_shape}", where=f"load_full_state_dict[{shard.name!r}]",
                           hint="load a state dict saved from the same model configuration")
     with torch.no_grad():
-        local.copy_(shard_of(full.to(local.device, local.dtype), shard.placement, tp_rank, tp))
+        local.copy_(local_of(full.to(local.device, local.dtype), shard, tp_rank, tp))
