@@ -119,6 +119,13 @@ class Mesh:
         return self.dp * self.cp // self.ep
 
     @property
+    def gradient_axis(self) -> str:
+        """The axis whose groups sum the gradients of every parameter but the experts': dp, or under cp > 1
+        the dp x cp ranks (edp, ep being 1 beside cp), since cp ranks hold replicas as dp ranks do. The
+        planner prices the buckets' all-reduce on it, the runtime builds their (two-level) groups on it."""
+        return "edp" if self.cp > 1 else "dp"
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """Sizes of the rank axes in the mesh's ``order`` (outermost first)."""
         return tuple(getattr(self, axis) for axis in self.order)

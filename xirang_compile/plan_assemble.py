@@ -45,8 +45,7 @@ def assemble_plan(gm, world: World, result: SearchResult, *, global_batch: int, 
     buckets, bucket_sizes = gradient_buckets(gm, best, names, split.placements, precision)
     collectives = list(split.collectives)
     if c.dp > 1:  # one all-reduce per bucket on the dp group of its pipeline rank (tp index 0 shown; dp x cp under cp)
-        axis = "edp" if c.cp > 1 else "dp"
-        topology = {r: group_topology(mesh.group(axis, mesh.rank_of(dp=0, pp=r, tp=0, cp=0)), world)
+        topology = {r: group_topology(mesh.group(mesh.gradient_axis, mesh.rank_of(dp=0, pp=r, tp=0, cp=0)), world)
                     for r in {rank for _, rank in bucket_sizes}}
         for k, (nbytes, rank) in enumerate(bucket_sizes):
             algorithm = _cheapest_all_reduce(nbytes, topology[rank])

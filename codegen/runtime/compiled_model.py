@@ -208,7 +208,9 @@ class CompiledModel:
         algorithms = plan_bucket_algorithms(self.plan) if follow_plan else {}
         hierarchy = None
         if "hierarchical" in algorithms.values():  # the same on every rank: new_group is collective
-            hierarchy = build_two_level_groups(self.plan.mesh, self.plan.world, "dp", self.rank)
+            # on the group the buckets all-reduce over (dp x cp under cp): its sub-groups must sum the same ranks
+            hierarchy = build_two_level_groups(self.plan.mesh, self.plan.world, self.plan.mesh.gradient_axis,
+                                               self.rank)
         found = {}
         shards = self.program.shards
         for index, stage in stages.items():
@@ -219,7 +221,8 @@ class CompiledModel:
                        if follow_plan else None)
             # cp ranks hold the same parameters, each a share of the global mean's gradient (context_parallel.py):
             # summed over dp x cp (the edp group at ep = 1), divided by dp
-            group, divisor = (self.groups.edp, self.dp) if self.cp > 1 else (self.groups.dp, None)
+            group = getattr(self.groups, self.plan.mesh.gradient_axis)
+            divisor = self.dp if self.cp > 1 else None
             found[index] = GradientBuckets([self._state[fqn] for fqn in names], group, divisor=divisor,
                                            buckets=planned, hierarchy=hierarchy,
                                            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,

@@ -83,12 +83,15 @@ def batch(name: str):
     return lambda step: build(name, step=step)[1]
 
 
-def make_plan(name: str, *, dp: int, cp: int, method: str = "ring", pp: int = 1, tp: int = 1, precision="fp32"):
+def make_plan(name: str, *, dp: int, cp: int, method: str = "ring", pp: int = 1, tp: int = 1, precision="fp32",
+              nodes: int = 1):
     """A plan made on meta for dp * cp data-parallel ranks, its mesh then (dp, cp): cp ranks share a dp
-    rank's samples, so the global batch is dp's share."""
+    rank's samples, so the global batch is dp's share. ``nodes`` > 1: the ranks are spread over that many
+    nodes (the world ``nodes x ranks-per-node``), where the buckets' all-reduce may be hierarchical."""
     model, inputs = build(name, "meta", batch=2)
     ranks = dp * cp
-    plan = xirang.plan(model, world=ranks * pp * tp, example_kwargs=inputs, global_batch=GLOBAL_BATCH * cp,
+    world = ranks * pp * tp if nodes == 1 else f"{nodes}x{ranks * pp * tp // nodes}"
+    plan = xirang.plan(model, world=world, example_kwargs=inputs, global_batch=GLOBAL_BATCH * cp,
                        seq=PLAN_SEQ, hardware="a100-80g", precision=precision, dp=ranks, tp=tp, pp=pp, micro_batch=1,
                        schedule="1f1b", recompute="none", zero_stage=0, sequence_parallel=False)
     plan = replace(plan, mesh=Mesh(dp=dp, pp=pp, tp=tp, cp=cp), global_batch=GLOBAL_BATCH,
@@ -102,7 +105,7 @@ def _rank_main(rank, world, jobs):
     for label, name, plan in jobs:
         model, inputs = build(name, batch=2)
         counter = CommCounter()
-        compiled = xirang.compile(model, world=world, example_kwargs=inputs, plan=plan,
+        compiled = xirang.compile(model, world=plan.world, example_kwargs=inputs, plan=plan,  # its nodes too
                                   debug=xirang.DebugHooks(counter=counter))
         run = compiled_run(compiled, batch(name), STEPS)
         # the attention's transfers by kind: the ring's sends and the all-to-alls (nothing else runs either kind)
@@ -151,7 +154,8 @@ GRID = [(name, method, mesh) for name in ("llama", "mistral") for method in ("ri
     (name, "usp:2", dict(dp=1, cp=4)) for name in ("llama", "mistral")] + [  # all-to-all over 2 x ring over 2
     (f"llama:{side}", method, dict(dp=2, cp=2)) for side in ("left", "right") for method in ("ring", "all_to_all")] + [
     ("llama:left", "usp:2", dict(dp=1, cp=4)), ("llama:left", "ring", dict(dp=1, cp=2, pp=2)),
-    ("mistral:right", "all_to_all", dict(dp=1, cp=2, tp=2))]  # padding beside USP, pp, a window and tp
+    ("mistral:right", "all_to_all", dict(dp=1, cp=2, tp=2)),  # padding beside USP, pp, a window and tp
+    ("llama", "ring", dict(dp=2, cp=2, nodes=2))]  # on 2 nodes: the buckets' all-reduce over dp x cp hierarchical
 
 
 @pytest.mark.matrix
@@ -160,9 +164,13 @@ def test_context_parallel_grid_trains_as_on_one_device():
     GPT-2 (learned positions, tied head) at dp 2 x cp 2; Qwen2 (biased q, k, v projections, split with their
     heads) at cp 2 x tp 2; Llama and Mistral at cp 4 by USP (all-to-all over 2 ranks x ring over 2); padded
     batches (an attention_mask input, left and right): Llama at dp 2 x cp 2 by ring and all-to-all, at cp 4 by
-    USP and at cp 2 x pp 2, Mistral (window and padding) at cp 2 x tp 2 by all-to-all."""
+    USP and at cp 2 x pp 2, Mistral (window and padding) at cp 2 x tp 2 by all-to-all; Llama at dp 2 x cp 2 on 2
+    nodes of 2 ranks, its gradient buckets all-reduced hierarchically over dp x cp."""
     jobs = [(f"{name} {method} " + " ".join(f"{axis}{size}" for axis, size in mesh.items()), name,
              make_plan(name, method=method, **mesh)) for name, method, mesh in GRID]
+    # the 2-node job's buckets reduce-scatter in a node, all-reduce across nodes, gather in the node, over dp x cp
+    # (its sub-groups were once built over dp alone, which summed half the gradients)
+    assert any(c.algorithm == "hierarchical" for c in jobs[-1][2].collectives if c.axis == "dp")
     results = launch(_rank_main, 4, ([job[:3] for job in jobs],), timeout_s=1200, heartbeat_s=120)
     failed = {}
     for (label, name, plan), (_, method, _) in zip(jobs, GRID):
