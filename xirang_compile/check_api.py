@@ -75,9 +75,9 @@ def rank_classes(plan: Plan, own: tuple = ()) -> dict:
 
 def _position_on_node(plan: Plan) -> dict:
     """Rank -> its place among its gradient group's members (dp, or dp x cp: ``Mesh.gradient_axis``) on its
-    node, where a dp all-reduce is hierarchical (else empty). Its sub-groups are the members on one node and those at one place on every node: moving a log by
-    a dp shift maps them onto each other only between ranks at the same place (process_groups.py
-    ``build_two_level_groups``)."""
+    node, where a dp all-reduce is hierarchical (else empty). Its sub-groups are the members on one node and
+    those at one place on every node: moving a log by a dp shift maps them onto each other only between ranks
+    at the same place (process_groups.py ``build_two_level_groups``)."""
     if not any(c.axis == "dp" and c.algorithm == "hierarchical" for c in plan.collectives):
         return {}
     world = plan.world
