@@ -42,16 +42,16 @@ class Efficiency:
     - ``matmul``: tensor-core matmuls (and fused attention, unless ``attention`` is given) at training
       sizes, of the dtype's peak.
     - ``attention``: fused attention kernels (``scaled_dot_product_attention``) of the dtype's peak,
-      where they run at another rate than matmuls (a CPU's flash-attention kernel at head dim 32-64
-      reaches about half its matmul rate); ``None``: the matmul figure (the presets' choice).
+      where they run at another rate than matmuls (a CPU's flash-attention kernel, for one, runs below
+      its matmul rate, which ``xirang calibrate`` measures); ``None``: the matmul figure (the presets'
+      choice).
     - ``other``: FLOPs of non-matmul ops, which run on CUDA cores at 1/8-1/16 of the tensor-core rate
       (A100: 39 vs 312 TFLOP/s bf16); these ops are nearly always memory-bound anyway.
     - ``memory``: of the HBM datasheet bandwidth for memory-bound ops. Below what one streaming kernel
       reaches (80-90%): it lumps what the roofline leaves out of unfused elementwise work (kernel
       launches, several passes where the graph shows one, the optimizer step).
 
-    The defaults are the A100 preset's (see ``DEVICE_PRESETS``), what every device had before
-    efficiencies were per generation.
+    The defaults are the A100 preset's (see ``DEVICE_PRESETS``).
     """
 
     matmul: float = 0.7
