@@ -59,6 +59,15 @@ def test_the_checkpoint_guides_numbers_are_the_codes_defaults():
     assert f"the last {_default(LossSpikes, 'window')} steps" in page
 
 
+def test_the_explain_guides_bytes_per_parameter_are_the_planners():
+    from xirang.passes.planning.cost_model import RUNTIME_ADAM_BYTES, RUNTIME_GRAD_BYTES, RUNTIME_PARAM_BYTES
+
+    page = _page("docs/guides/explain.md")
+    assert RUNTIME_PARAM_BYTES == RUNTIME_GRAD_BYTES == 4
+    assert f"parameters and gradients (fp32, {RUNTIME_PARAM_BYTES} bytes each per parameter;" in page
+    assert f"AdamW's two fp32 moments, {RUNTIME_ADAM_BYTES} bytes per parameter" in page
+
+
 def test_the_usable_memory_fraction_is_the_planners():
     from xirang.passes.planning.plan_costs import CandidatePricer
 
