@@ -119,6 +119,8 @@ class _Units:
     buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
     weight_outputs: tuple[float, ...] = ()  # bytes of weight-op outputs (their gradients wait for W)
     backward_ratio: float = 2.0  # backward over forward time of the whole model (zero-bubble bubbles)
+    recompute: str = "none"
+    crossing: tuple = ()  # TensorSplit.crossing: what a stage's executor holds per micro-batch (plan_memory.py)
 
     def __post_init__(self):  # totals the search reads once per candidate
         object.__setattr__(self, "totals", (math.fsum(self.seconds), max(self.seconds),
@@ -176,7 +178,8 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
                         for u, m in zip(units, modes)),
         offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units),
         weight_outputs=tuple(u.weight_output_bytes for u in units),
-        backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0)
+        backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0,
+        recompute=recompute, crossing=split.crossing)
 
 
 class CandidatePricer(RankMemory):

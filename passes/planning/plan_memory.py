@@ -11,12 +11,20 @@ The formulation (each part measured by name on the real program by ``xirang chec
   Llama-3-405B's interleaved v=4 plan held 4.4 of its 6.0 GiB at the peak, while Llama-2-70B's planned
   plan peaks in its steady state, before any chunk's last backward, and held none there).
 - Activations: each unit's saved bytes times the micro-batches in flight on that rank
-  (``in_flight_by_rank``, the schedule's closed form). Under interleaving the rank's chunks do not hold
-  equal numbers at its peak (the last stage, head and loss, runs each backward right after its forward:
+  (``in_flight_by_rank``, the schedule's closed form), plus what each stage's executor keeps per micro-batch
+  beyond them (``stage_held``): the outputs it sends that take a gradient (held for the backward) and, under
+  full recompute, what it receives that no block of it counts as its input (a rotary table every block
+  reads, counted once in the model's first reader; sent and kept in fp32 in a bf16 program). The dry run of
+  Llama-3-405B's interleaved full-recompute plan held 104 MiB per micro-batch of a two-layer chunk where its
+  blocks' inputs are 64 (1.53 GiB per rank against 1.00 priced). Under interleaving the rank's chunks do
+  not hold equal numbers at its peak (the last stage, head and loss, runs each backward right after its forward:
   one micro-batch, while the rank's other chunks hold p each), so its activations are the most, over the
   moments of its own actions (``chunk_peaks``), of each chunk's bytes times what that chunk holds then
   (the closed form's total when the chunks keep equal bytes; the dry run of Llama-3-405B's planned
-  interleaved plan held 1.5 GiB of activations on its last rank where the closed form priced 10.5).
+  interleaved plan held 1.5 GiB of activations on its last rank where the closed form priced 10.5). A
+  chunk's fp32 gradients are counted from its first backward on (``chunk_peaks``' middle flags: ``.grad`` is
+  made there and freed by the step's ``zero_grad``): with as many micro-batches as pipeline ranks an
+  interleaved rank runs every forward first, its activations' most before any gradient exists.
 - Working set: the largest unit's saved activations (its backward's gradients of the same size), the
   largest block that recompute rebuilds, offload's two blocks; and under a split backward the gradients
   of the weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and
@@ -62,26 +70,38 @@ def most_waiting_for_w(actions) -> int:
 
 def chunk_peaks(actions) -> tuple[tuple[int, ...], ...]:
     """The moments of one rank's ``actions`` at which its memory can peak, over its v stages (in increasing
-    order): each a vector of the micro-batches in flight on each stage, then 1 for each stage whose last
-    backward has run (its gradients' reduce copy made), else 0. Taken after every forward and every
-    stage's last backward, keeping only the moments no other moment matches or exceeds everywhere: whatever
-    bytes each stage keeps per micro-batch and copies, the rank's peak is at one of them. A micro-batch is in
-    flight on a stage from its Forward until the action ending its backward (Backward, or W of a split one)."""
+    order): each a vector of the micro-batches in flight on each stage, then 1 for each stage whose first
+    backward has run (its weights' gradients made), then 1 for each stage whose last backward has run (its
+    gradients' reduce copy made), else 0. Taken after every forward and during every backward (its own
+    micro-batch still in flight, its gradients made), and after every stage's last backward, keeping only the
+    moments no other moment matches or exceeds everywhere: whatever bytes each stage keeps per micro-batch,
+    holds in gradients and copies, the rank's peak is at one of them. A micro-batch is in flight on a stage
+    from its Forward until the action ending its backward (Backward, or W of a split one)."""
     stages = sorted({action.stage for action in actions if isinstance(action, Forward)})
     remaining = {stage: sum(1 for a in actions if isinstance(a, Forward) and a.stage == stage) for stage in stages}
     live = dict.fromkeys(stages, 0)
+    started = dict.fromkeys(stages, 0)
     moments = set()
+
+    def moment():
+        return (tuple(live[stage] for stage in stages) + tuple(started[stage] for stage in stages)
+                + tuple(int(not remaining[stage]) for stage in stages))
+
     for action in actions:
         if isinstance(action, Forward):
             live[action.stage] += 1
-        elif isinstance(action, (Backward, BackwardWeight)):
+        elif isinstance(action, (Backward, BackwardInput, BackwardWeight)):
+            started[action.stage] = 1
+            moments.add(moment())  # during it: its micro-batch's activations beside the gradients it makes
+            if isinstance(action, BackwardInput):
+                continue
             live[action.stage] -= 1
             remaining[action.stage] -= 1
             if remaining[action.stage]:
                 continue
         else:
             continue
-        moments.add(tuple(live[stage] for stage in stages) + tuple(int(not remaining[stage]) for stage in stages))
+        moments.add(moment())
     return tuple(sorted(v for v in moments if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in moments)))
 
 
@@ -159,6 +179,29 @@ class RankMemory:
             self._costs[key] = tuple(chunk_peaks(actions) for actions in schedule.ranks)
         return self._costs[key]
 
+    def stage_held(self, c: Candidate, a: int, b: int) -> float:
+        """Bytes one micro-batch in flight on the stage of units [a, b) keeps beyond its units' own activations
+        (module docstring): the outputs it sends that take a gradient (the executor holds them for the
+        backward), and under full recompute the tensors it receives that no block of it counts as its input
+        (a rotary table or mask every block reads, counted once in the model's first reader)."""
+        n = self.units(c)
+        key = ("stage_held", self._units_key(c), a, b)
+        if key not in self._costs:
+            full = n.recompute == "full"
+            held = []
+            for nbytes, first, last, readers, grad in n.crossing:
+                inside = [r for r in readers if a <= r < b and r != first]
+                if a <= first < b <= last:  # made here and sent on
+                    counted = full and any(n.names[r].startswith("block:") for r in inside)
+                    if grad and not counted:
+                        held.append(nbytes)
+                elif full and first < a <= last and (grad or inside):  # received and kept
+                    entering = min((r for r in readers if r != first), default=None)
+                    if entering is None or not (a <= entering < b and n.names[entering].startswith("block:")):
+                        held.append(nbytes)
+            self._costs[key] = math.fsum(held)
+        return self._costs[key]
+
     def _w_gradients(self, c: Candidate, stages) -> float:
         """Bytes of weight-op output gradients one micro-batch keeps from B to W on a rank's ``stages`` (the
         first stage keeps none: its B has no input gradient to make, W is its whole backward)."""
@@ -198,19 +241,21 @@ class RankMemory:
         n = self.units(c)
         params = math.fsum(n.grads[b] - n.grads[a] for a, b in stages)
         buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
-        chunks = [math.fsum(n.activation[a:b]) for a, b in stages]
+        chunks = [math.fsum(n.activation[a:b]) + self.stage_held(c, a, b) for a, b in stages]
         state = self.state_bytes(params, c)
         working = n.transient + waiting * self._w_gradients(c, stages) + self.cast_gradients(c, stages)
         peaks = self.chunk_peaks(c)[rank] if rank is not None else None
-        if peaks and all(len(peak) == 2 * len(chunks) for peak in peaks):
-            # each chunk's activations at what it holds, its reduce copy from its last backward on (docstring)
-            copies = [self.reduce_copy(c, n.grads[b] - n.grads[a]) for a, b in stages]
+        if peaks and all(len(peak) == 3 * len(chunks) for peak in peaks):
+            # each chunk's activations at what it holds, its gradients from its first backward on, its reduce
+            # copy from its last backward on (module docstring)
             v = len(chunks)
-            during = [m for m in peaks if not all(m[v:])] or peaks  # the end (every copy made) is the last term's
-            peak = max(during, key=lambda m: math.fsum(k * x for k, x in zip(m, chunks + copies)))
+            made = [self.state_bytes(n.grads[b] - n.grads[a], c).grads for a, b in stages]
+            copies = [self.reduce_copy(c, n.grads[b] - n.grads[a]) for a, b in stages]
+            during = [m for m in peaks if not all(m[2 * v:])] or peaks  # the end (every copy made): the last term
+            peak = max(during, key=lambda m: math.fsum(k * x for k, x in zip(m, chunks + made + copies)))
             activations = math.fsum(k * x for k, x in zip(peak[:v], chunks))
-            held = math.fsum(k * x for k, x in zip(peak[v:], copies))
-            gradients = state.grads + held + max(0.0, math.fsum(copies) - held - activations - working)
+            held = math.fsum(k * x for k, x in zip(peak[v:], made + copies))
+            gradients = held + max(0.0, math.fsum(made + copies) - held - activations - working)
         else:
             activations = math.fsum(chunks) * in_flight
             gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)

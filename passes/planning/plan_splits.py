@@ -102,6 +102,9 @@ class SplitPricer:
 
     def _tensor(self, node) -> tuple[int, float]:
         info = tensor_info(node)
+        run = self.run_dtypes.of.get(node.name) if self.run_dtypes is not None and info.is_floating else None
+        if run is not None:  # an fp32 island of a half-precision program (a rotary table) is sent and kept in fp32
+            return self.table.index(info.numel), float(run.itemsize)
         return self.table.index(info.numel), float(self.float_bytes if info.is_floating else info.itemsize)
 
     def _notes(self) -> tuple[str, ...]:
@@ -182,7 +185,7 @@ class SplitPricer:
             crossing, entering = self._crossing_layouts(problem)
             units = assembly.units(sums, crossing, entering, self.flops, self.buffer_sizes)
             return TensorSplit(tp, micro_batch, seq, units, assembly.placements(), tuple(collectives),
-                               self.fallbacks, self.notes)
+                               self.fallbacks, self.notes, assembly.crossing_tensors(crossing))
 
     def _crossing_layouts(self, problem: TpProblem) -> tuple[list, dict]:
         """``crossing`` and ``entering`` with "whole" cleared for tensors whose boundary is not Replicate:

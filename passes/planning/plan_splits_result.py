@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.fx import Node
 
-from xirang.ir.meta_keys import PARAM_COUNT, ROLE, TENSOR
+from xirang.ir.meta_keys import PARAM_COUNT, REQUIRES_GRAD, ROLE, TENSOR
 from xirang.ir.placement import PlanShard
 from xirang.ir.plan_parts import CollectiveChoice, Layout, NodeStrategy
 from xirang.passes.planning.unit_costs import UnitCost
@@ -186,6 +186,17 @@ class Assembly:
             if placement is None:
                 placement = self._read(node, node.all_input_nodes[kept.input])
         return self.pricing.kept_bytes(kept, placement)
+
+    def crossing_tensors(self, crossing: list) -> tuple:
+        """``TensorSplit.crossing``: each tensor crossing a unit boundary, (bytes on one rank, producing unit,
+        last reading unit, the units reading it, whether it takes a gradient)."""
+        graph, found = self.graph, []
+        for node, count, size, whole, first, last in crossing:
+            readers = frozenset(graph.unit_order[unit] for unit in (graph.unit_of.get(user) for user in node.users)
+                                if unit is not None and unit in graph.unit_order)
+            found.append((self.local_bytes(node, count, size, whole), first, last, readers,
+                          bool(REQUIRES_GRAD.get(node, False))))
+        return tuple(found)
 
     def units(self, sums: dict[str, _Sums], crossing: list, entering: dict, flops: dict,
               buffer_sizes=()) -> list[UnitCost]:

@@ -137,6 +137,10 @@ class TensorSplit:
     collectives: tuple[CollectiveChoice, ...] = ()
     fallbacks: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # the tensors crossing a unit boundary, each (bytes on one rank, producing unit, last reading unit, units
+    # reading it, whether it takes a gradient), unit indices in execution order: a pipeline stage's executor
+    # keeps what it receives and the outputs it sends for the backward (plan_memory.RankMemory.stage_held)
+    crossing: tuple[tuple[float, int, int, frozenset, bool], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "units", tuple(self.units))

@@ -29,10 +29,11 @@ def _price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
 def test_each_chunk_is_charged_what_it_holds_at_the_ranks_peak():
     # pp 2, v 2, 8 micro-batches: rank 1 warms up with two forwards of its first chunk (stage 1), then its
     # last chunk (stage 3) runs F and B in turn: (2, 1) at most, or (3, 0) once stage 3 is idle; stage 3
-    # ends first (2 of stage 1 still held), then stage 1 (then both stages' gradient copies are made)
+    # ends first (2 of stage 1 still held), then stage 1 (then both stages' gradient copies are made). The
+    # middle pair: both stages' gradients made (each has run a backward) at every moment that can peak
     assert [chunk_peaks(actions) for actions in build_schedule("interleaved", 2, 8, 2).ranks] == [
-        ((0, 0, 1, 1), (2, 0, 0, 1), (3, 2, 0, 0), (4, 1, 0, 0)),
-        ((0, 0, 1, 1), (2, 0, 0, 1), (2, 1, 0, 0), (3, 0, 0, 0))]
+        ((0, 0, 1, 1, 1, 1), (2, 0, 1, 1, 0, 1), (3, 2, 1, 1, 0, 0), (4, 1, 1, 1, 0, 0)),
+        ((0, 0, 1, 1, 1, 1), (2, 0, 1, 1, 0, 1), (2, 1, 1, 1, 0, 0), (3, 0, 1, 1, 0, 0))]
     best = search_plan(_price, parse_world(2), global_batch=8, seq=8, tp=1, pp=2, micro_batch=1, recompute="none",
                        schedule="interleaved", virtual_stages=2, precision="fp32").best
     assert best.bounds == ((0, 1), (1, 2), (2, 3), (3, 4))
