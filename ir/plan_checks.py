@@ -131,6 +131,8 @@ def first_difference(a, b, path: str) -> str:
             if found:
                 return found
         return ""
+    if isinstance(a, list) and isinstance(b, list):  # the lengths differ: the count says it, not both lists
+        return f"; first difference at {path}: {len(a)} entries vs {len(b)}"
     return "" if a == b else f"; first difference at {path}: {a!r} vs {b!r}"
 
 

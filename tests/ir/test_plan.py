@@ -217,6 +217,14 @@ def test_world_differing_only_in_a_link_names_the_field():
     assert "first difference at world.inter_node.latency: 1e-05 vs 2e-05" in error.value.what
 
 
+def test_worlds_of_other_node_counts_say_the_counts_not_every_node():
+    """2 nodes of 4 against 1 node of 8: the difference is the node count, not two dumps of every device."""
+    with pytest.raises(PlanError) as error:
+        make_plan().check_matches(FINGERPRINT, World.uniform(1, 8, "h100"))
+    assert "first difference at world.nodes: 2 entries vs 1" in error.value.what
+    assert "peak_flops" not in error.value.what
+
+
 def test_other_model_and_world_are_both_named():
     with pytest.raises(PlanError) as error:
         make_plan().check_matches("ffff", World.uniform(1, 8, "h100"))
