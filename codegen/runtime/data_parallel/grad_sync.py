@@ -243,7 +243,8 @@ class GradientBuckets:
 
     def _storage(self, bucket: _Bucket) -> torch.Tensor:
         """The bucket's flat buffer, padded with zeros to its shard count, kept from step to step as DDP
-        keeps its buckets (a fresh one each step is faulted in again: on CPU as dear as the copy). The
+        keeps its buckets where it holds the gradients themselves (a fresh one each step is faulted in again:
+        on CPU as dear as the copy); a reduce-dtype copy is made each step and let go at ``wait``. The
         parameters' slots (views in their shapes) and the divisor are made with it, not per gradient."""
         first, numels = bucket.params[0], [param.numel() for param in bucket.params]
         k = self._shard_count(bucket)
@@ -348,7 +349,11 @@ class GradientBuckets:
                     param.grad.copy_(averaged)
             bucket.ready.clear()
             bucket.buffer = bucket.handle = bucket.shard = None
-            if bucket.scatter:  # ZeRO: no full-size gradient buffer is kept between steps (its point)
+            # ZeRO: no full-size gradient buffer is kept between steps (its point). A reduce-dtype copy (bf16
+            # over fp32 gradients) is not kept either: held through the next forwards it would add its bytes
+            # (2 a parameter) to the peak, which the plan prices from its making to this wait, as the dry run
+            # measures one step; the gradients themselves stay in their storage (they are its views)
+            if bucket.scatter or (bucket.storage is not None and bucket.storage.dtype != bucket.params[0].dtype):
                 bucket.storage, bucket.slots = None, {}  # the slots are views: they would keep it alive
             bucket.phase = 0
         self._next = 0
