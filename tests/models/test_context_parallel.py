@@ -22,6 +22,8 @@ at cp 2 resumes at dp 2 and back (matrix): cp ranks hold replicas, as dp ranks.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from dataclasses import replace
 
 import pytest
@@ -30,7 +32,7 @@ import torch
 import xirang
 from examples.hf_families import (FFN, HEADS, HIDDEN, LAYERS, POSITIONS, VOCAB, build_from_config, gpt2,
                                    token_batch)
-from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
+from tests.codegen.single_device import compiled_run, save_then_resume, single_device_run, worst_differences
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import XirangError
@@ -232,26 +234,9 @@ def test_context_parallel_refuses_random_ops():
 
 
 def _save_then_resume(rank, world, save_plan, load_plan, directory):
-    """Train one step under ``save_plan``, checkpoint, train one more; load the checkpoint under
-    ``load_plan`` (another cp) and train that second step again: both must end equal."""
-    import torch
-
-    def compiled(plan):
-        model, inputs = build("llama", batch=2)
-        made = xirang.compile(model, world=world, example_kwargs=inputs, plan=plan)
-        return made, torch.optim.AdamW(made.parameters(), lr=1e-3, eps=1e-3)
-    first, optimizer = compiled(save_plan)
-    for step in range(2):
-        if step == 1:
-            xirang.save_checkpoint(first, optimizer, directory, step=1)
-        first.train_step(**batch("llama")(step))
-        optimizer.step()
-        optimizer.zero_grad()
-    second, optimizer = compiled(load_plan)
-    loaded_at = xirang.load_checkpoint(second, optimizer, directory)["step"]
-    second.train_step(**batch("llama")(1))
-    optimizer.step()
-    return loaded_at, first.full_state_dict(), second.full_state_dict()
+    """``save_then_resume`` on Llama: the second plan at another cp."""
+    return save_then_resume(world, partial(build, "llama", batch=2), batch("llama"), save_plan, load_plan,
+                            directory)
 
 
 @pytest.mark.matrix

@@ -13,12 +13,13 @@ its rank's send buffer once forward and its gradient once backward, whatever the
 """
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
-import torch
 
 import xirang
 from examples.hf_moe import FAMILIES, HIDDEN, TOP_K
-from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
+from tests.codegen.single_device import compiled_run, save_then_resume, single_device_run, worst_differences
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.placement import PlanShard
@@ -170,24 +171,9 @@ def test_every_moe_family_plan_on_meta_fits_its_cpu_trace(name):
 
 
 def _save_then_resume(rank, world, save_plan, load_plan, directory):
-    """Train one step under ``save_plan``, checkpoint, train one more; load the checkpoint under
-    ``load_plan`` (another ep) and train that second step again: both must end equal."""
-    def compiled(plan):
-        model, inputs = build("mixtral", batch=2)
-        made = xirang.compile(model, world=world, example_kwargs=inputs, plan=plan)
-        return made, torch.optim.AdamW(made.parameters(), lr=1e-3, eps=1e-3)
-    first, optimizer = compiled(save_plan)
-    for step in range(2):
-        if step == 1:
-            xirang.save_checkpoint(first, optimizer, directory, step=1)
-        first.train_step(**batch("mixtral")(step))
-        optimizer.step()
-        optimizer.zero_grad()
-    second, optimizer = compiled(load_plan)
-    loaded_at = xirang.load_checkpoint(second, optimizer, directory)["step"]
-    second.train_step(**batch("mixtral")(1))
-    optimizer.step()
-    return loaded_at, first.full_state_dict(), second.full_state_dict()
+    """``save_then_resume`` on Mixtral: the second plan at another ep."""
+    return save_then_resume(world, partial(build, "mixtral", batch=2), batch("mixtral"), save_plan, load_plan,
+                            directory)
 
 
 @pytest.mark.matrix  # a launch of its own (~20 s on 2 cores): the default tier's budget keeps one MoE launch
