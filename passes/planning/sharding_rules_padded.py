@@ -45,7 +45,7 @@ from xirang.passes.planning.sharding_rules_fused import SEARCH_DEPTH, carried_di
 from xirang.passes.planning.sharding_rules_views import (COPY_OPS, LINEAR_ELEMENTWISE, PERMUTE_OPS, POINTWISE_OPS,
                                                          RESHAPE_OPS, SPLIT_OPS, Follow, R, SUM, first_tensor, info,
                                                          is_tensor, norm_dim, permutation_of, remembered,
-                                                         reshape_groups, shape, tensor_args)
+                                                         reshape_groups, shape, surviving_dims, tensor_args)
 
 aten = torch.ops.aten
 
@@ -240,16 +240,8 @@ def _softmax_dims(node):
 def _reduction(node, tp):
     """Padded dims that survive a sum or mean (a reduced padded dim would sum the padding)."""
     x = node.args[0]
-    ndim = len(shape(x))
-    dims = arg(node, 1, "dim") if node.target._overloadname != "default" else None
-    dims = [dims] if isinstance(dims, int) else dims
-    reduced = set(range(ndim)) if not dims else {norm_dim(d, ndim) for d in dims}
-    keepdim = bool(arg(node, 2, "keepdim", False))
     rows = []
-    for d in range(ndim):
-        if d in reduced:
-            continue
-        kept = d if keepdim else d - sum(1 for r in reduced if r < d)
+    for d, kept in surviving_dims(node).items():
         rows += [Follow(((x, _same_layout(p, d)),), p) for p in padded_shards(node, kept, tp)]
     return rows
 

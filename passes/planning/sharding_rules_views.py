@@ -322,21 +322,27 @@ def _softmax(node, tp):
     return [Follow(((x, PlanShard(d)),), PlanShard(d)) for d in shardable(shape(x), tp) if d != dim]
 
 
+def surviving_dims(node: Node) -> dict[int, int]:
+    """A sum's or mean's input dims that survive it -> their dim in its output (all reduced when no dim
+    is given; the others move down past each reduced one unless keepdim)."""
+    ndim = len(shape(node.args[0]))
+    dims = arg(node, 1, "dim") if node.target._overloadname != "default" else None
+    dims = [dims] if isinstance(dims, int) else dims
+    reduced = set(range(ndim)) if not dims else {norm_dim(d, ndim) for d in dims}
+    keepdim = bool(arg(node, 2, "keepdim", False))
+    return {d: d if keepdim else d - sum(1 for r in reduced if r < d) for d in range(ndim) if d not in reduced}
+
+
 def _reduction(partial_when_reduced: bool) -> Callable[[Node, int], list[Follow]]:
     """sum / mean: a split dim that survives stays split; summing over a split dim leaves a
     Partial(sum) (a mean would need Partial(avg): not offered). Partial in, Partial out."""
     def rule(node, tp):
         x = node.args[0]
-        ndim = len(shape(x))
-        dims = arg(node, 1, "dim") if node.target._overloadname != "default" else None
-        dims = [dims] if isinstance(dims, int) else dims
-        reduced = set(range(ndim)) if not dims else {norm_dim(d, ndim) for d in dims}
-        keepdim = bool(arg(node, 2, "keepdim", False))
+        surviving = surviving_dims(node)
         rows = []
         for d in shardable(shape(x), tp):
-            if d not in reduced:
-                kept = d if keepdim else d - sum(1 for r in reduced if r < d)
-                rows.append(Follow(((x, PlanShard(d)),), PlanShard(kept)))
+            if d in surviving:
+                rows.append(Follow(((x, PlanShard(d)),), PlanShard(surviving[d])))
             elif partial_when_reduced:
                 rows.append(Follow(((x, PlanShard(d)),), SUM))
         if floating(x) and floating(node):
