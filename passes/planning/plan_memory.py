@@ -160,23 +160,25 @@ class RankMemory:
         gradients of its stage's weight-op outputs (codegen/runtime/executor/split_backward.py)."""
         if not schedule_spec(c.schedule).split_backward:
             return (0,) * c.pp
-        m = self._most_micro_batches(c)
-        key = ("waiting_for_w", c.schedule, c.pp, m, c.virtual_stages)
-        if key not in self._costs:
-            schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
-            self._costs[key] = tuple(most_waiting_for_w(actions) for actions in schedule.ranks)
-        return self._costs[key]
+        return self._per_pipeline_rank(c, most_waiting_for_w)
 
     def chunk_peaks(self, c: Candidate) -> tuple:
         """Per pipeline rank, ``chunk_peaks`` of its actions in the schedule of ``c`` (None without
         interleaving, where the closed form is the schedule's figure)."""
         if c.virtual_stages == 1:
             return (None,) * c.pp
+        return self._per_pipeline_rank(c, chunk_peaks)
+
+    def _per_pipeline_rank(self, c: Candidate, figure) -> tuple:
+        """``figure(actions)`` of each pipeline rank's actions in the schedule of ``c``, remembered per
+        schedule shape (the schedule itself built once for every figure read off it)."""
         m = self._most_micro_batches(c)
-        key = ("chunk_peaks", c.schedule, c.pp, m, c.virtual_stages)
+        shape = (c.schedule, c.pp, m, c.virtual_stages)
+        key = (figure.__name__, *shape)
         if key not in self._costs:
-            schedule = build_schedule(c.schedule, c.pp, m, c.virtual_stages)
-            self._costs[key] = tuple(chunk_peaks(actions) for actions in schedule.ranks)
+            if ("schedule", *shape) not in self._costs:
+                self._costs[("schedule", *shape)] = build_schedule(*shape)
+            self._costs[key] = tuple(figure(actions) for actions in self._costs[("schedule", *shape)].ranks)
         return self._costs[key]
 
     def stage_held(self, c: Candidate, a: int, b: int) -> float:
