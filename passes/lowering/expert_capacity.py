@@ -22,7 +22,7 @@ from xirang.ir.pass_spec import compiler_pass
 from xirang.codegen.ops.expert_capacity import drop_over_capacity as drop_rows
 from xirang.codegen.ops.expert_capacity import restore_dropped
 from xirang.passes.analysis.expert_ops import expert_calls
-from xirang.passes.lowering.inserted import place_inserted
+from xirang.passes.lowering.inserted import place_inserted, read_through
 
 
 @compiler_pass(requires=(TENSOR, REQUIRES_GRAD), provides=())
@@ -51,12 +51,7 @@ def drop_over_capacity(gm, ctx):
         first.args = (kept_rows,) + tuple(first.args[1:])
         for node in linears:
             node.args = (node.args[0], kept_ids) + tuple(node.args[2:])
-        with graph.inserting_after(last):
-            restored = graph.call_function(restore_dropped, (last, kept, rows))
-        last.replace_all_uses_with(restored, delete_user_cb=lambda user, restored=restored: user is not restored)
-        if TENSOR.has(last):
-            TENSOR.set(restored, TENSOR.get(last))
-        REQUIRES_GRAD.set(restored, bool(REQUIRES_GRAD.get(last, False)))
+        restored = read_through(graph, last, restore_dropped, kept, rows)
         inserted += [dropped, kept_rows, kept_ids, kept, restored]
     place_inserted(graph, inserted, f"experts: rows over capacity dropped (capacity factor {factor:g})")
     gm.recompile()

@@ -26,7 +26,7 @@ from xirang.ir.pass_spec import compiler_pass
 from xirang.codegen.ops.collectives import UNATTACHED
 from xirang.codegen.ops.expert_dispatch import combine_rows, dispatch_rows
 from xirang.passes.analysis.expert_ops import expert_calls, is_expert_weight
-from xirang.passes.lowering.inserted import place_inserted
+from xirang.passes.lowering.inserted import place_inserted, read_through
 
 def expert_slice(node, mesh, rank: int) -> tuple:
     """``(first, count)`` of the experts this rank holds of expert weight ``node`` (dim 0), or ``()``:
@@ -67,12 +67,7 @@ def dispatch_experts(gm, ctx):
         first.args = (rows,) + tuple(first.args[1:])
         for node in linears:
             node.args = (node.args[0], local_ids) + tuple(node.args[2:])
-        with graph.inserting_after(last):
-            combined = graph.call_function(combine_rows, (last, route))
-        last.replace_all_uses_with(combined, delete_user_cb=lambda user, combined=combined: user is not combined)
-        if TENSOR.has(last):
-            TENSOR.set(combined, TENSOR.get(last))
-        REQUIRES_GRAD.set(combined, bool(REQUIRES_GRAD.get(last, False)))
+        combined = read_through(graph, last, combine_rows, route)
         inserted += [dispatch, rows, local_ids, route, combined]
     place_inserted(graph, inserted, f"ep: rows to and from the experts' ranks (ep={ctx.plan.mesh.ep})")
     gm.recompile()

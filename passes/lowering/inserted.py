@@ -9,7 +9,7 @@ reads takes its producer's.
 from __future__ import annotations
 
 from xirang.ir.errors import XirangError
-from xirang.ir.meta_keys import INSERTED, UNIT
+from xirang.ir.meta_keys import INSERTED, REQUIRES_GRAD, TENSOR, UNIT
 
 
 def place_inserted(graph, inserted: list, why: str) -> None:
@@ -27,3 +27,15 @@ def place_inserted(graph, inserted: list, why: str) -> None:
                               f"nor what reads it belongs to one", where=f"rank program node {node.name}",
                               hint="report this model; as a workaround plan with pp=1")
         UNIT.set(node, UNIT.get(unit))
+
+
+def read_through(graph, node, target, *extra):
+    """A call ``target(node, *extra)`` inserted after ``node`` that every other reader of ``node`` now reads
+    instead (its facts: ``node``'s tensor and whether it takes a gradient). Returns the new node."""
+    with graph.inserting_after(node):
+        made = graph.call_function(target, (node, *extra))
+    node.replace_all_uses_with(made, delete_user_cb=lambda user: user is not made)
+    if TENSOR.has(node):
+        TENSOR.set(made, TENSOR.get(node))
+    REQUIRES_GRAD.set(made, bool(REQUIRES_GRAD.get(node, False)))
+    return made
