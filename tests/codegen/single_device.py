@@ -65,31 +65,6 @@ def compiled_run(compiled, batch, steps: int) -> dict:
     return {"steps": found, "params": compiled.full_state_dict()}
 
 
-def save_then_resume(world, built, batch, save_plan, load_plan, directory) -> tuple:
-    """In a rank: train one step under ``save_plan``, checkpoint, train one more; load the checkpoint
-    under ``load_plan`` (another mesh) and train that second step again. Returns the step loaded and
-    both full state dicts, which must be equal. ``built()`` gives (model, example inputs), ``batch(step)``
-    the step's inputs."""
-    import xirang
-
-    def compiled(plan):
-        model, inputs = built()
-        made = xirang.compile(model, world=world, example_kwargs=inputs, plan=plan)
-        return made, torch.optim.AdamW(made.parameters(), lr=1e-3, eps=1e-3)
-    first, optimizer = compiled(save_plan)
-    for step in range(2):
-        if step == 1:
-            xirang.save_checkpoint(first, optimizer, directory, step=1)
-        first.train_step(**batch(step))
-        optimizer.step()
-        optimizer.zero_grad()
-    second, optimizer = compiled(load_plan)
-    loaded_at = xirang.load_checkpoint(second, optimizer, directory)["step"]
-    second.train_step(**batch(1))
-    optimizer.step()
-    return loaded_at, first.full_state_dict(), second.full_state_dict()
-
-
 def worst_differences(label: str, results: list, want: dict) -> dict:
     """The largest |difference| of loss (every step), gradients (every step, every parameter) and
     parameters (after the last step) between every rank's ``results[rank][label]`` (``compiled_run``)

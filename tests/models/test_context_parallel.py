@@ -32,7 +32,8 @@ import torch
 import xirang
 from examples.hf_families import (FFN, HEADS, HIDDEN, LAYERS, POSITIONS, VOCAB, build_from_config, gpt2,
                                    token_batch)
-from tests.codegen.single_device import compiled_run, save_then_resume, single_device_run, worst_differences
+from tests.codegen.save_resume import save_then_resume
+from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.errors import XirangError

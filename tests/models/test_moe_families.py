@@ -19,7 +19,8 @@ import pytest
 
 import xirang
 from examples.hf_moe import FAMILIES, HIDDEN, TOP_K
-from tests.codegen.single_device import compiled_run, save_then_resume, single_device_run, worst_differences
+from tests.codegen.save_resume import save_then_resume
+from tests.codegen.single_device import compiled_run, single_device_run, worst_differences
 from xirang.codegen.ops.comm_counter import CommCounter
 from xirang.codegen.runtime.launch.launcher import launch
 from xirang.ir.placement import PlanShard
