@@ -125,6 +125,9 @@ def test_rank_records_combine_to_the_slowest_rank_per_stage():
     assert late.step_seconds == 8.75 and late.outside_seconds == pytest.approx(0.75)
     both = MeasuredCosts.median([one, combine([record(0, 3.0, 2.0, 10.0), record(1, 0.5, 1.0, 3.0)], 2), one])
     assert both.forward[0] == 1.5 and both.steps == 3
+    # one replica's slow forward and another's slow backward: both figures from the slower pair (1 + 3 > 2 + 1)
+    crossed = combine([record(0, 2.0, 1.0, 8.0), record(0, 1.0, 3.0, 8.0)], 2)
+    assert (crossed.forward[0], crossed.backward[0]) == (1.0, 3.0)
 
 
 def test_measurements_of_another_plan_are_refused(planned):

@@ -5,8 +5,9 @@ Read from the records the executor keeps anyway (``StepRecord.timestamps``, the 
 --trace`` draws, and ``StepRecord.finished``); nothing is timed a second time:
 
 - ``forward[s]`` / ``backward[s]``: seconds of stage s per micro-batch -- on each rank the mean over the
-  step's micro-batches (a zero-bubble backward is its B plus its W), then the largest over the ranks
-  that run stage s (its dp and tp replicas: the slowest one sets the pipeline's pace);
+  step's micro-batches (a zero-bubble backward is its B plus its W), both from the one rank, of those
+  that run stage s (its dp and tp replicas), whose forward plus backward is largest: the slowest
+  replica sets the pipeline's pace, and one rank's pair never adds to more than its step held;
 - ``sync_seconds``: from the last compute of any rank to the step's gradients being final on every rank
   (the dp buckets' waits, then the tied sums): the gradient sync the backward did not hide. Taken from
   the slowest rank's compute, not per rank: a rank that finishes its compute early waits for its
@@ -113,9 +114,11 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
     forward, backward = {}, {}
     for summary in summaries:
         for stage, seconds in summary["forward"].items():
-            forward[stage] = max(forward.get(stage, 0.0), seconds)
-        for stage, seconds in summary["backward"].items():
-            backward[stage] = max(backward.get(stage, 0.0), seconds)
+            mine = seconds + summary["backward"].get(stage, 0.0)
+            # both figures from the one slowest replica: the largest forward of one replica beside the
+            # largest backward of another is a micro-batch no rank ran, longer than the step allowed
+            if stage not in forward or mine > forward[stage] + backward[stage]:
+                forward[stage], backward[stage] = seconds, summary["backward"].get(stage, 0.0)
     finished = max(s["finished"] for s in summaries)
     sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
     step = max(s["finished"] + s["outside"] for s in summaries)
