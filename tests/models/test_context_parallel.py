@@ -10,7 +10,8 @@ Equal means the loss every step, every gathered gradient and the parameters afte
 1e-5 of the same model on one device. Llama has grouped-query attention (4 query heads, 2 kv heads),
 Mistral a sliding window of 6 tokens (the window is read off the mask the model builds:
 passes/lowering/context_parallel.py); GPT-2 (matrix) learned positions and a tied head; Qwen2 (matrix) biased
-q, k and v projections. USP (matrix) runs cp 4 as an all-to-all over 2 ranks x a ring over 2. A padded batch
+q, k and v projections. USP (matrix) runs cp 4 as an all-to-all over 2 ranks x a ring over 2. On 8 ranks
+(matrix) cp runs beside two of dp, tp and pp at once, and USP beside tp and beside pp. A padded batch
 (matrix; ``padded``) adds Hugging Face's ``attention_mask`` (left padding: a sample's first rows see no key),
 the pads' labels ignored; its one-device reference is a token mean per micro-batch, as the runtime's.
 
@@ -151,7 +152,7 @@ def test_context_parallel_trains_llama_as_on_one_device():
 
 
 GRID = [(name, method, mesh) for name in ("llama", "mistral") for method in ("ring", "all_to_all")
-        for mesh in (dict(dp=1, cp=4), dict(dp=2, cp=2), dict(dp=1, cp=2, pp=2), dict(dp=1, cp=2, tp=2))] + [
+        for mesh in (dict(dp=1, cp=4), dict(dp=2, cp=2))] + [
     ("gpt2", method, dict(dp=2, cp=2)) for method in ("ring", "all_to_all")] + [
     ("qwen2", method, dict(dp=1, cp=2, tp=2)) for method in ("ring", "all_to_all")] + [
     (name, "usp:2", dict(dp=1, cp=4)) for name in ("llama", "mistral")] + [  # all-to-all over 2 x ring over 2
@@ -163,27 +164,56 @@ GRID = [(name, method, mesh) for name in ("llama", "mistral") for method in ("ri
 
 @pytest.mark.matrix
 def test_context_parallel_grid_trains_as_on_one_device():
-    """Llama and Mistral, ring and all-to-all, cp 4 alone, cp 2 beside dp 2, pp 2 and tp 2, on 4 ranks;
+    """Llama and Mistral, ring and all-to-all, cp 4 alone and cp 2 beside dp 2, on 4 ranks (beside tp and pp:
+    the 8-rank grid below);
     GPT-2 (learned positions, tied head) at dp 2 x cp 2; Qwen2 (biased q, k, v projections, split with their
     heads) at cp 2 x tp 2; Llama and Mistral at cp 4 by USP (all-to-all over 2 ranks x ring over 2); padded
     batches (an attention_mask input, left and right): Llama at dp 2 x cp 2 by ring and all-to-all, at cp 4 by
     USP and at cp 2 x pp 2, Mistral (window and padding) at cp 2 x tp 2 by all-to-all; Llama at dp 2 x cp 2 on 2
     nodes of 2 ranks, its gradient buckets all-reduced hierarchically over dp x cp."""
-    jobs = [(f"{name} {method} " + " ".join(f"{axis}{size}" for axis, size in mesh.items()), name,
-             make_plan(name, method=method, **mesh)) for name, method, mesh in GRID]
+    jobs = labelled(GRID)
     # the 2-node job's buckets reduce-scatter in a node, all-reduce across nodes, gather in the node, over dp x cp
     # (its sub-groups were once built over dp alone, which summed half the gradients)
     assert any(c.algorithm == "hierarchical" for c in jobs[-1][2].collectives if c.axis == "dp")
     results = launch(_rank_main, 4, ([job[:3] for job in jobs],), timeout_s=1200, heartbeat_s=120)
+    assert not failures(jobs, GRID, results)
+
+
+def failures(jobs, grid, results) -> dict:
+    """Each job's worst differences and attention bytes against the formula, printed; those that fail."""
     failed = {}
-    for (label, name, plan), (_, method, _) in zip(jobs, GRID):
+    for (label, name, plan), (_, method, _) in zip(jobs, grid):
         worst = check(label, name, plan, method, results)
         print(f"\n{label}: max |diff| loss {worst['loss']:.1e} grad {worst['grad']:.1e} param {worst['param']:.1e}"
               f" attention bytes {worst['bytes']} (formula {worst['formula']})")
         if worst["bytes"] != worst["formula"] or not all(
                 worst[key] <= TOLERANCE for key in ("loss", "grad", "param")):
             failed[label] = worst
-    assert not failed, failed
+    return failed
+
+
+def labelled(grid) -> list:
+    """(label, name, plan) of each (name, method, mesh) of ``grid``, its plan made on meta at PLAN_SEQ."""
+    return [(f"{name} {method} " + " ".join(f"{axis}{size}" for axis, size in mesh.items()), name,
+             make_plan(name, method=method, **mesh)) for name, method, mesh in grid]
+
+
+# On 8 ranks: every pair of dp, tp and pp beside cp 2, and USP (cp 4 as an all-to-all over 2 x a ring over 2)
+# beside tp and beside pp; each of Llama (grouped-query) and Mistral (sliding window) by each method
+GRID_8 = [("llama", "ring", dict(dp=2, cp=2, tp=2)), ("llama", "all_to_all", dict(dp=1, cp=2, tp=2, pp=2)),
+          ("mistral", "ring", dict(dp=1, cp=2, tp=2, pp=2)), ("mistral", "all_to_all", dict(dp=2, cp=2, pp=2)),
+          ("llama", "usp:2", dict(dp=1, cp=4, tp=2)), ("mistral", "usp:2", dict(dp=1, cp=4, pp=2))]
+
+
+@pytest.mark.matrix
+def test_context_parallel_beside_tp_pp_and_dp_on_8_ranks_trains_as_on_one_device():
+    """cp beside two other axes at once on 8 ranks (``GRID_8``): every axis of each plan really splits (the
+    planner's mesh is the one asked for), and each trains as one device with its attention bytes the formula's."""
+    jobs = labelled(GRID_8)
+    for (_, _, plan), (_, _, mesh) in zip(jobs, GRID_8):
+        assert plan.mesh.size == 8 and all(getattr(plan.mesh, axis) == size for axis, size in mesh.items())
+    results = launch(_rank_main, 8, ([job[:3] for job in jobs],), timeout_s=1200, heartbeat_s=120)
+    assert not failures(jobs, GRID_8, results)
 
 
 @pytest.mark.parametrize("change,where,needle", [
