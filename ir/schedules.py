@@ -38,7 +38,16 @@ def _check_multiple(name: str, p: int, m: int) -> None:
 # --- generators ----------------------------------------------------------------------------------
 
 
-def gpipe(p: int, m: int) -> Schedule:
+def _finish(name: str, num_stages: int, m: int, order, communication: bool) -> Schedule:
+    """The schedule of the per-rank compute ``order``: with its sends and receives (what the executor runs),
+    or, ``communication`` False, the compute actions alone (what the planner's memory figures read, where
+    placing the sends and receives would cost most of the building)."""
+    if communication:
+        return with_communication(name, num_stages, m, order)
+    return Schedule(name, num_stages, m, tuple(tuple(actions) for actions in order))
+
+
+def gpipe(p: int, m: int, *, communication: bool = True) -> Schedule:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; every rank keeps m activations."""
     _check_sizes("gpipe", p, m)
     order = []
@@ -49,10 +58,10 @@ def gpipe(p: int, m: int) -> Schedule:
         # Cool-down: the backwards, in micro-batch order (as torch.distributed.pipelining's GPipe).
         backwards = [Backward(rank, mb) for mb in range(m)]
         order.append(forwards + backwards)
-    return with_communication("gpipe", p, m, order)
+    return _finish("gpipe", p, m, order, communication)
 
 
-def one_f_one_b(p: int, m: int, extra_warmup: tuple = ()) -> Schedule:
+def one_f_one_b(p: int, m: int, extra_warmup: tuple = (), *, communication: bool = True) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2021 sec. 2.2.1): same bubble as GPipe, but rank r
     keeps at most p - r micro-batches in flight instead of m.
 
@@ -80,10 +89,10 @@ def one_f_one_b(p: int, m: int, extra_warmup: tuple = ()) -> Schedule:
         # Cool-down: drain the backwards of the warm-up micro-batches.
         computes += [Backward(rank, mb) for mb in range(m - warmup, m)]
         order.append(computes)
-    return with_communication("1f1b", p, m, order)
+    return _finish("1f1b", p, m, order, communication)
 
 
-def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
+def interleaved_one_f_one_b(p: int, m: int, v: int, *, communication: bool = True) -> Schedule:
     """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021 sec. 2.2.2): rank r holds v chunks,
     stages r, r + p, ..., and the bubble shrinks by v at the price of v times the p2p traffic.
 
@@ -118,10 +127,10 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
             chunk, mb = item(k, forward=False)
             computes.append(Backward(chunk * p + rank, mb))
         order.append(computes)
-    return with_communication("interleaved", p * v, m, order)
+    return _finish("interleaved", p * v, m, order, communication)
 
 
-def zero_bubble_h1(p: int, m: int) -> Schedule:
+def zero_bubble_h1(p: int, m: int, *, communication: bool = True) -> Schedule:
     """ZB-H1 (Qi et al. 2024 sec. 2.1): 1F1B with the backward split into BackwardInput (B), what the
     previous stage waits for, and BackwardWeight (W), run later to fill the bubble. Rank r warms up
     like 1F1B (p - r - 1 forwards) and then holds back its first r W's, so every rank keeps at most
@@ -144,10 +153,10 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
             computes += [BackwardInput(rank, mb), BackwardWeight(rank, next(weights))]
         computes += [BackwardWeight(rank, mb) for mb in weights]
         order.append(computes)
-    return with_communication("zb-h1", p, m, order)
+    return _finish("zb-h1", p, m, order, communication)
 
 
-def zero_bubble_h2(p: int, m: int) -> Schedule:
+def zero_bubble_h2(p: int, m: int, *, communication: bool = True) -> Schedule:
     """ZB-H2 (Qi et al. 2024 sec. 2.2): more forwards in the warm-up fill the wait for the first
     gradient, and W's fill the cool-down, at up to 2p - 1 micro-batches in flight on every rank.
     Rank r warms up 2(p - r) - 1 forwards, then runs B then F (deferring W's) until it holds 2p - 1,
@@ -180,7 +189,7 @@ def zero_bubble_h2(p: int, m: int) -> Schedule:
                 weighed += 1
         computes += [BackwardWeight(rank, mb) for mb in range(weighed, m)]
         order.append(computes)
-    return with_communication("zb-h2", p, m, order)
+    return _finish("zb-h2", p, m, order, communication)
 
 
 def _check_enough_for_h2(p: int, m: int) -> None:
@@ -198,16 +207,18 @@ def check_extra_warmup(extra_warmup, p: int) -> tuple:
     return extra
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, extra_warmup: tuple = ()) -> Schedule:
+def build_schedule(name: str, p: int, m: int, v: int = 1, extra_warmup: tuple = (), *,
+                   communication: bool = True) -> Schedule:
     """The schedule a Plan names (``plan.schedule``, ``mesh.pp``, ``num_micro_batches``, ``virtual_stages``):
-    what the executor runs. ``extra_warmup`` (1F1B only) deepens each rank's warm-up, see ``one_f_one_b``."""
+    what the executor runs. ``extra_warmup`` (1F1B only) deepens each rank's warm-up, see ``one_f_one_b``;
+    ``communication`` False: the compute actions alone (``_finish``)."""
     if any(check_extra_warmup(extra_warmup, p)):
         if name != "1f1b":
             raise InvalidValue(f"extra warm-up (adaptive micro-batch injection) is built for the '1f1b' "
                                f"schedule only, not {name!r}")
         schedule_spec(name).check(p, m, v)
-        return one_f_one_b(p, m, tuple(extra_warmup))
-    return schedule_spec(name).build(p, m, v)
+        return one_f_one_b(p, m, tuple(extra_warmup), communication=communication)
+    return schedule_spec(name).build(p, m, v, communication=communication)
 
 
 # --- the vocabulary: names, titles and the closed forms the planner uses -------------------------
@@ -267,7 +278,7 @@ class ScheduleSpec:
     name: str
     title: str  # for timelines and tables
     chunked: bool  # runs v model chunks per rank (v = virtual_stages); every other schedule needs v = 1
-    builder: Callable[..., Schedule]  # (p, m) or, chunked, (p, m, v)
+    builder: Callable[..., Schedule]  # (p, m) or, chunked, (p, m, v); keyword communication
     rank_in_flight: Callable[[int, int, int, int], Fraction]  # (p, r, m, v) -> see in_flight_by_rank
     source: str
     idle: Callable[[int, int, int, Fraction], Fraction] = _classic_idle  # (p, m, v, r) -> per rank, in T_F
@@ -284,10 +295,12 @@ class ScheduleSpec:
         if self.more_rules is not None:
             self.more_rules(p, m)
 
-    def build(self, p: int, m: int, v: int = 1) -> Schedule:
-        """The action lists the executor runs for p pipeline ranks, m micro-batches, v chunks."""
+    def build(self, p: int, m: int, v: int = 1, *, communication: bool = True) -> Schedule:
+        """The action lists the executor runs for p pipeline ranks, m micro-batches, v chunks (``communication``
+        False: the compute actions alone)."""
         self.check(p, m, v)
-        return self.builder(p, m, v) if self.chunked else self.builder(p, m)
+        sizes = (p, m, v) if self.chunked else (p, m)
+        return self.builder(*sizes, communication=communication)
 
     def bubble_fraction(self, p: int, m: int, v: int = 1, backward_ratio=2) -> Fraction:
         """Idle time over the ideal step time m·(T_F + T_B + T_W). (p - 1)/(v·m) for GPipe, 1F1B and

@@ -108,8 +108,11 @@ def _shape(node) -> Optional[tuple]:
 
 # --- attention masks ---------------------------------------------------------------------------------
 
-def _ancestors(node: Node) -> set:
-    found, todo = set(), [node]
+def _ancestors(node: Node, found: Optional[set] = None) -> set:
+    """``node`` and every node it reads, directly or not, added to ``found`` (returned); a node already in
+    ``found`` is not walked again, its ancestors being there too."""
+    found = set() if found is None else found
+    todo = [node]
     while todo:
         current = todo.pop()
         if current not in found:
@@ -291,7 +294,10 @@ def _get_attrs(graph):
 
 
 def _rewrite_attention(gm, cp: int, method: str) -> set:
-    """Every SDPA call as ring or all-to-all attention; returns the nodes only they read (masks, kv repeats)."""
+    """Every SDPA call as ring or all-to-all attention; returns what to drop where nothing reads it any more
+    (``_drop_unread``): the ancestors of each call's mask, keys and values. The rewritten calls no longer read
+    the masks or the kv heads' repeats, so those end with no reader; every other ancestor keeps one (it leads
+    to a call's inputs), so the set may hold them all, and is walked once however many calls share them."""
     graph, unread = gm.graph, set()
     fused = [n for n in graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)
              and n.target is not SDPA]
@@ -307,7 +313,7 @@ def _rewrite_attention(gm, cp: int, method: str) -> set:
         causal, window, padding = attention_mask(node, given.get("attn_mask"), bool(given.get("is_causal", False)),
                                                  gm)
         if isinstance(given.get("attn_mask"), Node):
-            unread |= _ancestors(given["attn_mask"])
+            _ancestors(given["attn_mask"], unread)
         q = given["query"]
         q_heads = int(str(_shape(q)[1]))
         k, v = _kv_source(given["key"], q_heads), _kv_source(given["value"], q_heads)
@@ -320,7 +326,8 @@ def _rewrite_attention(gm, cp: int, method: str) -> set:
             except XirangError as error:
                 raise PassFailure(f"context parallelism by {method}: {error.what}", where=_where(node),
                                   hint=error.hint) from None
-        unread |= (_ancestors(given["key"]) | _ancestors(given["value"])) - _ancestors(k) - _ancestors(v)
+        _ancestors(given["key"], unread)
+        _ancestors(given["value"], unread)
         group, counter = _get_attrs(graph)
         mask_args = (causal, window, given.get("scale")) + ((padding,) if padding is not None else ())
         if a2a == 1:

@@ -45,6 +45,7 @@ The formulation (each part measured by name on the real program by ``xirang chec
 from __future__ import annotations
 
 import math
+import operator
 
 from xirang.ir.schedules import Backward, BackwardInput, BackwardWeight, Forward, build_schedule, schedule_spec
 from xirang.passes.planning.cost_model import runtime_state_bytes
@@ -102,7 +103,17 @@ def chunk_peaks(actions) -> tuple[tuple[int, ...], ...]:
         else:
             continue
         moments.add(moment())
-    return tuple(sorted(v for v in moments if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in moments)))
+    return pareto_front(moments)
+
+
+def pareto_front(moments) -> tuple:
+    """The vectors of ``moments`` (distinct, of one length) that no other one matches or exceeds everywhere, in
+    increasing order. Taken by decreasing sum, a vector can be dominated only by one kept before it."""
+    kept: list = []
+    for vector in sorted(moments, key=sum, reverse=True):
+        if not any(all(map(operator.ge, other, vector)) for other in kept):
+            kept.append(vector)
+    return tuple(sorted(kept))
 
 
 class RankMemory:
@@ -177,7 +188,7 @@ class RankMemory:
         key = (figure.__name__, *shape)
         if key not in self._costs:
             if ("schedule", *shape) not in self._costs:
-                self._costs[("schedule", *shape)] = build_schedule(*shape)
+                self._costs[("schedule", *shape)] = build_schedule(*shape, communication=False)
             self._costs[key] = tuple(figure(actions) for actions in self._costs[("schedule", *shape)].ranks)
         return self._costs[key]
 
