@@ -1,7 +1,9 @@
-"""Plan Llama-2-70B and GPT-3 175B (Hugging Face classes) for 128 nodes x 8 A100-80GB and Llama-3-405B for
-2048 x 8 H100-80GB end to end: wall and CPU time by step, and the plan.
+"""Plan Llama-2-70B and GPT-3 175B (Hugging Face classes) for 128 nodes x 8 A100-80GB, Llama-3-405B for
+2048 x 8 H100-80GB and DeepSeek-V3 (671B, Mixture-of-Experts) for 256 x 8 H100-80GB end to end: wall and CPU
+time by step, and the plan.
 
-    python benchmarks/plan_speed.py [--models llama2_70b gpt3_175b_hf llama3_405b gpt_175b] [--repeat N]
+    python benchmarks/plan_speed.py [--models llama2_70b gpt3_175b_hf llama3_405b gpt_175b deepseek_v3_671b]
+                                    [--repeat N]
 
 Each model is built on the meta device (nothing is allocated), then ``xirang.analyze`` traces and
 analyses it and ``xirang.plan(..., analysed=report)`` solves the tensor split for every (tp,
@@ -31,6 +33,9 @@ SETUPS = {  # factory in examples/catalog.py: sequence length, global batch, wor
     "gpt3_175b_hf": (2048, 1536, "128x8", "a100-80g"),
     "llama3_405b": (8192, 2048, "2048x8", "h100-80g"),
     "gpt_175b": (2048, 1536, "128x8", "a100-80g"),  # the in-repo GPT at GPT-3 175B's shape
+    # DeepSeek-V3's shape on 2048 GPUs at its pretraining sequence and final batch (arXiv:2412.19437 sec. 3.1
+    # and 4.2: 2048 H800, seq 4096, batch 15360); H100s here, Xirang has no H800 preset
+    "deepseek_v3_671b": (4096, 15360, "256x8", "h100-80g"),
 }
 STEPS = ("trace", "analysis", "splits", "search", "assemble")
 
