@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from xirang.ir.schedules import build_schedule
+from xirang.ir.schedules import build_schedule, is_compute
 from xirang.ir.world import parse_world
-from xirang.passes.planning.plan_memory import chunk_peaks
+from xirang.passes.planning.plan_memory import chunk_peaks, pareto_front
 from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 
@@ -62,3 +62,18 @@ def test_a_chunks_gradient_copy_is_held_from_its_last_backward_beside_what_the_o
     assert parts["activations"] == pytest.approx(2 * SAVED)
     held = copy + max(0.0, 2 * copy - copy - 2 * SAVED - parts["working_set"])  # then the end: both copies
     assert parts["gradients"] == pytest.approx(fp32_grads + held)
+
+
+def test_the_pareto_front_keeps_exactly_the_moments_nothing_else_matches_or_exceeds():
+    moments = {(3, 0, 1), (2, 0, 1), (1, 4, 0), (3, 0, 0), (0, 0, 2), (1, 1, 0)}
+    # (2, 0, 1) and (3, 0, 0) lie under (3, 0, 1); (1, 1, 0) under (1, 4, 0)
+    assert pareto_front(moments) == ((0, 0, 2), (1, 4, 0), (3, 0, 1))
+
+
+@pytest.mark.parametrize("name, p, m, v", [("interleaved", 4, 8, 2), ("interleaved", 8, 16, 4), ("zb-h1", 4, 8, 1),
+                                           ("1f1b", 3, 5, 1)])
+def test_the_memory_figures_read_the_same_from_the_compute_actions_alone(name, p, m, v):
+    """The planner builds schedules without their sends and receives (build_schedule(communication=False))."""
+    whole, bare = build_schedule(name, p, m, v), build_schedule(name, p, m, v, communication=False)
+    assert [tuple(a for a in actions if is_compute(a)) for actions in whole.ranks] == list(bare.ranks)
+    assert [chunk_peaks(a) for a in whole.ranks] == [chunk_peaks(a) for a in bare.ranks]
