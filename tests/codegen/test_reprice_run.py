@@ -6,7 +6,8 @@ What is checked: the re-priced step of the running plan is within ``TOLERANCE`` 
 Why 15%: with one pipeline stage the re-priced step is m·(forward + backward) at the measured compute
 scale, the gradient sync at the measured link scale and the step's own collectives as measured, so what
 is left between the two is what no scale models -- the gap between one rank's
-compute and another's (each figure is its slowest rank's, the step the slowest rank's sum), and on 2
+compute and another's (a stage's forward and backward are its slowest replica's, the step the slowest rank's
+sum; the largest forward of one rank beside the largest backward of another overshot by 16% once), and on 2
 shared cores the ranks' scheduling, which moves single steps by several percent; a tighter bound would
 fail on noise, a looser one would pass a re-pricing that dropped a term (the sync alone is 10-40% here).
 The ratio of measured to datasheet CPU compute is large (the CPU preset is no calibration): the scales

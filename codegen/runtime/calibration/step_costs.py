@@ -110,7 +110,8 @@ def rank_summary(record, num_micro_batches: int) -> dict:
 
 
 def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
-    """One step's ``MeasuredCosts`` from every rank's ``rank_summary``: the slowest rank of each figure."""
+    """One step's ``MeasuredCosts`` from every rank's ``rank_summary``: each stage's pair of figures from its
+    slowest replica, the sync and step from the slowest rank."""
     forward, backward = {}, {}
     for summary in summaries:
         for stage, seconds in summary["forward"].items():
