@@ -199,10 +199,12 @@ def labelled(grid) -> list:
 
 
 # On 8 ranks: every pair of dp, tp and pp beside cp 2, and USP (cp 4 as an all-to-all over 2 x a ring over 2)
-# beside tp and beside pp; each of Llama (grouped-query) and Mistral (sliding window) by each method
+# beside tp and beside pp; each of Llama (grouped-query) and Mistral (sliding window) by each method, Qwen2
+# (biased q, k, v) at cp 4 beside tp
 GRID_8 = [("llama", "ring", dict(dp=2, cp=2, tp=2)), ("llama", "all_to_all", dict(dp=1, cp=2, tp=2, pp=2)),
           ("mistral", "ring", dict(dp=1, cp=2, tp=2, pp=2)), ("mistral", "all_to_all", dict(dp=2, cp=2, pp=2)),
-          ("llama", "usp:2", dict(dp=1, cp=4, tp=2)), ("mistral", "usp:2", dict(dp=1, cp=4, pp=2))]
+          ("llama", "usp:2", dict(dp=1, cp=4, tp=2)), ("mistral", "usp:2", dict(dp=1, cp=4, pp=2)),
+          ("qwen2", "usp:2", dict(dp=1, cp=4, tp=2))]
 
 
 @pytest.mark.matrix
