@@ -9,8 +9,10 @@ concatenated, first chunk r, then chunk 2·cp−1−r; the ring and all-to-all a
 (``context_attention_ring.py``, ``context_attention_ulysses.py``) both take q, k and v in this layout, so
 the rest of the model does not depend on the method.
 
-Positions (rotary, learned, ALiBi) are those of the full sequence: ``sequence_positions`` gives the
-global position of each local token, which a model must use in place of ``arange(local length)``.
+Positions (rotary, learned) are those of the full sequence: ``sequence_positions`` gives the global
+position of each local token, which a model must use in place of ``arange(local length)``. ALiBi, a bias in
+the attention mask, is not run under cp: the lowering refuses a mask that is not causal, a causal window
+or padding (passes/lowering/context_parallel.py).
 
 ``group`` is a process group of the cp axis, or None for one rank (the layout is then the sequence
 itself, in order).
