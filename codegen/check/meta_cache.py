@@ -27,8 +27,10 @@ import torch
 
 _EXCLUDED_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape,
                   torch.Tag.data_dependent_output)
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format))
 _UNCACHEABLE = object()
+_Tensor, _strided = torch.Tensor, torch.strided
 
 
 def cacheable(func) -> bool:
@@ -41,37 +43,42 @@ def cacheable(func) -> bool:
 
 
 def _key(value):
-    """The part of the key one argument gives, or _UNCACHEABLE."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "meta" or value.layout != torch.strided:
+    """The part of the key one argument gives, or _UNCACHEABLE. Run on every argument of every op of a step
+    (hundreds of thousands): a tensor's shape is kept as its ``torch.Size`` (a tuple, hashed as one) and a
+    sequence's items are keyed by ``map``, with no generator frame per item."""
+    if isinstance(value, _Tensor):
+        if not value.is_meta or value.layout is not _strided:
             return _UNCACHEABLE
-        return (value.dtype, tuple(value.shape), value.stride(), value.storage_offset())
-    if isinstance(value, (list, tuple)):
-        items = tuple(_key(item) for item in value)
-        return _UNCACHEABLE if any(item is _UNCACHEABLE for item in items) else (type(value), items)
-    if type(value) in _PLAIN:
-        return (type(value), value)
+        return (value.dtype, value.shape, value.stride(), value.storage_offset())
+    kind = type(value)
+    if kind is tuple or kind is list:
+        items = tuple(map(_key, value))
+        return _UNCACHEABLE if _UNCACHEABLE in items else (kind, items)
+    if kind in _PLAIN:
+        return (kind, value)
     return _UNCACHEABLE
 
 
 class MetaCache:
-    """Remembered meta outputs per key (module docstring)."""
+    """Remembered meta outputs per key (module docstring). Ops are keyed by ``id``: an ``OpOverload`` hashes in
+    Python, a microsecond on every lookup; each op is held in ``_ops``, so its id is not reused."""
 
     def __init__(self):
-        self._cacheable: dict = {}  # op -> cacheable(op)
-        self._outputs: dict = {}  # key -> ((storage slot, dtype, shape, stride, offset), ...), (slot bytes, ...)
+        self._ops: dict = {}  # id(op) -> (op, cacheable(op), whether it returns a tuple)
+        self._outputs: dict = {}  # key -> a remembered answer (``_describe``)
         self.hits = self.misses = 0
 
     def run(self, func, args, kwargs):
-        ok = self._cacheable.get(func)
-        if ok is None:
-            ok = self._cacheable[func] = cacheable(func)
-        if not ok:
+        known = self._ops.get(id(func))
+        if known is None:
+            known = self._ops[id(func)] = (func, cacheable(func), len(func._schema.returns) > 1)
+        if not known[1]:
             return func(*args, **kwargs)
-        arguments, options = _key(args), _key(tuple(sorted(kwargs.items())))
+        arguments = _key(args)
+        options = _key(tuple(sorted(kwargs.items()))) if kwargs else ()
         if arguments is _UNCACHEABLE or options is _UNCACHEABLE:
             return func(*args, **kwargs)
-        key = (func, arguments, options)
+        key = (id(func), arguments, options)
         found = self._outputs.get(key)
         if found is None:
             out = func(*args, **kwargs)
@@ -81,13 +88,16 @@ class MetaCache:
         if found is _UNCACHEABLE:
             return func(*args, **kwargs)
         self.hits += 1
-        return _make(*found, tuple_out=len(func._schema.returns) > 1)
+        return _make(found, known[2])
 
 
 def _describe(out, args, kwargs):
-    """(per output: storage slot, dtype, shape, stride, offset), (bytes per slot); _UNCACHEABLE where an output
-    is not a meta tensor or shares an argument's storage (``_unsafe_view`` aliases its input without saying so
-    in its schema): the kernel, a function of the key, does so for every call with this key."""
+    """How to make the outputs again: ``(per output: None, or (dtype, shape, stride) of an output that is a
+    whole storage of its own as ``empty_strided`` makes it), None)`` where every output is so (the common case:
+    one call per output), else ``(per output: storage slot, dtype, shape, stride, offset), (bytes per slot)``;
+    _UNCACHEABLE where an output is not a meta tensor or shares an argument's storage (``_unsafe_view`` aliases
+    its input without saying so in its schema): the kernel, a function of the key, does so for every call with
+    this key."""
     outputs = out if isinstance(out, tuple) else (out,)
     # an output may be None where an output mask asks for none (native_layer_norm_backward under a split backward)
     if not all(t is None or isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outputs) \
@@ -105,7 +115,18 @@ def _describe(out, args, kwargs):
         storage = tensor.untyped_storage()
         slot = slots.setdefault(id(storage), (len(slots), storage.nbytes()))[0]
         described.append((slot, tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()))
-    return tuple(described), tuple(nbytes for _, nbytes in sorted(slots.values()))
+    slot_bytes = tuple(nbytes for _, nbytes in sorted(slots.values()))
+    if len(slots) == sum(output is not None for output in described) and all(
+            output is None or output[4] == 0 and _strided_bytes(output) == slot_bytes[output[0]]
+            for output in described):
+        return tuple(None if output is None else output[1:4] for output in described), None
+    return tuple(described), slot_bytes
+
+
+def _strided_bytes(output) -> int:
+    """The storage ``empty_strided`` makes for an output's (dtype, shape, stride), in bytes."""
+    _, dtype, shape, stride, _ = output
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta").untyped_storage().nbytes()
 
 
 def _tensors(value) -> list:
@@ -116,8 +137,14 @@ def _tensors(value) -> list:
     return []
 
 
-def _make(described, slot_bytes, tuple_out: bool):
-    """Fresh meta tensors with exactly the described metadata, each slot one new storage."""
+def _make(found, tuple_out: bool):
+    """Fresh meta tensors with exactly the remembered metadata, each storage a new one (``_describe``)."""
+    described, slot_bytes = found
+    if slot_bytes is None:  # each output a whole storage of its own
+        made = tuple(None if output is None else
+                     torch.empty_strided(output[1], output[2], dtype=output[0], device="meta")
+                     for output in described)
+        return made if tuple_out else made[0]
     storages = [torch.empty((nbytes,), dtype=torch.uint8, device="meta").untyped_storage() for nbytes in slot_bytes]
     made = tuple(None if output is None else
                  torch.empty((0,), dtype=output[1], device="meta").set_(storages[output[0]], output[4], output[2],

@@ -10,7 +10,7 @@ the recorder sees, with their arguments as issued:
 - each read of a device value on the host (``.item()``, ``torch.equal``, a tensor's truth), which a fake
   or meta tensor cannot answer: it is answered as a healthy run would (0, equal) and logged as a ``HostRead``,
   since on a GPU each one is a synchronisation of the step;
-- each new storage an op makes and when Python frees it (``weakref.finalize``), at the size the device's
+- each new storage an op makes and when Python frees it (a weak reference's callback), at the size the device's
   allocator would hand out (the CUDA caching allocator rounds every block up to 512 bytes), so the peak
   and what was live at it are known.
 Object collectives (``all_gather_object``) pickle host values: they run on real host tensors under the
@@ -47,6 +47,7 @@ _HOST_READS = {torch.ops.aten._local_scalar_dense.default: 0, torch.ops.aten.equ
                torch.ops.aten.is_nonzero.default: False}
 # a fake tensor's ``.device`` reaches the mode as this op: most of a step's dispatches, none of them recorded
 _DEVICE = torch.ops.prim.device.default
+_PASS, _HOST, _C10D, _OTHER = "pass", "host read", "c10d", "other"  # how the mode handles an op
 
 
 def allocator_bytes(nbytes: int, device: torch.device) -> int:
@@ -104,6 +105,9 @@ class Recorder(TorchDispatchMode):
         self._host_sizes: dict = {}
         self._on_host = 0  # inside ``on_host``: storages made are host memory, whatever their device
         self.meta_cache = MetaCache()  # a plain meta step's kernels' answers (meta_cache.py)
+        self._on_meta = self.device.type == "meta"
+        self._watch: dict = {}  # storage key -> the weak reference that reports its storage freed, while live
+        self._route: dict = {}  # id(op) -> (op, how the mode handles it: _PASS, _HOST, _C10D or _OTHER)
 
     @contextlib.contextmanager
     def on_host(self):
@@ -122,21 +126,24 @@ class Recorder(TorchDispatchMode):
         return self._ids.get(id(tensor.untyped_storage()))
 
     def _track(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, FakeTensor) and tensor.device.type != "meta":  # a real host tensor of the step
-            return
         storage = tensor.untyped_storage()
-        if id(storage) in self._ids:
+        sid = id(storage)
+        if sid in self._ids:
+            return
+        if not tensor.is_meta and not isinstance(tensor, FakeTensor):  # a real host tensor of the step
             return
         self._keys += 1
         key = self._keys
         # a GPU rank's host buffers (offload) are not device memory
-        on_device = tensor.device.type == self.device.type and not self._on_host
-        size = allocator_bytes(storage.nbytes(), self.allocator) if on_device else 0
+        on_device = (tensor.is_meta if self._on_meta else tensor.device.type == self.device.type) \
+            and not self._on_host
+        nbytes = storage.nbytes()
+        size = allocator_bytes(nbytes, self.allocator) if on_device else 0
         if not on_device:  # host memory of a GPU rank: counted apart
-            self.host_live += storage.nbytes()
+            self.host_live += nbytes
             self.host_peak = max(self.host_peak, self.host_live)
-            self._host_sizes[id(storage)] = storage.nbytes()
-        self._ids[id(storage)] = key
+            self._host_sizes[sid] = nbytes
+        self._ids[sid] = key
         self.sizes[key] = size
         self.part_of[key], self.site_of[key] = self.sites.part() if size else ("activations", "")
         self.events.append((key, size))
@@ -144,9 +151,15 @@ class Recorder(TorchDispatchMode):
         if self.live > self.peak:
             self.peak, self.peak_at = self.live, len(self.events)
             self.peak_action = self.sites.action()
-        weakref.finalize(storage, self._free, id(storage), key)
+        # told when Python frees it: a plain weak reference with a callback, held until then (what
+        # ``weakref.finalize`` does, without its registry and atexit bookkeeping per storage)
+        self._watch[key] = weakref.ref(storage, self._freed(sid, key))
+
+    def _freed(self, storage_id: int, key: int):
+        return lambda _: self._free(storage_id, key)
 
     def _free(self, storage_id: int, key: int) -> None:
+        self._watch.pop(key, None)
         self.host_live -= self._host_sizes.pop(storage_id, 0) if self._ids.get(storage_id) == key else 0
         if self._ids.get(storage_id) == key:
             del self._ids[storage_id]
@@ -175,9 +188,16 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _DEVICE:
+        # how this op is handled, found once per op: an ``OpOverload`` hashes in Python (a microsecond a lookup,
+        # on hundreds of thousands of ops a step), its id in C; the op is held in the entry, so the id stays its
+        route = self._route.get(id(func))
+        if route is None:
+            route = self._route[id(func)] = (func, _PASS if func is _DEVICE else _HOST if func in _HOST_READS else
+                                             _C10D if func.namespace == "c10d" else _OTHER)
+        route = route[1]
+        if route is _PASS:
             return func(*args, **kwargs)
-        if func in _HOST_READS:
+        if route is _HOST:
             try:
                 return func(*args, **kwargs)
             except (DataDependentOutputException, RuntimeError, NotImplementedError) as error:
@@ -189,19 +209,23 @@ class Recorder(TorchDispatchMode):
                 self.host_reads.append(HostRead(str(func).removesuffix(".default"), context["source"] or
                                                 context["where"], context["action"]))
                 return _HOST_READS[func]
-        if func.namespace == "c10d" and not self.in_object_collective:
+        if route is _C10D and not self.in_object_collective:
             self._record_call(func, args, kwargs)
-        if self.device.type == "meta":
+        if self._on_meta:
             # ``torch.tensor(data, device="meta")`` makes its storage without dispatching an op (a fake tensor's
             # maker dispatches ``lift_fresh``): such a storage is counted from the first op that reads it
+            ids = self._ids
             for tensor in _tensors(args):
-                if tensor.is_meta and id(tensor.untyped_storage()) not in self._ids:
+                if tensor.is_meta and id(tensor.untyped_storage()) not in ids:
                     self._track(tensor)
             out = self.meta_cache.run(func, args, kwargs)  # the same outputs, remembered (meta_cache.py)
         else:
             out = func(*args, **kwargs)
-        for tensor in _tensors(out):
-            self._track(tensor)
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        else:
+            for tensor in _tensors(out):
+                self._track(tensor)
         return out
 
     def _record_call(self, func, args, kwargs) -> None:

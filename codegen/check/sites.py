@@ -111,8 +111,11 @@ class Sites:
         runtime's line."""
         backward = cast = False
         node = runtime = None
-        for frame in self.frames(2):
-            role, site, path, _ = self._role(frame.f_code)
+        roles, frame = self._roles, sys._getframe(1)  # the walk inlined: it runs for every allocation of a step
+        while frame is not None:
+            code = frame.f_code
+            found = roles.get(id(code))
+            role, site, path, _ = found if found is not None else self._role(code)
             if role == BACKWARD:
                 backward = True
                 break
@@ -124,6 +127,7 @@ class Sites:
                     cast = node is not None and _casts_a_parameter(node)
             elif runtime is None and path:
                 runtime = f"{path}:{frame.f_lineno}"
+            frame = frame.f_back
         where = _site_of_node(node) if node is not None else runtime or ""
         if backward:
             return "working_set", where or "backward"
