@@ -180,6 +180,21 @@ def local_shape(shape: tuple, placement: Placement, axis_size: int) -> tuple:
     return shape[:placement.dim] + (local,) + shape[placement.dim + 1:]
 
 
+def held_fraction(placement: Placement, axis_size: int, size=None) -> float:
+    """Share of a tensor one rank of an axis of ``axis_size`` ranks holds at ``placement`` (what ``local_shape``
+    gives over the whole): all of a replicated or partial tensor; of a shard, its slice of every split piece
+    and all of each whole one (``pieces``), or ``shard_share`` of a dim of ``size`` elements over ``size``, the
+    padding included (6 heads on 4 ranks: 2 a rank, a third, not a quarter). 1/axis_size where ``size`` is
+    not a known int (a sequence dim, which splits evenly)."""
+    if not isinstance(placement, PlanShard):
+        return 1.0
+    if placement.pieces:
+        return pieces_local_size(placement, axis_size) / sum(placement.pieces)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return 1.0 / axis_size
+    return shard_share(size, axis_size, placement.unit) / size
+
+
 def shard_share(n, axis_size: int, unit: int = 1):
     """Elements of a dim of ``n`` one rank holds when it is split over ``axis_size`` ranks in whole units
     of ``unit`` elements: ``ceil(n / (unit * axis_size)) * unit``, the end padded (rank r holds elements

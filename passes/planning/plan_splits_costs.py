@@ -53,7 +53,7 @@ import torch
 from torch.fx import Node
 
 from xirang.ir.meta_keys import BYTES, FLOPS, PARAM_COUNT, REQUIRES_GRAD, ROLE
-from xirang.ir.placement import PlanShard
+from xirang.ir.placement import PlanShard, held_fraction
 
 from xirang.passes.planning.cost_collectives import CollectiveCost, collective_cost
 from xirang.passes.planning.cost_model import Efficiency, compute_time
@@ -87,6 +87,7 @@ class Kept:
     nbytes: int  # ExprTable index of its bytes at the traced dtype
     scale: float  # plan precision / traced itemsize for a floating storage, else 1
     input: int | None  # read through node.all_input_nodes[input]; None: the node's own (output layout)
+    shape: tuple = ()  # sizes of the tensor read (or made) as its layout describes it; None where not an int
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ def _kept(node: Node, item, table: ExprTable, float_bytes: int, run: RunDtypes |
     docstring), else a floating one at the plan's precision."""
     own = item.producer == node.name  # made here: its dtype is that of the node (or the input it is made from)
     source = node.all_input_nodes[item.input] if item.input is not None else node
+    read = tensors(source)  # the tensor as the node reads or makes it: what its placement's dim counts
+    shape = tuple(int(size) if isinstance(size, (int, sympy.Integer)) else None for size in read[0].shape) \
+        if read else ()
     storage, nbytes, run_dtype = item.storage, item.nbytes, None
     copied = run.read_as.get(node.name, {}).get(item.input) if run is not None and not own else None
     if copied is not None:  # the program casts this input into a copy of the op's own, which it keeps
@@ -139,7 +143,7 @@ def _kept(node: Node, item, table: ExprTable, float_bytes: int, run: RunDtypes |
         scale = run_dtype.itemsize / itemsize
     else:
         scale = float_bytes / itemsize
-    return Kept(storage, storage.split(":", 1)[0], table.index(nbytes), scale, item.input)
+    return Kept(storage, storage.split(":", 1)[0], table.index(nbytes), scale, item.input, shape)
 
 
 def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool,
@@ -213,9 +217,11 @@ def _weight_output(node: Node, table) -> int | None:
     return None
 
 
-def local_fraction(placement, tp: int) -> float:
-    """Share of a tensor one rank holds: 1/tp of a shard, all of a replicated or partial tensor."""
-    return 1.0 / tp if isinstance(placement, PlanShard) else 1.0
+def local_fraction(placement, tp: int, shape: tuple = ()) -> float:
+    """Share of a tensor of ``shape`` one tp rank holds at ``placement`` (``held_fraction``: a padded or
+    pieced shard holds more than 1/tp; a shape not known, 1/tp of a shard)."""
+    dim = placement.dim if isinstance(placement, PlanShard) else None
+    return held_fraction(placement, tp, shape[dim] if dim is not None and dim < len(shape) else None)
 
 
 class Pricing:
@@ -341,4 +347,4 @@ class Pricing:
 
     def kept_bytes(self, kept: Kept, placement) -> float:
         """Bytes of one kept storage on one rank, in the plan's precision, at ``placement``'s share."""
-        return self.values[kept.nbytes] * kept.scale * local_fraction(placement, self.tp)
+        return self.values[kept.nbytes] * kept.scale * local_fraction(placement, self.tp, kept.shape)

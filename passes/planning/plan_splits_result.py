@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
+
 from torch.fx import Node
 
 from xirang.ir.meta_keys import PARAM_COUNT, REQUIRES_GRAD, ROLE, TENSOR
@@ -29,7 +31,7 @@ from xirang.ir.plan_parts import CollectiveChoice, Layout, NodeStrategy
 from xirang.passes.planning.unit_costs import UnitCost
 
 from xirang.passes.planning.plan_splits_costs import Kept, NodeFacts, Pricing, local_fraction
-from xirang.passes.planning.plan_splits_graph import SplitGraph
+from xirang.passes.planning.plan_splits_graph import SplitGraph, tensor_info
 from xirang.passes.planning.plan_splits_problem import R, TpProblem, element
 
 
@@ -71,7 +73,9 @@ class Assembly:
 
     def local_bytes(self, node: Node, count: int, size: float, whole: bool = False) -> float:
         placement = R if whole else self.placement_of(node)
-        return self.pricing.values[count] * size * local_fraction(placement, self.pricing.tp)
+        info = tensor_info(node)
+        shape = tuple(int(n) if isinstance(n, (int, sympy.Integer)) else None for n in info.shape) if info else ()
+        return self.pricing.values[count] * size * local_fraction(placement, self.pricing.tp, shape)
 
     def layout(self, placement) -> Layout:
         if placement not in self._layouts:

@@ -4,7 +4,8 @@ import json
 import pytest
 import sympy
 
-from xirang.ir.placement import PlanPartial, PlanReplicate, PlanShard, local_shape, placement_from_json
+from xirang.ir.placement import (PlanPartial, PlanReplicate, PlanShard, held_fraction, local_shape,
+                                 placement_from_json)
 
 
 def test_str():
@@ -137,3 +138,21 @@ def test_shard_in_whole_units_holds_whole_heads_and_round_trips():
     assert torch.equal(unshard(locals_, heads, 96), full)
     with pytest.raises(ValueError):
         PlanShard(0, chunks=3, unit=16)  # units on a fused layout: not offered
+
+
+@pytest.mark.parametrize("placement, shape, axis_size", [
+    (PlanShard(2, unit=16), (2, 256, 96), 4),  # 6 heads of 16 on 4 ranks: 2 heads a rank, a third
+    (PlanShard(2, unit=8), (2, 256, 48), 4),  # 3 kv heads: a head (two units of 8) a rank
+    (PlanShard(2), (2, 256, 110), 4),  # an MLP of 110: 28 a rank
+    (PlanShard(0), (128, 64), 4),  # even
+    (PlanShard(0, pieces=(64, 16, 16), whole=(1, 2)), (96, 64), 2),  # multi-query [q | k | v]: k and v whole
+    (PlanReplicate(), (8, 8), 4), (PlanPartial("sum"), (8, 8), 4)])
+def test_held_fraction_is_the_local_shapes_share_of_the_whole(placement, shape, axis_size):
+    local = local_shape(shape, placement, axis_size)
+    whole = sympy.prod(shape)
+    assert held_fraction(placement, axis_size, shape[placement.dim] if isinstance(placement, PlanShard) else None) \
+        == pytest.approx(float(sympy.prod(local) / whole))
+
+
+def test_held_fraction_of_a_size_not_known_is_an_even_share():
+    assert held_fraction(PlanShard(1), 4, sympy.Symbol("seq")) == 0.25 and held_fraction(PlanShard(1), 4) == 0.25

@@ -132,6 +132,29 @@ def test_heads_tp_4_does_not_divide_are_split_in_whole_heads_on_meta():
     assert xirang.check(plan, llama_uneven(2, SEQ, "meta")[0], example_kwargs=inputs, device="cpu", workers=1).ok
 
 
+def test_activations_of_padded_heads_are_priced_at_the_padded_share(monkeypatch):
+    """6 heads on 3 ranks or on 4 are 2 heads a rank either way (on 4 the last rank holds padding): each kept
+    activation of the attention, laid out by heads, is priced the same at tp 3 and tp 4, not a quarter less."""
+    from xirang.passes.planning import plan_splits_costs
+    priced, kept_bytes = {}, plan_splits_costs.Pricing.kept_bytes
+
+    def spy(self, kept, placement):
+        nbytes = kept_bytes(self, kept, placement)
+        priced[(self.tp, kept.storage, str(placement))] = nbytes
+        return nbytes
+    monkeypatch.setattr(plan_splits_costs.Pricing, "kept_bytes", spy)
+    model, inputs = llama_uneven(2, SEQ, "meta")
+    pricer = SplitPricer(xirang.analyze(model, example_kwargs=inputs).graph_module,
+                         xirang.World.uniform(1, 4, "cpu"), precision="fp32")
+    for tp in (3, 4):
+        pricer.price(tp, tuple(range(tp)), MICRO_BATCH, PLAN_SEQ)
+    headed = {(storage, layout) for tp, storage, layout in priced if tp == 4 and "units of 16" in layout}
+    assert headed  # q, its rotary output, the attention's output: in whole heads of 16 at tp 4
+    for storage, layout in headed:
+        at_3 = [nbytes for (tp, name, _), nbytes in priced.items() if tp == 3 and name == storage]
+        assert at_3 and priced[(4, storage, layout)] == pytest.approx(at_3[0]), storage
+
+
 @pytest.mark.matrix
 def test_llama_heads_and_mlp_tp_4_does_not_divide_train_as_on_one_device(tmp_path):
     check_uneven(4, tmp_path)
