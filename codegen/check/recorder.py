@@ -108,6 +108,8 @@ class Recorder(TorchDispatchMode):
         self._on_meta = self.device.type == "meta"
         self._watch: dict = {}  # storage key -> the weak reference that reports its storage freed, while live
         self._route: dict = {}  # id(op) -> (op, how the mode handles it: _PASS, _HOST, _C10D or _OTHER)
+        self._c10d: dict = {}  # id(c10d op) -> (op, the call kind it is or None, its arguments' names)
+        self._groups: dict = {}  # id(process group) -> (group, its global ranks, its description)
 
     @contextlib.contextmanager
     def on_host(self):
@@ -229,14 +231,22 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _record_call(self, func, args, kwargs) -> None:
-        name = func.__name__.split(".")[0]
-        kind = _KINDS.get(name)
+        op_facts = self._c10d.get(id(func))  # (op, its kind, its arguments' names), found once per op
+        if op_facts is None:
+            op_facts = self._c10d[id(func)] = (func, _KINDS.get(func.__name__.split(".")[0]),
+                                               tuple(argument.name for argument in func._schema.arguments))
+        _, kind, names = op_facts
         if kind is None:
             return
-        bound = {argument.name: value for argument, value in zip(func._schema.arguments, args)}
+        bound = dict(zip(names, args))
         bound.update(kwargs)
         group = ProcessGroup.unbox(bound["process_group"])
-        ranks = tuple(dist.get_process_group_ranks(group))
+        # a group's global ranks, read once per group (a world group's are a thousand ranks, listed per call)
+        group_facts = self._groups.get(id(group))
+        if group_facts is None:
+            group_facts = self._groups[id(group)] = (group, tuple(dist.get_process_group_ranks(group)),
+                                                     getattr(group, "group_desc", ""))
+        _, ranks, channel = group_facts
         buffer = _tensors(bound.get(_BUFFER[kind]))
         for tensor in buffer:
             if tensor.device.type != self.device.type:
@@ -262,7 +272,7 @@ class Recorder(TorchDispatchMode):
         self.calls.append(Call(index=len(self.calls), kind=kind, group=ranks, dtype=dtype, count=count, op=op,
                                root=root, peer=peer, tag=tag, shape=shape, label=label,
                                blocking=kind not in ("send", "recv") and not bound.get("async_op", True),
-                               channel=getattr(group, "group_desc", ""),
+                               channel=channel,
                                **self.sites.context()))
 
 
