@@ -184,15 +184,16 @@ def held_fraction(placement: Placement, axis_size: int, size=None) -> float:
     """Share of a tensor one rank of an axis of ``axis_size`` ranks holds at ``placement`` (what ``local_shape``
     gives over the whole): all of a replicated or partial tensor; of a shard, its slice of every split piece
     and all of each whole one (``pieces``), or ``shard_share`` of a dim of ``size`` elements over ``size``, the
-    padding included (6 heads on 4 ranks: 2 a rank, a third, not a quarter). 1/axis_size where ``size`` is
-    not a known int (a sequence dim, which splits evenly)."""
+    padding included (6 heads on 4 ranks: 2 a rank, a third, not a quarter). ``size`` may be an int or a sympy
+    expression; 1/axis_size where it is not a known integer (a sequence dim, which splits evenly)."""
     if not isinstance(placement, PlanShard):
         return 1.0
     if placement.pieces:
         return pieces_local_size(placement, axis_size) / sum(placement.pieces)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    known = isinstance(size, int) and not isinstance(size, bool) or getattr(size, "is_Integer", False)
+    if not known or int(size) < 1:
         return 1.0 / axis_size
-    return shard_share(size, axis_size, placement.unit) / size
+    return shard_share(int(size), axis_size, placement.unit) / int(size)
 
 
 def shard_share(n, axis_size: int, unit: int = 1):

@@ -87,7 +87,7 @@ class Kept:
     nbytes: int  # ExprTable index of its bytes at the traced dtype
     scale: float  # plan precision / traced itemsize for a floating storage, else 1
     input: int | None  # read through node.all_input_nodes[input]; None: the node's own (output layout)
-    shape: tuple = ()  # sizes of the tensor read (or made) as its layout describes it; None where not an int
+    shape: tuple = ()  # sizes (ints or sympy) of the tensor read (or made), as its layout describes it
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,7 @@ def _kept(node: Node, item, table: ExprTable, float_bytes: int, run: RunDtypes |
     own = item.producer == node.name  # made here: its dtype is that of the node (or the input it is made from)
     source = node.all_input_nodes[item.input] if item.input is not None else node
     read = tensors(source)  # the tensor as the node reads or makes it: what its placement's dim counts
-    shape = tuple(int(size) if isinstance(size, (int, sympy.Integer)) else None for size in read[0].shape) \
-        if read else ()
+    shape = tuple(read[0].shape) if read else ()
     storage, nbytes, run_dtype = item.storage, item.nbytes, None
     copied = run.read_as.get(node.name, {}).get(item.input) if run is not None and not own else None
     if copied is not None:  # the program casts this input into a copy of the op's own, which it keeps

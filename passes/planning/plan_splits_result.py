@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import sympy
-
 from torch.fx import Node
 
 from xirang.ir.meta_keys import PARAM_COUNT, REQUIRES_GRAD, ROLE, TENSOR
@@ -74,8 +72,8 @@ class Assembly:
     def local_bytes(self, node: Node, count: int, size: float, whole: bool = False) -> float:
         placement = R if whole else self.placement_of(node)
         info = tensor_info(node)
-        shape = tuple(int(n) if isinstance(n, (int, sympy.Integer)) else None for n in info.shape) if info else ()
-        return self.pricing.values[count] * size * local_fraction(placement, self.pricing.tp, shape)
+        return self.pricing.values[count] * size * local_fraction(placement, self.pricing.tp,
+                                                                  tuple(info.shape) if info else ())
 
     def layout(self, placement) -> Layout:
         if placement not in self._layouts:

@@ -115,11 +115,11 @@ def combine(summaries: Sequence[dict], num_micro_batches: int) -> MeasuredCosts:
     forward, backward = {}, {}
     for summary in summaries:
         for stage, seconds in summary["forward"].items():
-            mine = seconds + summary["backward"].get(stage, 0.0)
+            back = summary["backward"].get(stage, 0.0)
             # both figures from the one slowest replica: the largest forward of one replica beside the
             # largest backward of another is a micro-batch no rank ran, longer than the step allowed
-            if stage not in forward or mine > forward[stage] + backward[stage]:
-                forward[stage], backward[stage] = seconds, summary["backward"].get(stage, 0.0)
+            if stage not in forward or seconds + back > forward[stage] + backward[stage]:
+                forward[stage], backward[stage] = seconds, back
     finished = max(s["finished"] for s in summaries)
     sync = max(0.0, finished - max(s["last_compute"] for s in summaries))
     step = max(s["finished"] + s["outside"] for s in summaries)
