@@ -208,6 +208,23 @@ def test_a_pipeline_message_is_its_mean_rank_cpu_line_at_every_rank_busy():
     assert calibrated_world(_results(), backend="gloo", device="cpu").calibration.pipeline_message_s is None
 
 
+
+def test_a_message_size_the_noise_swallowed_is_dropped_and_under_two_sizes_messages_go_unpriced():
+    # rank 0 measured one size below its rounds without messages, rank 1 a little above: the mean over
+    # ranks is negative there (not clamped per rank to 0, which would bias it up), so that size is dropped
+    results = _shared(None)
+    rows = {0: [[1e3, -3e-4], [1e5, 3e-4], [1e6, 1.2e-3]], 1: [[1e3, 1e-4], [1e5, 3e-4], [1e6, 1.2e-3]]}
+    fitted = calibrated_world([{**r, "message_cpu": rows[i % 2]} for i, r in enumerate(results)],
+                              backend="gloo", device="cpu").calibration
+    assert fitted.pipeline_message_s == pytest.approx((4 * 2e-4, 4 * 1e-9))
+    assert fitted.raw["pipeline_message"]["cpu_samples"][0] == pytest.approx([1e3, -1e-4])
+    # only one size above the noise: no line can be fitted, and the file says why instead of failing
+    rows = {0: [[1e3, -3e-4], [1e6, 0.0]], 1: [[1e3, 1e-4], [1e6, 2e-4]]}
+    unpriced = calibrated_world([{**r, "message_cpu": rows[i % 2]} for i, r in enumerate(results)],
+                                backend="gloo", device="cpu").calibration
+    assert unpriced.pipeline_message_s is None
+    assert unpriced.raw["pipeline_message"]["note"].startswith("not priced: 1 of 2 sizes")
+
 def test_two_training_sizes_slow_the_flop_rates_and_the_fixed_costs_apart():
     # 8 ranks on 2 cores: each gets a quarter of a core; beside the others the training work's
     # per-row CPU grows 1.1x and its per-call CPU 1.5x (per pass: 2 ms + 0.1 ms a row alone)

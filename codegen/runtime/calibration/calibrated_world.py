@@ -239,9 +239,17 @@ def calibrated_world(results: Sequence[dict], *, backend: str, device: str) -> W
     rows = [r.get("message_cpu") for r in results]
     if sharing is not None and all(rows):
         samples = _mean(rows)
-        per_message, per_byte, residual = fit_line([x for x, _ in samples], [y for _, y in samples])
-        message = (per_message * ranks / cores, per_byte * ranks / cores)
-        raw["pipeline_message"] = {"cpu_samples": samples, "residual": residual, "ranks_per_core": ranks / cores}
+        # a size whose mean is not positive is one the noise of the rounds without messages swallowed:
+        # no figure to fit; under two sizes left, messages go unpriced and the file says why
+        measured = [s for s in samples if s[1] > 0]
+        raw["pipeline_message"] = {"cpu_samples": samples, "ranks_per_core": ranks / cores}
+        if len(measured) >= 2:
+            per_message, per_byte, residual = fit_line([x for x, _ in measured], [y for _, y in measured])
+            message = (per_message * ranks / cores, per_byte * ranks / cores)
+            raw["pipeline_message"]["residual"] = residual
+        else:
+            raw["pipeline_message"]["note"] = (f"not priced: {len(samples) - len(measured)} of {len(samples)} "
+                                               "sizes measured no CPU above the rounds without messages")
     on_gpu = device.startswith("cuda")
     if on_gpu:
         memory = torch.cuda.get_device_properties(0).total_memory
