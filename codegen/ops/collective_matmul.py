@@ -139,7 +139,7 @@ class GatherLinear(torch.autograd.Function):
         ctx.save_for_backward(gathered, weight)
         ctx.dim, ctx.chunks, ctx.group, ctx.counter, ctx.rows = dim, chunks, group, counter, k * local.shape[0]
         ctx.has_bias = bias is not None
-        return out.movedim(0, dim)
+        return out.movedim(0, dim).contiguous()  # in the input's layout (collectives._all_gather says why)
 
     @staticmethod
     def backward(ctx, grad):
@@ -174,7 +174,7 @@ class LinearReduceScatter(torch.autograd.Function):
         ctx.save_for_backward(rows, weight)
         ctx.dim, ctx.chunks, ctx.group, ctx.counter = dim, chunks, group, counter
         ctx.has_bias = bias is not None
-        return out.movedim(0, dim)
+        return out.movedim(0, dim).contiguous()  # in the input's layout (collectives._all_gather says why)
 
     @staticmethod
     def backward(ctx, grad):

@@ -94,7 +94,10 @@ def _all_gather(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tenso
     out = local.new_empty((k * local.shape[0],) + tuple(local.shape[1:]))
     record_call(counter, "all_gather", out.nbytes, k, label)
     all_gather_flat(out, local, group)
-    return out.movedim(0, dim)
+    # contiguous in ``x``'s layout: a moved view would make every op after it keep that layout (elementwise
+    # ops follow their input's strides), and each linear reading it would copy it into a matrix, a copy it
+    # keeps for its backward; one copy here, freed with the flat buffer, instead
+    return out.movedim(0, dim).contiguous()
 
 
 def all_gather_flat(out: torch.Tensor, local: torch.Tensor, group, *, async_op: bool = False):
@@ -141,7 +144,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, counter, label) -> torch.T
         out = summed.chunk(k, dim=0)[group_rank(group)].contiguous()
         emulated = True
     record_call(counter, "reduce_scatter", full.nbytes, k, label, emulated)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # in ``x``'s layout, as ``_all_gather``'s result
 
 
 class CopyToGroup(torch.autograd.Function):
@@ -176,7 +179,7 @@ class GatherFromGroup(torch.autograd.Function):
     def forward(ctx, x, dim, full_size, group, counter, unit):
         ctx.dim, ctx.group, ctx.unit = dim, group, unit
         out = _all_gather(x, dim, group, counter, "gather_from_group.forward")
-        return out.narrow(dim, 0, full_size) if full_size is not None else out
+        return out.narrow(dim, 0, full_size).contiguous() if full_size is not None else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -193,7 +196,7 @@ class GatherSummingGrad(torch.autograd.Function):
     def forward(ctx, x, dim, full_size, group, counter):
         ctx.dim, ctx.group, ctx.counter = dim, group, counter
         out = _all_gather(x, dim, group, counter, "gather_summing_grad.forward")
-        return out.narrow(dim, 0, full_size) if full_size is not None else out
+        return out.narrow(dim, 0, full_size).contiguous() if full_size is not None else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -242,7 +245,8 @@ def _all_to_all(x, scatter_dim, gather_dim, gather_size, group, counter, label):
     record_call(counter, "all_to_all", send.nbytes, k, label)
     dist.all_to_all_single(recv, send, group=group)
     out = torch.cat(recv.unbind(0), dim=gather_dim)
-    return out.narrow(gather_dim, 0, gather_size) if gather_size is not None else out
+    # stripped of its padding as a tensor of its own: a narrowed view would keep the padding's storage
+    return out.narrow(gather_dim, 0, gather_size).contiguous() if gather_size is not None else out
 
 
 class AllToAll(torch.autograd.Function):
