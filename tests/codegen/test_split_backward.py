@@ -1,10 +1,13 @@
 """The zero-bubble split backward of one stage (codegen/runtime/executor/split_backward.py): B then W give the
 fused backward's gradients, bit for bit, including where one weight is read by two chained ops (its
-group then reaches the earlier op through the later one, over graph another group's call had freed)."""
+group then reaches the earlier op through the later one, over graph another group's call had freed), and
+with the stage under full recompute (``torch.utils.checkpoint``, as ``Recomputed`` runs a block), where W's
+calls share one recompute of the block."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from xirang.codegen.runtime.executor.split_backward import backward_input, backward_weights, ungrouped_weights
 
@@ -16,9 +19,12 @@ STAGES = {
 }
 
 
+@pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("name", sorted(STAGES))
-def test_input_then_weight_gradients_equal_the_fused_backward(name):
+def test_input_then_weight_gradients_equal_the_fused_backward(name, recomputed):
     stage = STAGES[name]
+    if recomputed:
+        stage = lambda *args, plain=stage: checkpoint(plain, *args, use_reentrant=False)  # noqa: E731
     generator = torch.Generator().manual_seed(0)
     w, v = (torch.randn(8, 8, generator=generator).requires_grad_() for _ in range(2))
     b = torch.randn(8, generator=generator).requires_grad_()
