@@ -1,7 +1,7 @@
 """The ``xirang`` command run as a user would: a real subprocess, its output and its errors.
 
-Default tier: the subprocesses whose point is what a shell sees (analyze from another folder, plan then
-explain); the pins and the two module entry points run in this process (an interpreter start is
+Default tier: the subprocess whose point is what a shell sees (analyze from another folder); plan then
+explain, the pins and the two module entry points run in this process (an interpreter start is
 seconds of the tier on a loaded machine, and what they check is the command, not the start). The error
 paths run as subprocesses in the matrix tier only: tests/bad_input probes each message in-process
 (test_cli_files.py, test_planning_inputs.py) and test_run_command.py runs one subprocess refusal.
@@ -63,21 +63,22 @@ def test_unknown_factory_lists_the_functions():
 
 
 def test_plan_saves_json_that_explain_reads(tmp_path):
+    # in this process: what is checked is the commands' output and the file between them, not an interpreter's start
     out = tmp_path / "plan.json"
-    result = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "1x2", "--hardware", "cpu",
-                    "--global-batch", "8", "--out", str(out))
-    assert result.returncode == 0, result.stderr
-    assert "Plan for 1 node x 2 cpu" in result.stdout and "Why this plan" in result.stdout
+    code, planned, progress = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "1x2", "--hardware", "cpu",
+                                  "--global-batch", "8", "--out", str(out))
+    assert code == 0, progress
+    assert "Plan for 1 node x 2 cpu" in planned and "Why this plan" in planned
     saved = json.loads(out.read_text())
     assert saved["schema_version"] == 2 and saved["global_batch"] == 8
-    assert set(saved["mesh"]) == {"pp", "dp", "cp", "tp", "ep", "order"} and "Mesh axes: pp=" in result.stdout
-    explained = xirang("explain", str(out))
-    assert explained.returncode == 0, explained.stderr
-    chosen = [line for line in explained.stdout.splitlines() if line.startswith("* dp=")]
-    assert len(chosen) == 1 and chosen[0] in result.stdout
+    assert set(saved["mesh"]) == {"pp", "dp", "cp", "tp", "ep", "order"} and "Mesh axes: pp=" in planned
+    code, explained, err = cli("explain", str(out))
+    assert code == 0, err
+    chosen = [line for line in explained.splitlines() if line.startswith("* dp=")]
+    assert len(chosen) == 1 and chosen[0] in planned
     # not a terminal: one progress line per planning step on stderr, stdout is the plan
-    steps = [line for line in result.stderr.splitlines() if line.startswith("[")]
-    assert [line[:6] for line in steps] == ["[#...]", "[##..]", "[###.]", "[####]"], result.stderr
+    steps = [line for line in progress.splitlines() if line.startswith("[")]
+    assert [line[:6] for line in steps] == ["[#...]", "[##..]", "[###.]", "[####]"], progress
     code, as_data, err = cli("explain", str(out), "--json")  # the same command as above, read as data
     assert code == 0, err
     table = json.loads(as_data)

@@ -1,6 +1,7 @@
 """``xirang inspect``, ``run``, ``verify`` and ``explain --picture`` as a user runs them: real subprocesses
-for inspect's report and --dump and (matrix) run and verify; the saved plan, inspect --json and explain
---picture in this process, where what is checked is the command's output, not another interpreter's start."""
+for (matrix) run, verify and inspect's errors; the saved plan, inspect's report, --dump, --json and explain
+--picture in this process (the command's ``main``, argparse included), where what is checked is the command's
+output, not another interpreter's start (tests/test_cli.py runs the entry point as a subprocess)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from tests.test_cli import xirang
 def tp2_plan(tmp_path_factory):
     """A saved plan of the tiny GPT on 2 ranks, tensor parallel (tp=2)."""
     out = tmp_path_factory.mktemp("plans") / "tp2.json"
-    # made in this process: the plan is what the tests read, the subprocesses are the commands they test
+    # made in this process: the plan is what the tests read, not a command they test
     code, _, err = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "2", "--hardware", "cpu",
                        "--global-batch", "8", "--tp", "2", "--out", str(out))
     assert code == 0, err
@@ -23,9 +24,8 @@ def tp2_plan(tmp_path_factory):
 
 
 def test_inspect_shows_rank_1_of_a_tp_plan_with_its_splits_and_code(tp2_plan):
-    result = xirang("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    code, out, err = cli("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny")
+    assert code == 0, err
     assert "Rank 1 of mesh dp=1 x pp=1 x tp=2: pp 0, dp 0, cp 0, tp 1, edp 0, ep 0" in out
     assert "mesh axes: pp=1 x dp=1 x cp=1 x tp=2 (ranks laid out pp outermost, tp innermost); ep=1" in out
     assert "tp group: ranks [0, 1]" in out
@@ -41,22 +41,22 @@ def test_inspect_dumps_the_graph_after_every_compile_pass_and_times_each(tp2_pla
     graph after that pass; ``--passes``: the declared list, every pass timed for this rank."""
     from xirang.pipeline import ANALYSIS_PASSES, LOWERING_PASSES
     dump = tmp_path / "dump"
-    result = xirang("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny", "--passes",
-                    "--dump", str(dump))
-    assert result.returncode == 0, result.stderr
+    code, out, err = cli("inspect", str(tp2_plan), "--rank", "1", "--model", "examples/catalog.py:gpt_tiny", "--passes",
+                         "--dump", str(dump))
+    assert code == 0, err
     for folder, passes in (("analysis", ANALYSIS_PASSES), ("rank1", LOWERING_PASSES)):
         files = sorted(p.name for p in (dump / folder).iterdir())
         assert files == [f"{i:02d}_{p.name}.txt" for i, p in enumerate(passes)], (folder, files)
     rewritten = (dump / "rank1" / "03_insert_collectives.txt").read_text()
     assert "copy_to_group" in rewritten and "xr_inserted" in rewritten  # the collectives, and why each is there
     assert "copy_to_group" not in (dump / "rank1" / "00_apply_plan.txt").read_text()
-    rows = [line.split() for line in result.stdout.splitlines()[1:-1]]
+    rows = [line.split() for line in out.splitlines()[1:-1]]
     assert [row[1] for row in rows] == [p.name for p in ANALYSIS_PASSES + LOWERING_PASSES]
     assert all(row[3] == "ms" and float(row[2]) >= 0 for row in rows), rows
 
 
 def test_inspect_json_without_model_lists_every_node_and_says_how_to_get_code(tp2_plan):
-    code, out, err = cli("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")  # the two above start it
+    code, out, err = cli("inspect", str(tp2_plan), "--rank", "0", "--all", "--json")
     assert code == 0, err
     info = json.loads(out)
     assert info["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "edp": 0, "ep": 0} and info["code"] is None

@@ -1,4 +1,6 @@
-"""`xirang demo`, the README's main job, run as a user runs it: a subprocess of the real entry point.
+"""`xirang demo`, the README's main job, run as a user runs it: the command's ``main`` (argparse included) in
+this process, in a folder of its own; what is checked is the demo's output and files, not an interpreter's start
+(tests/test_cli.py runs the real entry point as a subprocess).
 
 It plans a 4-layer GPT for 8 local CPU ranks, prints the plan table and the 1F1B schedule, draws
 the timeline, trains 3 steps on dp=2 x tp=2 x pp=2 gloo ranks and prints each step's loss beside
@@ -9,22 +11,17 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
+from tests.bad_input.probe import cli
 from tests.codegen.png_reader import colours, read_png
 from xirang.ir.schedules import build_schedule, is_compute
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-def test_demo_plans_shows_and_trains_8_ranks_like_one_device(tmp_path):
+def test_demo_plans_shows_and_trains_8_ranks_like_one_device(tmp_path, monkeypatch):
     timeline = tmp_path / "timeline.png"
-    result = subprocess.run([sys.executable, "-m", "xirang", "demo", "--timeline", str(timeline)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = result.stdout
+    monkeypatch.chdir(tmp_path)  # the demo writes its trace into the folder it runs in
+    code, out, err = cli("demo", "--timeline", str(timeline))
+    assert code == 0, out[-3000:] + err[-3000:]
     assert re.search(r"^\* dp=2 pp=2 tp=2 ", out, re.M), out[:3000]  # the plan table, chosen row marked
     assert "Pipeline schedule (1f1b, 2 stages" in out and "Why this plan" in out
     width, height, pixels = read_png(timeline.read_bytes())  # a PNG, wide and not blank

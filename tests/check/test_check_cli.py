@@ -1,4 +1,7 @@
-"""``xirang check`` and ``xirang plan --check`` run as a user would: a real subprocess."""
+"""``xirang check`` and ``xirang plan --check`` run as a user would. The default tier's run is in this process
+(the command's ``main``, argparse included): what it checks is the commands' output and the saved check, not an
+interpreter's start (tests/test_cli.py and tests/test_demo.py run the entry point as real subprocesses); the
+matrix tier's refusal runs real subprocesses."""
 from __future__ import annotations
 
 import json
@@ -7,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bad_input.probe import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,13 +23,13 @@ def xirang(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_check_then_check_a_saved_plan(tmp_path):
     plan = tmp_path / "plan.json"
-    planned = xirang("plan", "examples/catalog.py:gpt_tiny", "--world", "4", "--hardware", "cpu", "--global-batch",
-                     "8", "--pp", "2", "--dp", "2", "--out", str(plan), "--check")
-    assert planned.returncode == 0, planned.stderr
-    assert "xirang check: dp=2 x pp=2 x tp=1" in planned.stdout and "proven on all 4 ranks" in planned.stdout
+    code, printed, err = cli("plan", "examples/catalog.py:gpt_tiny", "--world", "4", "--hardware", "cpu",
+                             "--global-batch", "8", "--pp", "2", "--dp", "2", "--out", str(plan), "--check")
+    assert code == 0, err
+    assert "xirang check: dp=2 x pp=2 x tp=1" in printed and "proven on all 4 ranks" in printed
     out = tmp_path / "check.json"
-    checked = xirang("check", str(plan), "--model", "examples/catalog.py:gpt_tiny", "--out", str(out))
-    assert checked.returncode == 0, checked.stderr
+    code, _, err = cli("check", str(plan), "--model", "examples/catalog.py:gpt_tiny", "--out", str(out))
+    assert code == 0, err
     data = json.loads(out.read_text())
     assert data["ok"] and data["mesh"] == "dp=2 x pp=2 x tp=1" and len(data["classes"]) == 2
     assert all(row["calls"] > 0 and row["peak_bytes"] > 0 for row in data["classes"])
