@@ -67,3 +67,43 @@ def saved_plan(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     xirang.plan(model, world=1, hardware="cpu", example_kwargs=inputs, global_batch=8).save(path)
     return str(path)
+
+
+# One more interpreter for the tests whose point is another process: started once per session (an
+# interpreter start is seconds of the tier on a loaded machine), with another hash seed than this one's.
+OTHER_HASH_SEED = "12345"
+
+
+@pytest.fixture(scope="session")
+def another_interpreter(tmp_path_factory) -> dict:
+    """What a second interpreter (PYTHONHASHSEED=12345) computes, for the tests to compare with this process:
+    "plan": a saved tp 2 plan of tests/codegen/test_emit.py's tiny GPT (its ``tiny_plan(2, 2)``, made here),
+    "emitted": that plan's rank 1 program emitted there (test_emission_is_deterministic_across_processes),
+    "fingerprint": tests/passes/test_fingerprint.py's ``fingerprint()`` there
+    (test_same_in_another_process_with_another_hash_seed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from tests.codegen.test_emit import tiny_plan
+    plan_path = tmp_path_factory.mktemp("another_interpreter") / "plan.json"
+    tiny_plan(2, 2).save(plan_path)
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path[:0] = [".", "tests"]
+        import xirang
+        from tests.codegen.test_emit import tiny_gpt, tiny_batch
+        from tests.passes.test_fingerprint import fingerprint
+        from xirang.lower import rank_source
+        gm = xirang.analyze(tiny_gpt(), example_kwargs=tiny_batch()).graph_module
+        emitted = rank_source(gm, xirang.Plan.load({str(plan_path)!r}), 1)
+        print(json.dumps({{"emitted": emitted, "fingerprint": fingerprint()}}))
+    """)
+    env = {**os.environ, "PYTHONHASHSEED": OTHER_HASH_SEED}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    return {"plan": plan_path, **json.loads(done.stdout.splitlines()[-1])}

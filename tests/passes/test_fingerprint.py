@@ -1,10 +1,6 @@
 """Graph fingerprint: the same model always gives the same one (in any process, traced on any
 device), another structure a different one; node names do not count, argument wiring does."""
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,8 +10,6 @@ from tests.ir.test_plan import make_plan
 from xirang import analyze
 from xirang.ir.plan import Plan, PlanError
 from xirang.passes.analysis.fingerprint import FINGERPRINT_CHARS, check_plan_matches, graph_fingerprint, model_summary
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +64,9 @@ def test_node_names_and_tracing_device_do_not_count():
     assert before == fingerprint(device="meta") == fingerprint(device="cpu")
 
 
-def test_same_in_another_process_with_another_hash_seed():
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path[:0] = [{HERE!r}, {os.path.dirname(HERE)!r}]
-        from test_fingerprint import fingerprint
-        print(fingerprint())
-    """)
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == fingerprint()
+def test_same_in_another_process_with_another_hash_seed(another_interpreter):
+    # tests/conftest.py's another_interpreter: PYTHONHASHSEED=12345, shared with test_emit.py's emission check
+    assert another_interpreter["fingerprint"] == fingerprint()
 
 
 # --- a refused plan names what differs first (the plan carries a compact summary of its model) ------
