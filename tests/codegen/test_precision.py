@@ -31,8 +31,9 @@ def batch() -> dict:
 def step(name: str, precision: str):
     torch.manual_seed(0)
     model = BUILDERS[name]()
-    plan = xirang.plan(model, world=1, example_kwargs=batch(), global_batch=4, hardware="a100-80g", precision=precision)
-    compiled = xirang.compile(model, world=1, example_kwargs=batch(), plan=plan)
+    # planned inside compile, on compile's one trace (xirang.plan, then compile(plan=), would trace twice)
+    compiled = xirang.compile(model, world=1, example_kwargs=batch(), global_batch=4, hardware="a100-80g",
+                              precision=precision)
     loss = compiled.train_step(**batch())
     return compiled, loss, compiled.full_gradients()
 
@@ -70,19 +71,25 @@ def test_unify_casts_only_when_floating_inputs_disagree():
                                                                     torch.long, None]
 
 
-def test_rotary_angles_stay_fp32_while_the_hidden_state_is_bf16():
-    gm = xirang.analyze(BUILDERS["llama"](), example_kwargs=batch()).graph_module
+@pytest.fixture(scope="module")
+def llama_graph():
+    """The Llama's analysed graph, traced once for the tests below (they only read it)."""
+    return xirang.analyze(BUILDERS["llama"](), example_kwargs=batch()).graph_module
+
+
+def test_rotary_angles_stay_fp32_while_the_hidden_state_is_bf16(llama_graph):
+    gm = llama_graph
     dtypes = compute_dtypes(gm, torch.bfloat16)
     of = {target: {dtypes[n.name] for n in gm.graph.nodes if n.target is target}
           for target in (torch.ops.aten.cos.default, torch.ops.aten.linear.default)}
     assert of == {torch.ops.aten.cos.default: {torch.float32}, torch.ops.aten.linear.default: {torch.bfloat16}}
 
 
-def test_a_norm_that_casts_back_gives_the_compute_dtype_and_the_residual_stays_half():
+def test_a_norm_that_casts_back_gives_the_compute_dtype_and_the_residual_stays_half(llama_graph):
     """Llama's RMSNorm upcasts and casts back "to the input's dtype"; both were traced as casts to float32,
     and the upcast, a no-op in the trace, stands for the residual too. In bf16 the norm returns bf16 and the
     residual adds stay bf16, so no matmul reading a norm makes a copy of its input (passes/lowering/precision.py)."""
-    gm = xirang.analyze(BUILDERS["llama"](), example_kwargs=batch()).graph_module
+    gm = llama_graph
     dtypes = compute_dtypes(gm, torch.bfloat16)
     kinds = {"norm": "LlamaRMSNorm", "residual": "LlamaDecoderLayer"}
     found = {kind: set() for kind in kinds}

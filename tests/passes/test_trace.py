@@ -3,6 +3,7 @@ layer folding (folded == full trace, node by node), and errors that name module,
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -23,12 +24,19 @@ def traced(model, fold=True, **inputs):
     return PassManager([trace_model, annotate_tensors]).run(None, ctx).gm
 
 
+@functools.lru_cache(maxsize=None)
+def traced_default(name: str):
+    """The folded trace of conftest's 2-layer model ``name`` on token_batch(), traced once for this module:
+    the tests below only read it."""
+    return traced(HF_MODELS[name]())
+
+
 def calls(gm, target_name):
     return [n for n in gm.graph.nodes if n.op == "call_function" and target_name in str(n.target)]
 
 
 def test_hf_models_trace_with_batch_and_seq_symbols(hf_model_name):
-    gm = traced(HF_MODELS[hf_model_name]())
+    gm = traced_default(hf_model_name)
     assert TRACE_INFO.get(gm)["method"] == "export-symbolic"
     assert SYMBOLS.get(gm) == {"batch": 2, "seq": 16}
     ids = next(n for n in gm.graph.nodes if n.name == "input_ids")
@@ -37,7 +45,7 @@ def test_hf_models_trace_with_batch_and_seq_symbols(hf_model_name):
 
 
 def test_parameters_are_named_placeholders_and_tied_weights_are_one():
-    gm = traced(hf_gpt2())
+    gm = traced_default("gpt2")
     params = [n for n in gm.graph.nodes if ROLE.get(n) == "parameter"]
     names = [PARAM_NAME.get(n) for n in params]
     assert "lm_head.weight" not in names  # tied to the token embedding: one placeholder
@@ -48,19 +56,19 @@ def test_parameters_are_named_placeholders_and_tied_weights_are_one():
 
 
 def test_ops_keep_module_path_and_user_source_line():
-    gm = traced(hf_llama())
+    gm = traced_default("llama")
     q_proj = next(n for n in calls(gm, "linear") if MODULE_PATH.get(n) == "model.layers.0.self_attn.q_proj")
     source = SOURCE.get(q_proj)
     assert source.file.endswith("modeling_llama.py")
     assert "q_proj" in source.code  # the line in LlamaAttention.forward, not torch's Linear.forward
 
 
-@pytest.mark.parametrize("build", [hf_llama, hf_gpt2], ids=["llama", "gpt2"])
-def test_forward_frames_give_torchs_own_stack_traces(build, monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_forward_frames_give_torchs_own_stack_traces(name, monkeypatch):
     """Export's stack capture through ``ForwardFrames`` writes the text torch's own capture writes."""
-    ours = [n.meta.get("stack_trace") for n in traced(build()).graph.nodes]
+    ours = [n.meta.get("stack_trace") for n in traced_default(name).graph.nodes]
     monkeypatch.setattr(trace_module, "forward_frames_only", contextlib.nullcontext)
-    torchs = [n.meta.get("stack_trace") for n in traced(build()).graph.nodes]
+    torchs = [n.meta.get("stack_trace") for n in traced(HF_MODELS[name]()).graph.nodes]
     assert sum(map(bool, torchs)) > len(torchs) // 2  # most nodes have one: the comparison says something
     assert ours == torchs
 
