@@ -111,7 +111,9 @@ def run_rank(program, plan, rank: int, *, tensors: dict, inputs: dict, device="c
                 compiled.activation_offload.use_copier(HostCopies(recorder))  # to host memory, as a GPU copies
             if mutate is not None:
                 mutate(compiled)
-            optimizer = torch.optim.AdamW(compiled.parameters())
+            # torch's AdamW on a GPU takes its foreach path (one temporary the size of a moment, for the step);
+            # on meta fakes it would take the per-tensor one, a CPU's
+            optimizer = torch.optim.AdamW(compiled.parameters(), foreach=gpu or None)
             for param in compiled.parameters():  # the optimizer's state exists from the first step on
                 param.grad = torch.zeros_like(param)
             optimizer.step()
