@@ -118,6 +118,7 @@ class _Units:
     offload: tuple[float, ...] = ()  # seconds of offload copies left exposed per micro-batch
     buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
     weight_outputs: tuple[float, ...] = ()  # bytes of weight-op outputs (their gradients wait for W)
+    rebuilt: tuple[float, ...] = ()  # bytes a recompute rebuilds of each unit (0 where it keeps its activations)
     backward_ratio: float = 2.0  # backward over forward time of the whole model (zero-bubble bubbles)
     recompute: str = "none"
     crossing: tuple = ()  # TensorSplit.crossing: what a stage's executor holds per micro-batch (plan_memory.py)
@@ -158,8 +159,9 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
     out = [max(0.0, c - f) for c, f in zip(copy, forward)]  # the copy out of one block vs the next's forward
     back = [max(0.0, c - b) for c, b in zip(copy, backward)]  # the prefetch vs the backward before it
     backward = [b + e for b, e in zip(backward, back)]
-    blocks = [u for u, mode in zip(units, modes) if mode != "none"]
-    rebuilt = max((u.saved_bytes - u.activation_bytes(recompute) for u in blocks), default=0.0)
+    rebuilt_by_unit = [u.saved_bytes - u.activation_bytes(mode) if mode != "none" else 0.0
+                       for u, mode in zip(units, modes)]
+    rebuilt = max(rebuilt_by_unit, default=0.0)
     held = 2 * max((k for k, off in zip(kept, moved) if off), default=0.0)
     # a unit's backward turns what it saved into gradients of the same size, alive at once with them
     gradients = max((u.saved_bytes for u in units), default=0.0)
@@ -177,7 +179,7 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
         flops=math.fsum(u.model_flops + (u.model_forward_flops if m == "full" else 0.0)
                         for u, m in zip(units, modes)),
         offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units),
-        weight_outputs=tuple(u.weight_output_bytes for u in units),
+        weight_outputs=tuple(u.weight_output_bytes for u in units), rebuilt=tuple(rebuilt_by_unit),
         backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0,
         recompute=recompute, crossing=split.crossing)
 

@@ -221,6 +221,19 @@ class RankMemory:
         n = self.units(c)
         return math.fsum(math.fsum(n.weight_outputs[a:b]) for a, b in stages if a > 0)
 
+    def _w_rebuilt(self, c: Candidate, stages) -> float:
+        """What a split backward's W rebuilds beyond the one block the working set holds already: W's calls share
+        one recompute of each block of the chunk (codegen/runtime/executor/split_backward.py), and each block's
+        rebuilt tensors that W never reads (all but the weight ops' inputs) stay until W ends, so the chunk's
+        blocks are held at once, not one after the other. Counted where B runs before W; the first stage's W
+        is its whole backward. (Qwen3-30B-A3B at dp8 pp4 ep8 zb-h1 on H100, pipeline ranks 1 and 2: the dry
+        run's working set 18.1 and 20.9 GiB, priced 10.3 and 13.0 with one block rebuilt.)"""
+        n = self.units(c)
+        if n.recompute != "full" or not n.rebuilt:
+            return 0.0
+        most = max(n.rebuilt)  # in ``transient`` already
+        return max([math.fsum(n.rebuilt[a:b]) - most for a, b in stages if a > 0] + [0.0])
+
     def cast_gradients(self, c: Candidate, stages) -> float:
         """What the half-precision weight gradients held at the end of a whole backward add to a rank's
         working set: the most, over its chunks that run one, by which they exceed that chunk's activations of
@@ -256,7 +269,8 @@ class RankMemory:
         buffers = math.fsum(math.fsum(n.buffers[a:b]) for a, b in stages)
         chunks = [math.fsum(n.activation[a:b]) + self.stage_held(c, a, b) for a, b in stages]
         state = self.state_bytes(params, c)
-        working = n.transient + waiting * self._w_gradients(c, stages) + self.cast_gradients(c, stages)
+        working = n.transient + waiting * self._w_gradients(c, stages) + self.cast_gradients(c, stages) \
+            + (self._w_rebuilt(c, stages) if waiting else 0.0)
         peaks = self.chunk_peaks(c)[rank] if rank is not None else None
         if peaks and all(len(peak) == 3 * len(chunks) for peak in peaks):
             # each chunk's activations at what it holds, its gradients from its first backward on, its reduce

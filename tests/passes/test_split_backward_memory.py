@@ -39,3 +39,20 @@ def test_the_gradients_waiting_for_w_are_in_the_working_set(schedule, kept):
     base = 100.0  # the largest unit's saved bytes: its backward's gradients
     for rank, extra in enumerate(kept):
         assert best.memory_parts[rank]["working_set"] == pytest.approx(base + extra)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_under_full_recompute_w_holds_every_block_of_its_stage_rebuilt(schedule):
+    """p = 2, two blocks of 100 B saved and 10 B kept (the block's input) per stage: full recompute rebuilds 90 B
+    a block. W's calls share one recompute of each block and keep what they do not read until W ends, so rank 1
+    (B before W) holds both of its blocks rebuilt, 90 B more than the one block every backward's working set
+    counts; rank 0's W is its whole backward, and 1F1B rebuilds one block at a time."""
+    best = search_plan(_price, parse_world(2), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
+                       recompute="full", schedule=schedule).best
+    assert best.bounds == ((0, 2), (2, 4))
+    rebuilt, gradients = 90.0, 100.0  # the largest block's rebuild, and its backward's gradients
+    waiting = {"zb-h1": (0, 2), "1f1b": (0, 0)}[schedule]
+    held = {"zb-h1": (0.0, 90.0), "1f1b": (0.0, 0.0)}[schedule]
+    for rank in range(2):
+        expected = rebuilt + gradients + waiting[rank] * 2 * 30.0 + held[rank]
+        assert best.memory_parts[rank]["working_set"] == pytest.approx(expected), rank
