@@ -29,7 +29,8 @@ The formulation (each part measured by name on the real program by ``xirang chec
   largest block that recompute rebuilds, offload's two blocks; and under a split backward the gradients
   of the weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and
   whose W has not, counted on the schedule's own actions (``waiting_for_w``: r + 1 on rank r of ZB-H1;
-  none on the first stage, whose B makes no input gradient).
+  none on the first stage, whose B makes no input gradient); with full recompute, every block of the
+  chunk rebuilt at once during W, not one (``_w_rebuilt``).
 - Half-precision weight gradients at the end of a whole backward: a half-precision program casts each
   weight at the top of its stage (passes/lowering/precision.py), so the casts' backward nodes have the
   stage's lowest autograd sequence numbers and the engine runs them last; until then every weight's
