@@ -86,18 +86,20 @@ def _all_reduce(x: torch.Tensor, group, counter, label) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, group, counter, label) -> torch.Tensor:
-    """Concatenate every rank's (equal-shaped) ``x`` along ``dim``, padding included."""
+def _all_gather(x: torch.Tensor, dim: int, group, counter, label, size: Optional[int] = None) -> torch.Tensor:
+    """Concatenate every rank's (equal-shaped) ``x`` along ``dim``, padding included; ``size``: its first ``size``
+    elements along ``dim`` only (the padding stripped, not kept alive behind a view)."""
     k = group_size(group)
     # The flat collective gathers along dim 0: move ``dim`` first, gather, move it back.
     local = x.movedim(dim, 0).contiguous()
     out = local.new_empty((k * local.shape[0],) + tuple(local.shape[1:]))
     record_call(counter, "all_gather", out.nbytes, k, label)
     all_gather_flat(out, local, group)
+    moved = out.movedim(0, dim)
     # contiguous in ``x``'s layout: a moved view would make every op after it keep that layout (elementwise
     # ops follow their input's strides), and each linear reading it would copy it into a matrix, a copy it
     # keeps for its backward; one copy here, freed with the flat buffer, instead
-    return out.movedim(0, dim).contiguous()
+    return (moved.narrow(dim, 0, size) if size is not None else moved).contiguous()
 
 
 def all_gather_flat(out: torch.Tensor, local: torch.Tensor, group, *, async_op: bool = False):
@@ -178,8 +180,7 @@ class GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, full_size, group, counter, unit):
         ctx.dim, ctx.group, ctx.unit = dim, group, unit
-        out = _all_gather(x, dim, group, counter, "gather_from_group.forward")
-        return out.narrow(dim, 0, full_size).contiguous() if full_size is not None else out
+        return _all_gather(x, dim, group, counter, "gather_from_group.forward", full_size)
 
     @staticmethod
     def backward(ctx, grad):
@@ -195,8 +196,7 @@ class GatherSummingGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, full_size, group, counter):
         ctx.dim, ctx.group, ctx.counter = dim, group, counter
-        out = _all_gather(x, dim, group, counter, "gather_summing_grad.forward")
-        return out.narrow(dim, 0, full_size).contiguous() if full_size is not None else out
+        return _all_gather(x, dim, group, counter, "gather_summing_grad.forward", full_size)
 
     @staticmethod
     def backward(ctx, grad):
@@ -215,8 +215,8 @@ class ScatterToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = _all_gather(grad, ctx.dim, ctx.group, ctx.counter, "scatter_to_group.backward")
-        return full.narrow(ctx.dim, 0, ctx.size), None, None, None, None
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.counter, "scatter_to_group.backward", ctx.size), \
+            None, None, None, None
 
 
 class ReduceScatterToGroup(torch.autograd.Function):
@@ -230,9 +230,8 @@ class ReduceScatterToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = _all_gather(grad, ctx.dim, ctx.group, ctx.counter,
-                           "reduce_scatter_to_group.backward")
-        return full.narrow(ctx.dim, 0, ctx.size), None, None, None, None
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.counter, "reduce_scatter_to_group.backward", ctx.size), \
+            None, None, None, None
 
 
 def _all_to_all(x, scatter_dim, gather_dim, gather_size, group, counter, label):

@@ -85,7 +85,7 @@ def _weight_backward(call: dict, weight_of: dict, keep_graph: bool) -> None:
     """One autograd call: the gradients B kept at the call's ops, back-propagated into its weights."""
     edges, grads = [], []
     for node, kept in call["ops"].items():
-        for index, grad in enumerate(kept or ()):
+        for index, grad in enumerate(kept):
             if grad is not None:
                 edges.append(GradientEdge(node, index))
                 grads.append(grad)
