@@ -119,6 +119,7 @@ class _Units:
     buffers: tuple[float, ...] = ()  # model buffer bytes (part of static)
     weight_outputs: tuple[float, ...] = ()  # bytes of weight-op outputs (their gradients wait for W)
     rebuilt: tuple[float, ...] = ()  # bytes a recompute rebuilds of each unit (0 where it keeps its activations)
+    freed_by_b: tuple[float, ...] = ()  # of ``activation``, what a split backward's B frees (saved past the weights)
     backward_ratio: float = 2.0  # backward over forward time of the whole model (zero-bubble bubbles)
     recompute: str = "none"
     crossing: tuple = ()  # TensorSplit.crossing: what a stage's executor holds per micro-batch (plan_memory.py)
@@ -180,6 +181,8 @@ def _unit_numbers(split: TensorSplit, recompute: str, offload: str = "none",
                         for u, m in zip(units, modes)),
         offload=tuple(o + b for o, b in zip(out, back)), buffers=tuple(u.buffer_bytes for u in units),
         weight_outputs=tuple(u.weight_output_bytes for u in units), rebuilt=tuple(rebuilt_by_unit),
+        freed_by_b=tuple(u.saved_past_weights_bytes if mode == "none" and not off else 0.0
+                         for u, mode, off in zip(units, modes, moved)),
         backward_ratio=math.fsum(backward) / math.fsum(forward) if math.fsum(forward) > 0 else 2.0,
         recompute=recompute, crossing=split.crossing)
 

@@ -25,6 +25,12 @@ The formulation (each part measured by name on the real program by ``xirang chec
   chunk's fp32 gradients are counted from its first backward on (``chunk_peaks``' middle flags: ``.grad`` is
   made there and freed by the step's ``zero_grad``): with as many micro-batches as pipeline ranks an
   interleaved rank runs every forward first, its activations' most before any gradient exists.
+  Under a split backward a micro-batch past its B keeps all but what the ops past its stage's last weight op
+  save (a loss after the head's matmul: ``freed_by_b``), so a rank whose last stage holds such bytes is priced
+  at the most, over the moments of its actions (``split_moments``), of (micro-batches before their B) x the
+  stage's bytes + (micro-batches between B and W) x the rest: Qwen3-30B-A3B's last pipeline rank at dp8 pp4
+  ep8 zb-h1 held 0.9 GiB of activations at its peak in the dry run, where four micro-batches priced whole,
+  their loss's logits among them, gave 10.2.
 - Working set: the largest unit's saved activations (its backward's gradients of the same size), the
   largest block that recompute rebuilds, offload's two blocks; and under a split backward the gradients
   of the weight-op outputs (``UnitCost.weight_output_bytes``) of every micro-batch whose B has run and
@@ -68,6 +74,31 @@ def most_waiting_for_w(actions) -> int:
             done_w.add((action.stage, action.micro_batch))
         most = max(most, len(done_b) - len(done_w))
     return most
+
+
+def split_moments(actions) -> tuple[tuple[int, int], ...]:
+    """The moments of one rank's ``actions`` (one stage) at which its activations can peak under a split backward:
+    each (micro-batches whose Forward ran and whose BackwardInput has not ended, micro-batches whose
+    BackwardInput ran and whose BackwardWeight has not ended), taken after every forward and during every
+    backward, the pareto front of them (``pareto_front``)."""
+    before_b = after_b = 0
+    moments = set()
+    for action in actions:
+        if isinstance(action, Forward):
+            before_b += 1
+        elif isinstance(action, BackwardInput):
+            moments.add((before_b, after_b))  # during it: its micro-batch still whole
+            before_b, after_b = before_b - 1, after_b + 1
+        elif isinstance(action, BackwardWeight):
+            moments.add((before_b, after_b))
+            after_b -= 1
+        elif isinstance(action, Backward):
+            moments.add((before_b, after_b))
+            before_b -= 1
+        else:
+            continue
+        moments.add((before_b, after_b))
+    return pareto_front(moments)
 
 
 def chunk_peaks(actions) -> tuple[tuple[int, ...], ...]:
@@ -222,6 +253,17 @@ class RankMemory:
         n = self.units(c)
         return math.fsum(math.fsum(n.weight_outputs[a:b]) for a, b in stages if a > 0)
 
+    def freed_by_b(self, c: Candidate, stages) -> float:
+        """Bytes of one micro-batch's activations on a rank's (single) stage that a split backward's B frees: what
+        the ops past the stage's last weight op save (the loss after the head's matmul), which W never reads
+        (torch's stage_backward_input detaches the stage's outputs). Counted for the stage's last unit only: an
+        earlier unit's are read by the weight ops after it. 0 for an interleaved rank (``chunk_peaks``)."""
+        n = self.units(c)
+        if len(stages) != 1 or not n.freed_by_b or not schedule_spec(c.schedule).split_backward:
+            return 0.0
+        (_, b), = stages
+        return n.freed_by_b[b - 1]
+
     def _w_rebuilt(self, c: Candidate, stages) -> float:
         """What a split backward's W rebuilds beyond the one block the working set holds already: W's calls share
         one recompute of each block of the chunk (codegen/runtime/executor/split_backward.py), and each block's
@@ -286,6 +328,11 @@ class RankMemory:
             gradients = held + max(0.0, math.fsum(made + copies) - held - activations - working)
         else:
             activations = math.fsum(chunks) * in_flight
+            freed = self.freed_by_b(c, stages)
+            if freed > 0 and rank is not None:  # a micro-batch past its B keeps all but that (module docstring)
+                activations = min(activations, max(
+                    before * chunks[0] + after * (chunks[0] - freed)
+                    for before, after in self._per_pipeline_rank(c, split_moments)[rank]))
             gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
         return {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
                 "activations": activations, "working_set": working, "buffers": buffers}

@@ -111,6 +111,7 @@ class NodeFacts:
     kind: str | None = None  # its kind where a calibration may time it apart (OTHER_KIND_OPS)
     query_length: int | None = None  # a fused attention's query length, ExprTable index (Calibration.attention_by_seq)
     weight_output: int | None = None  # a matmul reading a parameter: its output's bytes (traced itemsize)
+    reads_weight: bool = False  # reads a parameter (directly or through a view or cast): a split backward's W runs it
     expert: bool = False  # an experts matmul (xirang.expert_linear): its compute is the experts'
     expert_rows: int | None = None  # the first expert_linear of an experts call: its rows' bytes (traced itemsize)
     expert_out: int | None = None  # the last expert_linear of an experts call: its output's bytes (what combines)
@@ -168,6 +169,7 @@ def node_facts(node: Node, table: ExprTable, float_bytes: int, seq_known: bool,
         grad_inputs=sum(bool(REQUIRES_GRAD.get(value, False)) for value in node.all_input_nodes),
         attention=op_packet(node) in FUSED_ATTENTION, kind=OTHER_KIND_OPS.get(op_packet(node)),
         weight_output=_weight_output(node, table) if op_packet(node) in MATMUL_OPS else None,
+        reads_weight=node.op == "call_function" and reads_parameter(node),
         expert=node.op == "call_function" and node.target == EXPERT_LINEAR,
         expert_rows=_expert_rows(node, table), expert_out=_expert_out(node, table),
         expert_weight=node.op == "placeholder" and is_expert_weight(node),
@@ -202,18 +204,25 @@ def _query_length(node: Node, table: ExprTable) -> int | None:
 _VIEWS = frozenset({"t", "transpose", "permute", "view", "reshape", "_to_copy", "to", "expand"})
 
 
-def _weight_output(node: Node, table) -> int | None:
-    """ExprTable index of the output bytes of a matmul that reads a parameter (directly or through a view
-    or cast): a split backward keeps this output's gradient from B until W
-    (codegen/runtime/executor/split_backward.py)."""
+def reads_parameter(node: Node) -> bool:
+    """Whether ``node`` reads a parameter, directly or through a view or cast of it."""
     for value in node.all_input_nodes:
         while value.op == "call_function" and getattr(value.target, "__name__", "").split(".")[0] in _VIEWS \
                 and value.all_input_nodes:
             value = value.all_input_nodes[0]
         if ROLE.get(value, None) == "parameter":
-            info = tensor_info(node)
-            return table.index(info.numel * info.itemsize) if info is not None else None
-    return None
+            return True
+    return False
+
+
+def _weight_output(node: Node, table) -> int | None:
+    """ExprTable index of the output bytes of a matmul that reads a parameter (directly or through a view
+    or cast): a split backward keeps this output's gradient from B until W
+    (codegen/runtime/executor/split_backward.py)."""
+    if not reads_parameter(node):
+        return None
+    info = tensor_info(node)
+    return table.index(info.numel * info.itemsize) if info is not None else None
 
 
 def local_fraction(placement, tp: int, shape: tuple = ()) -> float:

@@ -45,6 +45,8 @@ class _Sums:
     recompute: float = 0.0
     saved_tensors: int = 0  # tensors the unit's ops save for the backward (a checkpoint hooks each)
     weight_outputs: float = 0.0  # bytes on one rank of the outputs of matmuls reading a parameter
+    saved_past_weights: dict = field(default_factory=dict)  # storage -> bytes saved by ops no weight op depends on
+    saved_before_weights: dict = field(default_factory=dict)  # storage -> bytes saved by the others (W keeps them)
     expert_params: int = 0  # elements of expert weights (of ``params``)
     expert_rows: float = 0.0  # bytes of the rows its experts calls dispatch, in the plan's precision
     expert_out: float = 0.0  # bytes the combines send back (the last matmul's output as this rank holds it)
@@ -117,6 +119,7 @@ class Assembly:
         pricing, tp = self.pricing, self.pricing.tp
         core = {d.node for d in self.problem.decisions if d.node is not None and self.facts[d.node].core}
         producers = self.graph.by_name
+        before_weights = self._before_weights()
         for decision in self.problem.decisions:
             if decision.node is None:
                 continue
@@ -149,6 +152,8 @@ class Assembly:
             for kept in facts.saved:
                 nbytes = self.kept_bytes(decision.node, kept, strategy)
                 _keep(unit.saved, kept.storage, nbytes)
+                _keep(unit.saved_before_weights if decision.node in before_weights else unit.saved_past_weights,
+                      kept.storage, nbytes)
                 if not (in_core and producers.get(kept.producer) in core):  # the core makes it: recomputed
                     _keep(unit.selective, kept.storage, nbytes)
             if in_core:
@@ -177,6 +182,22 @@ class Assembly:
                     collectives.append(CollectiveChoice(term.label, "tp", term.kind, cost.algorithm,
                                                         round(cost.nbytes)))
         return sums, collectives
+
+    def _before_weights(self) -> set:
+        """The nodes each weight-reading node of their unit depends on (and those nodes themselves): a split
+        backward's B leaves their saved tensors to W, which runs backward from the weight ops through them;
+        what a unit's other ops save (a loss after the head's matmul) is freed when B detaches the stage's
+        outputs (torch.distributed.pipelining's stage_backward_input)."""
+        unit_of = {d.node: d.unit for d in self.problem.decisions if d.node is not None}
+        found: set = set()
+        stack = [node for node in unit_of if self.facts[node].reads_weight]
+        while stack:
+            node = stack.pop()
+            if node in found:
+                continue
+            found.add(node)
+            stack += [value for value in node.all_input_nodes if unit_of.get(value, None) == unit_of[node]]
+        return found
 
     def kept_bytes(self, node: Node, kept: Kept, strategy) -> float:
         """Bytes of a storage ``node`` keeps, on one tp rank: at the layout ``node`` reads it in (an
@@ -234,6 +255,8 @@ class Assembly:
                 cut_bytes_after=cut[i] if i < len(graph.units) - 1 else 0.0,
                 model_flops=values[total_flops], model_forward_flops=values[forward_flops],
                 buffer_bytes=buffers.get(unit, 0.0), weight_output_bytes=own.weight_outputs,
+                saved_past_weights_bytes=sum(nbytes for storage, nbytes in own.saved_past_weights.items()
+                                             if storage not in own.saved_before_weights),
                 expert_params=own.expert_params, expert_rows_bytes=own.expert_rows, expert_calls=own.expert_calls,
                 expert_combine_bytes=own.expert_out,
                 expert_seconds=own.expert_seconds))

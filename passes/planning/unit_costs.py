@@ -40,6 +40,8 @@ class UnitCost:
       recompute runs again, counted in hardware FLOP/s as Megatron-LM's figures do).
     - ``weight_output_bytes``: the outputs of the matmuls that read a parameter, on one rank: a split
       backward keeps their gradients from B until W.
+    - ``saved_past_weights_bytes``: of ``saved_bytes``, what ops that no weight-reading op of the unit depends
+      on save (a loss after the head's matmul): a split backward's B frees it, W never reads it.
     - ``buffer_bytes``: the model buffers (non-trainable state: rotary tables, masks) the unit holds
       on one rank, resident like the parameters.
     - Experts (``xirang.expert_linear``, passes/analysis/experts.py): ``expert_params`` of
@@ -72,6 +74,7 @@ class UnitCost:
     buffer_bytes: float = 0.0
     full_recompute_seconds: float | None = None  # None: one more forward (its compute)
     weight_output_bytes: float = 0.0  # outputs of matmuls reading a parameter: their gradients wait for W
+    saved_past_weights_bytes: float = 0.0  # of saved_bytes, what B frees under a split backward
     expert_params: int = 0
     expert_rows_bytes: float = 0.0
     expert_combine_bytes: float = 0.0
@@ -89,6 +92,7 @@ class UnitCost:
                      "tp_comm_backward_seconds", "saved_bytes", "selective_saved_bytes",
                      "selective_recompute_seconds", "input_bytes", "cut_bytes_after", "model_flops",
                      "model_forward_flops", "buffer_bytes", "full_recompute_seconds", "weight_output_bytes",
+                     "saved_past_weights_bytes",
                      "expert_rows_bytes", "expert_combine_bytes", "expert_seconds", "ep_comm_forward_seconds",
                      "ep_comm_backward_seconds", "cp_comm_forward_seconds", "cp_comm_backward_seconds"):
             value = getattr(self, name)

@@ -8,7 +8,7 @@ import pytest
 
 from xirang.ir.schedules import build_schedule
 from xirang.ir.world import parse_world
-from xirang.passes.planning.plan_memory import most_waiting_for_w
+from xirang.passes.planning.plan_memory import most_waiting_for_w, split_moments
 from xirang.passes.planning.plan_search import search_plan
 from xirang.passes.planning.unit_costs import TensorSplit, UnitCost
 
@@ -56,3 +56,33 @@ def test_under_full_recompute_w_holds_every_block_of_its_stage_rebuilt(schedule)
     for rank in range(2):
         expected = rebuilt + gradients + waiting[rank] * 2 * 30.0 + held[rank]
         assert best.memory_parts[rank]["working_set"] == pytest.approx(expected), rank
+
+
+def test_split_moments_count_micro_batches_before_and_after_their_b():
+    """ZB-H1 at p = 2, m = 4: the last rank runs F B, then F B W: at most one micro-batch before its B beside one
+    past it, or two past theirs; the first rank (one forward of warm-up) holds two before their B."""
+    first, last = (split_moments(actions) for actions in build_schedule("zb-h1", 2, 4).ranks)
+    assert last == ((0, 2), (1, 1))
+    assert max(before for before, _ in first) == 2
+
+
+def _with_a_loss(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
+    units = _units(tp, micro_batch)
+    units[-1] = UnitCost("segment:loss", "segment:loss", forward_seconds=0.4, backward_seconds=0.6,
+                         tp_comm_forward_seconds=0.0, tp_comm_backward_seconds=0.0, params_local=0, saved_bytes=100.0,
+                         selective_saved_bytes=100.0, selective_recompute_seconds=0.0, input_bytes=10.0,
+                         cut_bytes_after=0.0, model_flops=0.0, model_forward_flops=0.0, weight_output_bytes=30.0,
+                         saved_past_weights_bytes=60.0)
+    return TensorSplit(tp, micro_batch, seq, units)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_what_b_frees_is_not_held_until_w(schedule):
+    """p = 2, m = 4, 200 B a micro-batch on the last stage, 60 B of it saved past its weight ops (a loss): under
+    ZB-H1 the last rank holds at most one micro-batch whole beside one past its B (200 + 140), or two past theirs
+    (280), not two whole (400); 1F1B frees every micro-batch whole at its backward."""
+    best = search_plan(_with_a_loss, parse_world(2), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
+                       recompute="none", schedule=schedule).best
+    assert best.bounds == ((0, 2), (2, 4))
+    expected = {"zb-h1": 200.0 + 140.0, "1f1b": 200.0}[schedule]
+    assert best.memory_parts[1]["activations"] == pytest.approx(expected)
