@@ -99,9 +99,10 @@ def test_llama2_70b_on_two_16gib_devices_says_how_much_memory_would_fit():
         xirang.plan(model, world=2, hardware=small, example_kwargs=batch, global_batch=8)
     what = error.value.what
     assert "no plan fits device memory" in what and "a gpu-16g has 16.0 GiB" in what
-    # half the model states of 68.98 B parameters at 16 B each is 514 GiB, plus a little activation
+    # the leanest plan peaks in its optimizer step: half of 68.98 B parameters at 16 B of model state each and AdamW's
+    # foreach temporary of one moment, 4 B each (plan_memory.step_excess), 642 GiB
     need = float(what.split("needs ")[1].split(" GiB")[0])
-    assert 68.97e9 * 16 / 2 / GiB < need < 1.05 * 68.98e9 * 16 / 2 / GiB
+    assert 68.97e9 * 20 / 2 / GiB < need < 1.05 * 68.98e9 * 20 / 2 / GiB
     where = error.value.where
     # cp = 2 too (issue 36): seq 4096 splits into 2 x 2 chunks of 1024 tokens
     assert "meshes (dp, pp, tp) (1, 1, 1) cp=2, (1, 1, 2), (1, 2, 1), (2, 1, 1)" in where

@@ -8,8 +8,8 @@ zb-h1 with full recompute on 4x8 H100 held 168-177 GiB on pipeline ranks 1-3 aga
 it working set during BackwardWeight. W's calls now share one recompute (codegen/runtime/executor/split_backward.py):
 2,726 KiB.
 
-Pipeline rank 0 (no B: its W is its whole backward) is priced at its backward, 923 KiB; the dry run peaks later,
-in AdamW's step (its temporaries beside both moments), at 824: priced above, never below."""
+Pipeline rank 0 (no B: its W is its whole backward) is priced at its backward, 923 KiB; the dry run peaks there at
+768: priced above, never below."""
 from __future__ import annotations
 
 import pytest

@@ -86,3 +86,26 @@ def test_what_b_frees_is_not_held_until_w(schedule):
     assert best.bounds == ((0, 2), (2, 4))
     expected = {"zb-h1": 200.0 + 140.0, "1f1b": 200.0}[schedule]
     assert best.memory_parts[1]["activations"] == pytest.approx(expected)
+
+
+def _state_heavy(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
+    return TensorSplit(tp, micro_batch, seq, [
+        UnitCost(f"block:{i}", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
+                 tp_comm_backward_seconds=0.0, params_local=100, saved_bytes=1.0, selective_saved_bytes=1.0,
+                 selective_recompute_seconds=0.0, input_bytes=1.0, cut_bytes_after=0.0, model_flops=0.0,
+                 model_forward_flops=0.0) for i in range(4)])
+
+
+@pytest.mark.parametrize("hardware, temporary", [("a100-80g", 0.5), ("cpu", 0.0)])
+def test_the_optimizer_steps_moment_is_the_peak_where_it_holds_more(hardware, temporary):
+    """200 parameters a rank and a byte of activations a unit: the step holds the fp32 weights and gradients, both
+    AdamW moments and, on a GPU, a temporary of one moment (torch's foreach path): 4 + 4 + 8 x 1.5 bytes a
+    parameter, more than the backward's peak; a CPU steps one weight at a time."""
+    best = search_plan(_state_heavy, parse_world(2, hardware), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
+                       recompute="none", schedule="1f1b").best
+    for rank in range(2):
+        parts = best.memory_parts[rank]
+        if temporary:  # the step's moment is the rank's peak, its excess over the backward's in "optimizer"
+            assert sum(parts.values()) == pytest.approx(200 * (4 + 4 + 8 * 1.5)) and parts["optimizer"] > 200 * 8
+        else:
+            assert parts["optimizer"] == pytest.approx(200 * 8) and sum(parts.values()) < 200 * (4 + 4 + 8 * 1.5)

@@ -57,7 +57,9 @@ def test_zero1_is_picked_when_zero0_does_not_fit_and_holds_the_runtimes_bytes():
         pytest.approx((5.25 * P, 4 * P, 2 * P, 2 * P))
     assert best.memory_per_rank[0] == pytest.approx(13.25 * P)
     zero0 = [a for a in result.alternatives if a.candidate.zero_stage == 0]
-    assert zero0 and not zero0[0].fits and zero0[0].memory_per_rank[0] == pytest.approx(18 * P)
+    # ZeRO-0 peaks in its optimizer step: 4 + 4 B of weights and gradients, both moments and AdamW's foreach temporary
+    # of one (8 x 1.5 B), above the 18 B of its backward
+    assert zero0 and not zero0[0].fits and zero0[0].memory_per_rank[0] == pytest.approx(20 * P)
 
 
 def test_with_room_for_both_zero0_wins_and_zero1_pays_the_exposed_all_gather():
