@@ -46,6 +46,12 @@ The formulation (each part measured by name on the real program by ``xirang chec
   by counts. A split backward's W goes one weight at a time: only the first stage, whose W is its whole
   backward, holds them.
 - Buffers: the model's, whole.
+- A forward's start in a half-precision program: the precision pass casts every weight of the stage at its top
+  (passes/lowering/precision.py), so a forward begins holding the half-precision copy of all of them, beside the
+  other micro-batches' activations and the output gradients waiting for W, though not beside a backward's
+  working set; where that moment holds more, the excess is counted in "working_set" (``forward_cast_excess``;
+  the dry run names it "weight_casts"): Llama-2-70B at dp8 pp16 cp4 tp2 zb-h1 held 3.9 GiB of them at the
+  peak of pipeline ranks 1-15, 5-8% above the price that left them out.
 - The optimizer step, after the backwards: the model state and, on a GPU, one temporary the size of one AdamW
   moment (torch's foreach path takes the square root of every second moment at once; a CPU's per-tensor path
   one weight's at a time, nothing to count). Where that moment is more than the backward's peak, the excess is
@@ -341,8 +347,23 @@ class RankMemory:
             gradients = state.grads + self.reduce_copy_excess(c, params, activations + working)
         parts = {"parameters": state.params, "gradients": gradients, "optimizer": state.optimizer,
                  "activations": activations, "working_set": working, "buffers": buffers}
+        parts["working_set"] += self.forward_cast_excess(c, stages, parts, max(chunks),
+                                                         waiting * self._w_gradients(c, stages))
         parts["optimizer"] += self.step_excess(state, buffers, math.fsum(parts.values()))
         return parts
+
+    def forward_cast_excess(self, c: Candidate, stages, parts: dict, one: float, waiting_gradients: float) -> float:
+        """What a forward's start holds beyond the rank's backward peak (``parts``) in a half-precision program: the
+        half-precision copy of every weight of its largest chunk, made at the top of the stage (module docstring),
+        beside the model state, the other micro-batches' activations (all but ``one`` micro-batch's bytes) and the
+        output gradients waiting for W (``waiting_gradients``), not beside a backward's working set."""
+        if self.grad_bytes >= 4:
+            return 0.0
+        n = self.units(c)
+        casts = self.grad_bytes * max(n.grads[b] - n.grads[a] for a, b in stages)
+        forward = (parts["parameters"] + parts["gradients"] + parts["optimizer"] + parts["buffers"]
+                   + max(0.0, parts["activations"] - one) + waiting_gradients + casts)
+        return max(0.0, forward - math.fsum(parts.values()))
 
     def step_excess(self, state, buffers: float, backward_peak: float) -> float:
         """What the optimizer step's moment holds beyond ``backward_peak`` (module docstring): the model state

@@ -29,5 +29,10 @@ def test_a_whole_backward_holds_its_chunks_half_precision_weight_gradients(sched
                        schedule=schedule, precision=precision).best
     assert best.bounds == ((0, 2), (2, 4))
     extra = 2 * (2 * PARAMS) - 2 * SAVED  # bf16 gradients of the stage's 2 blocks, less their freed activations
+    # a bf16 forward starts holding the bf16 copies of the stage's weights beside one micro-batch fewer and none of a
+    # backward's working set (plan_memory.forward_cast_excess): where no whole backward holds their gradients (the
+    # split W's ranks) that moment is the peak, counted in the working set
+    casts = 2 * (2 * PARAMS) - 2 * SAVED - SAVED
     for rank, holds in enumerate(held):
-        assert best.memory_parts[rank]["working_set"] == pytest.approx(SAVED + (extra if holds else 0.0))
+        expected = SAVED + (extra if holds else casts if precision == "bf16" else 0.0)
+        assert best.memory_parts[rank]["working_set"] == pytest.approx(expected)
