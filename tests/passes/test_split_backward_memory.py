@@ -88,12 +88,15 @@ def test_what_b_frees_is_not_held_until_w(schedule):
     assert best.memory_parts[1]["activations"] == pytest.approx(expected)
 
 
-def _state_heavy(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
-    return TensorSplit(tp, micro_batch, seq, [
-        UnitCost(f"block:{i}", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
-                 tp_comm_backward_seconds=0.0, params_local=100, saved_bytes=1.0, selective_saved_bytes=1.0,
-                 selective_recompute_seconds=0.0, input_bytes=1.0, cut_bytes_after=0.0, model_flops=0.0,
-                 model_forward_flops=0.0) for i in range(4)])
+def _blocks_of(params: int, saved: float):
+    """A price function of four blocks, each of ``params`` local parameters and ``saved`` bytes a micro-batch."""
+    def price(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
+        return TensorSplit(tp, micro_batch, seq, [
+            UnitCost(f"block:{i}", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
+                     tp_comm_backward_seconds=0.0, params_local=params, saved_bytes=saved,
+                     selective_saved_bytes=saved, selective_recompute_seconds=0.0, input_bytes=1.0,
+                     cut_bytes_after=0.0, model_flops=0.0, model_forward_flops=0.0) for i in range(4)])
+    return price
 
 
 @pytest.mark.parametrize("hardware, temporary", [("a100-80g", 0.5), ("cpu", 0.0)])
@@ -101,7 +104,7 @@ def test_the_optimizer_steps_moment_is_the_peak_where_it_holds_more(hardware, te
     """200 parameters a rank and a byte of activations a unit: the step holds the fp32 weights and gradients, both
     AdamW moments and, on a GPU, a temporary of one moment (torch's foreach path): 4 + 4 + 8 x 1.5 bytes a
     parameter, more than the backward's peak; a CPU steps one weight at a time."""
-    best = search_plan(_state_heavy, parse_world(2, hardware), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
+    best = search_plan(_blocks_of(100, 1.0), parse_world(2, hardware), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
                        recompute="none", schedule="1f1b").best
     for rank in range(2):
         parts = best.memory_parts[rank]
@@ -111,21 +114,13 @@ def test_the_optimizer_steps_moment_is_the_peak_where_it_holds_more(hardware, te
             assert parts["optimizer"] == pytest.approx(200 * 8) and sum(parts.values()) < 200 * (4 + 4 + 8 * 1.5)
 
 
-def _weighty(tp, tp_group, micro_batch, seq, memory_limit_bytes=None):
-    return TensorSplit(tp, micro_batch, seq, [
-        UnitCost(f"block:{i}", "block", forward_seconds=0.4, backward_seconds=0.6, tp_comm_forward_seconds=0.0,
-                 tp_comm_backward_seconds=0.0, params_local=100, saved_bytes=10.0, selective_saved_bytes=10.0,
-                 selective_recompute_seconds=0.0, input_bytes=1.0, cut_bytes_after=0.0, model_flops=0.0,
-                 model_forward_flops=0.0) for i in range(4)])
-
-
 @pytest.mark.parametrize("precision, excess", [("bf16", 2 * 200 + 20 - (40 + 10)), ("fp32", 0.0)])
 def test_a_forward_starts_holding_every_weights_half_precision_copy(precision, excess):
     """ZB-H1 at p = 2, m = 4, two units of 100 parameters and 10 B saved a micro-batch on each stage: the last rank's
     backward peak holds two micro-batches (40 B) and a unit's gradients (10 B); a bf16 forward starts with the
     2-byte copies of its 200 weights (400 B) beside one micro-batch (20 B): 370 B more, counted in the working set.
     The first rank's whole backward holds its weights' bf16 gradients at its end already; fp32 casts nothing."""
-    best = search_plan(_weighty, parse_world(2), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
+    best = search_plan(_blocks_of(100, 10.0), parse_world(2), global_batch=4, seq=8, tp=1, pp=2, micro_batch=1,
                        recompute="none", schedule="zb-h1", precision=precision).best
     assert best.bounds == ((0, 2), (2, 4))
     assert best.memory_parts[1]["activations"] == pytest.approx(40.0)
