@@ -153,11 +153,16 @@ class DeviceSpec:
                              self.efficiency))
 
     @property
+    def is_cpu(self) -> bool:
+        """Whether this is a CPU (a preset or calibration named "cpu..."), not an accelerator."""
+        return self.name.lower().startswith("cpu")
+
+    @property
     def offload_frees_memory(self) -> bool:
         """Whether offloading activations to the host frees memory of this device: it has a host link,
         and its host memory is not its own (a CPU's "host" is the same memory, so there an offload
         only copies; it can still be pinned, to run the mechanism)."""
-        return self.host_link_bytes_per_s is not None and not self.name.lower().startswith("cpu")
+        return self.host_link_bytes_per_s is not None and not self.is_cpu
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (any spelling ``canonical_dtype`` accepts)."""

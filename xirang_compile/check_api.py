@@ -38,7 +38,7 @@ MiB = 1024 ** 2
 
 def device_type_of(plan: Plan) -> str:
     """What the plan's program runs on: ``cuda`` for a GPU preset, ``cpu`` for CPU ranks."""
-    return "cpu" if plan.world.device_of(0).name.startswith("cpu") else "cuda"
+    return "cpu" if plan.world.device_of(0).is_cpu else "cuda"
 
 
 def fake_device(device_type: str) -> str:

@@ -216,6 +216,7 @@ class CandidatePricer(RankMemory):
         self.waiting = world.calibration.waiting_share if world.calibration is not None else 0.0
         self.split_extra = world.calibration.split_backward_extra if world.calibration is not None else 0.0
         self.uniform = world.uniform_nodes  # once: it compares every node (2048 of them for a 16k-GPU world)
+        self.on_gpus = not any(node.device.is_cpu for node in world.nodes)  # AdamW's foreach step (plan_memory)
         self.devices = WorldSpeeds(world, precision) if mixed_kinds(world) else None
         self._units, self._tables, self._pairs, self._costs, self._usable = {}, {}, {}, {}, {}
         self.sync = DpSyncPricer(self)

@@ -58,7 +58,7 @@ The formulation (each part measured by name on the real program by ``xirang chec
   counted in "optimizer" (``step_excess``): a bf16 Llama at seq 8 and pp 2 peaks in the step on pipeline rank 1
   in the dry run (2,103 KiB, priced 2,086; its backward's peak, what was priced before, is 1,803).
 ``RankMemory`` is a part of ``plan_costs.CandidatePricer`` (which gives it ``units``, ``_costs``,
-``_usable``, ``world``, ``memory_fraction``, ``reduce_copy_bytes`` and ``_most_micro_batches``).
+``_usable``, ``world``, ``on_gpus``, ``memory_fraction``, ``reduce_copy_bytes`` and ``_most_micro_batches``).
 """
 from __future__ import annotations
 
@@ -368,6 +368,5 @@ class RankMemory:
     def step_excess(self, state, buffers: float, backward_peak: float) -> float:
         """What the optimizer step's moment holds beyond ``backward_peak`` (module docstring): the model state
         (``state``: runtime_state_bytes of the rank), its buffers and, on a GPU, a temporary of one AdamW moment."""
-        on_gpu = not any(node.device.name.lower().startswith("cpu") for node in self.world.nodes)
-        step = state.params + state.grads + state.optimizer * (1.5 if on_gpu else 1.0) + buffers
+        step = state.params + state.grads + state.optimizer * (1.5 if self.on_gpus else 1.0) + buffers
         return max(0.0, step - backward_peak)

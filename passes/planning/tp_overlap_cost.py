@@ -110,7 +110,7 @@ def exposed_seconds(pair: FusedPair, chunks: int, group: tuple, world) -> tuple[
 def overlaps_compute(world) -> bool:
     """Uncalibrated, a World of CPU devices is taken as calibration finds CPU ranks: gloo's threads share
     the cores the ranks compute on, so a collective in flight does not run beside compute for free."""
-    return not any(node.device.name.lower().startswith("cpu") for node in world.nodes)
+    return not any(node.device.is_cpu for node in world.nodes)
 
 
 def tp_overlap_saving(gm, plan, seq: int, chunks: int) -> float:
